@@ -1,0 +1,1 @@
+"""jaxspec: speculative decoding, paged KV caches and eviction for memory-bound LLM inference in JAX."""
