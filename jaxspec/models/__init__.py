@@ -1,0 +1,14 @@
+"""Llama-family decoder (Flax Linen), its config and presets, and checkpoints."""
+
+from jaxspec.models.config import PRESETS, ModelConfig
+from jaxspec.models.llama import Transformer, apply_rope, matmul_rows
+
+__all__ = ['ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for']
+
+
+def cache_for(config: ModelConfig, page_table, num_pages: int, page_size: int):
+  """An empty `PagedKVCache` shaped for `config` (see `jaxspec.cache.init_cache`)."""
+  from jaxspec.cache import init_cache
+  return init_cache(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+                    head_dim=config.head_dim, num_pages=num_pages, page_size=page_size,
+                    page_table=page_table, dtype=config.dtype)

@@ -1,0 +1,147 @@
+"""The paged KV cache as a pytree, with pure write / read / rollback functions (vLLM's PagedAttention
+layout, Kwon et al. 2023).
+
+Token at slot s of sequence b lives at page `page_table[b, s // L]`, offset `s % L`. Page 0 is the
+null page: padded tokens write there and no sequence's page table points at it for a live slot.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax
+import jax
+import jax.numpy as jnp
+
+NULL_PAGE = 0
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+  """Pages that hold `num_tokens` tokens: ceil(num_tokens / page_size) (floor is the classic bug)."""
+  if page_size < 1:
+    raise ValueError(f'page_size must be >= 1, got {page_size}')
+  return math.ceil(num_tokens / page_size)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Keys (after RoPE) and values of every layer, in fixed-size pages.
+
+  Fields:
+    k_pages: [layers, K, P, L, H] keys, P pages of L tokens per KV head.
+    v_pages: [layers, K, P, L, H] values.
+    page_table: [B, pages_per_seq] int32, physical page of each logical page of each sequence.
+    lengths: [B] int32, tokens cached per sequence (slots 0 .. lengths-1 are live).
+  """
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+
+  @property
+  def num_layers(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def batch(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    """Tokens one sequence can hold: pages_per_seq * page_size."""
+    return self.page_table.shape[1] * self.page_size
+
+  @property
+  def num_bytes(self) -> int:
+    """Bytes held by the K and V page pools."""
+    return self.k_pages.nbytes + self.v_pages.nbytes
+
+
+def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+               page_size: int, page_table, dtype=jnp.float32) -> PagedKVCache:
+  """An empty cache over a pool of `num_pages` pages (page 0 is the null page).
+
+  Args:
+    page_table: [B, pages_per_seq] int array mapping each sequence's logical pages to pool pages,
+      as handed out by `PageAllocator`; unused entries hold NULL_PAGE.
+  Raises:
+    ValueError: for a non-positive size or a page table entry outside the pool.
+  """
+  for name, value in (('num_pages', num_pages), ('page_size', page_size)):
+    if value < 1:
+      raise ValueError(f'{name} must be >= 1, got {value}')
+  page_table = jnp.asarray(page_table, jnp.int32)
+  if page_table.ndim != 2:
+    raise ValueError(f'page_table must be [batch, pages_per_seq], got shape {page_table.shape}')
+  if page_table.size and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):
+    raise ValueError(f'page_table entries must lie in [0, {num_pages}), got '
+                     f'[{int(page_table.min())}, {int(page_table.max())}]')
+  shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+  return PagedKVCache(
+      k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+      page_table=page_table, lengths=jnp.zeros((page_table.shape[0],), jnp.int32))
+
+
+def slot_address(page_table, slots, page_size: int):
+  """(page, offset) of each slot: page_table[b, s // L], s % L; padding (-1) maps to the null page.
+
+  Args:
+    page_table: [B, pages_per_seq] int32.
+    slots: [B, T] int32, -1 for padding.
+  Returns:
+    pages, offsets: [B, T] int32 each.
+  """
+  valid = slots >= 0
+  safe = jnp.where(valid, slots, 0)
+  pages = jnp.take_along_axis(page_table, safe // page_size, axis=1)
+  pages = jnp.where(valid, pages, NULL_PAGE)
+  offsets = jnp.where(valid, safe % page_size, 0)
+  return pages, offsets
+
+
+def write_kv(pages_pool, layer: int, pages, offsets, values):
+  """Scatter one layer's new keys (or values) into the pool.
+
+  Args:
+    pages_pool: [layers, K, P, L, H].
+    layer: static layer index.
+    pages, offsets: [B, T] int32 from `slot_address`.
+    values: [B, T, K, H].
+  Returns:
+    The pool with values written at [layer, :, pages, offsets].
+  """
+  return pages_pool.at[layer, :, pages, offsets].set(values.astype(pages_pool.dtype))
+
+
+def gather_kv(pages_pool, layer: int, page_table):
+  """All slots of every sequence for one layer, in slot order.
+
+  Args:
+    pages_pool: [layers, K, P, L, H].
+    page_table: [B, pages_per_seq] int32.
+  Returns:
+    [B, S, K, H] with S = pages_per_seq * L.
+  """
+  per_layer = pages_pool[layer]                       # [K, P, L, H]
+  gathered = per_layer[:, page_table]                 # [K, B, pages_per_seq, L, H]
+  k, b, n, l, h = gathered.shape
+  return gathered.reshape(k, b, n * l, h).transpose(1, 2, 0, 3)
+
+
+def rollback(cache: PagedKVCache, new_lengths) -> PagedKVCache:
+  """Forget every slot at or past `new_lengths` (rejected speculative tokens): no copy, the stale
+  slots are masked out of attention and overwritten by the next write.
+
+  Args:
+    new_lengths: [B] int32, at most the current lengths (larger values are clipped to them).
+  """
+  return cache.replace(lengths=jnp.minimum(jnp.asarray(new_lengths, jnp.int32), cache.lengths))

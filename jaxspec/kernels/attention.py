@@ -1,0 +1,50 @@
+"""Grouped-query attention over cached slots (pure jnp; the reference the Pallas kernels match)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row gives a harmless uniform softmax
+
+
+def slot_causal_mask(q_slots, num_keys: int):
+  """Which cached slots each query may attend to: key slot j is visible to a query at slot s iff
+  0 <= j <= s (every slot below s holds an earlier token of the same sequence).
+
+  Args:
+    q_slots: [B, T] int32 slot of each query token, -1 for padding (sees nothing).
+    num_keys: S, number of key slots.
+  Returns:
+    [B, T, S] bool.
+  """
+  key_slots = jnp.arange(num_keys, dtype=jnp.int32)
+  return key_slots[None, None, :] <= q_slots[:, :, None]
+
+
+def gqa_attention(q, k, v, mask):
+  """Softmax attention with grouped-query heads, computed in float32.
+
+  Args:
+    q: [B, T, N, H] queries (after RoPE).
+    k, v: [B, S, K, H] keys (after RoPE) and values; N must be a multiple of K.
+    mask: [B, T, S] bool, True where the key is visible.
+  Returns:
+    [B, T, N, H] in q's dtype.
+  Raises:
+    ValueError: when N is not a multiple of K.
+  """
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  if n % kv_heads:
+    raise ValueError(f'query heads {n} not a multiple of kv heads {kv_heads}')
+  g = n // kv_heads
+  qg = q.reshape(b, t, kv_heads, g, h).astype(jnp.float32)
+  scores = jnp.einsum('BTKGH,BSKH->BKGTS', qg, k.astype(jnp.float32)) * (h ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
+  probs = jax.nn.softmax(scores, axis=-1)
+  # Contract over the minor axis of both operands: XLA:CPU then rounds each query row the same
+  # way whatever T is, so one-token decode and K+1-token verification agree bit for bit.
+  v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)                   # [B, K, H, S]
+  out = jnp.einsum('BKGTS,BKHS->BKGTH', probs, v_t)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)

@@ -1,0 +1,94 @@
+"""Model hyper-parameters: a frozen dataclass with named presets (gpt-fast's `ModelArgs.from_name`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape of a Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+
+  Attributes:
+    vocab_size: V, number of token ids.
+    d_model: D, residual stream width.
+    num_layers: number of decoder blocks.
+    num_heads: N, query heads.
+    num_kv_heads: K, key/value heads (N % K == 0; K < N is grouped-query attention).
+    head_dim: H, width of one head.
+    d_ff: hidden width of the SwiGLU MLP.
+    max_seq_len: context length in tokens (prompt + generated + speculation slack).
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: use the embedding matrix as the output projection.
+    qkv_bias: biases on the q/k/v projections (Qwen2 family).
+    dtype: compute dtype of activations, e.g. 'float32' or 'bfloat16'.
+  """
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  max_seq_len: int = 1024
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+  dtype: str = 'float32'
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
+                 'num_kv_heads', 'head_dim', 'd_ff', 'max_seq_len'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f'ModelConfig.{name} must be a positive int, got {value!r}')
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
+    if self.dtype not in ('float32', 'bfloat16', 'float16'):
+      raise ValueError(f'ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}')
+
+  @property
+  def group_size(self) -> int:
+    """G = N / K query heads per key/value head."""
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def num_params(self) -> int:
+    """Parameter count (embeddings and output head included)."""
+    d, h = self.d_model, self.head_dim
+    attn = d * h * (self.num_heads * 2 + self.num_kv_heads * 2)
+    if self.qkv_bias:
+      attn += h * (self.num_heads + 2 * self.num_kv_heads)
+    mlp = 3 * d * self.d_ff
+    per_layer = attn + mlp + 2 * d
+    head = 0 if self.tie_embeddings else self.vocab_size * d
+    return self.vocab_size * d + self.num_layers * per_layer + d + head
+
+  def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
+    """Bytes of K and V cached per token over all layers."""
+    return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
+
+  @classmethod
+  def from_name(cls, name: str, **overrides) -> 'ModelConfig':
+    """A named preset, optionally with fields overridden. Raises ValueError for an unknown name."""
+    if name not in PRESETS:
+      raise ValueError(f'unknown model preset {name!r}; known: {sorted(PRESETS)}')
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+PRESETS = {
+    # The shipped target: ~12.6M parameters, 50 MB in float32 (3x a 16 MiB last-level cache).
+    'target-12m': ModelConfig(vocab_size=4096, d_model=384, num_layers=6, num_heads=6,
+                              num_kv_heads=2, head_dim=64, d_ff=1024, max_seq_len=1024),
+    # The shipped draft: ~1.4M parameters, about a tenth of the target's per-token bytes.
+    'draft-1m': ModelConfig(vocab_size=4096, d_model=128, num_layers=2, num_heads=2,
+                            num_kv_heads=1, head_dim=64, d_ff=384, max_seq_len=1024),
+    # Tiny shapes for unit tests.
+    'test-tiny': ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4,
+                             num_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=256),
+}
+

@@ -1,0 +1,186 @@
+"""Llama-family decoder in Flax Linen (RMSNorm, RoPE, grouped-query attention, SwiGLU).
+
+Applied as a pure function with one code path for prefill chunks, single-token decode and K+1-token
+verification:
+
+    logits, cache = Transformer(config).apply(params, tokens, positions, cache)
+
+tokens, positions: [B, T] int32; positions < 0 mark right padding. New tokens go to slots
+cache.lengths[b] + t; the returned cache has lengths advanced by the number of real tokens.
+With cache=None the call is plain causal attention over the T tokens (training).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import paged
+from jaxspec.kernels import attention
+from jaxspec.models.config import ModelConfig
+
+
+def matmul_rows(x, kernel):
+  """x @ kernel over the last axis, rounding each row the same way whatever the row count.
+
+  XLA:CPU sends a single row to a matrix-vector kernel that sums in a different order from its
+  matrix-matrix kernel, so one-token decode and (K+1)-token verification would disagree in the
+  last bits and could flip a greedy near-tie. A lone row is therefore padded to two.
+
+  Args:
+    x: [..., D_in]; kernel: [D_in, D_out].
+  Returns:
+    [..., D_out].
+  """
+  lead = x.shape[:-1]
+  rows = x.reshape(-1, x.shape[-1])
+  if rows.shape[0] == 1:
+    out = (jnp.concatenate([rows, rows]) @ kernel)[:1]
+  else:
+    out = rows @ kernel
+  return out.reshape(*lead, kernel.shape[-1])
+
+
+class Linear(nn.Module):
+  """Dense layer without bias by default; params {'kernel': [D_in, D_out]} (+ 'bias')."""
+
+  features: int
+  use_bias: bool = False
+  dtype: str = 'float32'
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param('kernel', nn.initializers.normal(x.shape[-1] ** -0.5),
+                        (x.shape[-1], self.features), jnp.float32)
+    y = matmul_rows(x.astype(self.dtype), kernel.astype(self.dtype))
+    if self.use_bias:
+      y = y + self.param('bias', nn.initializers.zeros, (self.features,)).astype(self.dtype)
+    return y
+
+
+class RMSNorm(nn.Module):
+  """x / rms(x) * scale, computed in float32 (Zhang & Sennrich 2019)."""
+
+  eps: float = 1e-5
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * scale).astype(x.dtype)
+
+
+def apply_rope(x, positions, theta: float):
+  """Rotary position embedding, half-split convention (as Hugging Face Llama, Su et al. 2021).
+
+  Args:
+    x: [B, T, heads, H]; positions: [B, T] int32 absolute positions.
+  Returns:
+    [B, T, heads, H] rotated, in x's dtype.
+  """
+  h = x.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq        # [B, T, H/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, slots, cache):
+    c = self.config
+    b, t, _ = x.shape
+    q = Linear(c.num_heads * c.head_dim, c.qkv_bias, c.dtype, name='q')(x)
+    k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, name='k')(x)
+    v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, name='v')(x)
+    q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
+    k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if cache is None:
+      keys, values = k, v
+    else:
+      pages, offsets = paged.slot_address(cache.page_table, slots, cache.page_size)
+      cache = cache.replace(
+          k_pages=paged.write_kv(cache.k_pages, self.layer, pages, offsets, k),
+          v_pages=paged.write_kv(cache.v_pages, self.layer, pages, offsets, v))
+      keys = paged.gather_kv(cache.k_pages, self.layer, cache.page_table)
+      values = paged.gather_kv(cache.v_pages, self.layer, cache.page_table)
+    mask = attention.slot_causal_mask(slots, keys.shape[1])
+    out = attention.gqa_attention(q, keys, values, mask)
+    out = Linear(c.d_model, dtype=c.dtype, name='o')(out.reshape(b, t, -1))
+    return out, cache
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c = self.config
+    gate = Linear(c.d_ff, dtype=c.dtype, name='gate')(x)
+    up = Linear(c.d_ff, dtype=c.dtype, name='up')(x)
+    return Linear(c.d_model, dtype=c.dtype, name='down')(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  config: ModelConfig
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, positions, slots, cache):
+    c = self.config
+    h, cache = Attention(c, self.layer, name='attn')(
+        RMSNorm(c.norm_eps, name='attn_norm')(x), positions, slots, cache)
+    x = x + h
+    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x))
+    return x, cache
+
+
+class Transformer(nn.Module):
+  """The decoder. `__call__(tokens, positions, cache) -> (logits [B, T, V] float32, cache)`.
+
+  Args (of __call__):
+    tokens: [B, T] int32 token ids.
+    positions: [B, T] int32 absolute positions for RoPE; -1 marks padding. Real tokens must come
+      first in each row (right padding).
+    cache: a `PagedKVCache` whose lengths give where each row's new tokens go, or None for plain
+      causal attention over the T tokens (training; positions then must be 0..T-1 per row).
+  Returns:
+    logits: [B, T, V] float32; cache: with the new keys/values written and lengths advanced by
+      the number of real tokens per row (None when called with None).
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, cache: Optional[paged.PagedKVCache] = None):
+    c = self.config
+    embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0),
+                     name='embed')
+    x = embed(tokens).astype(c.dtype)
+    valid = positions >= 0
+    t = tokens.shape[1]
+    if cache is None:
+      slots = jnp.where(valid, jnp.arange(t, dtype=jnp.int32)[None, :], -1)
+    else:
+      slots = jnp.where(valid, cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), -1)
+    for i in range(c.num_layers):
+      x, cache = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache)
+    x = RMSNorm(c.norm_eps, name='final_norm')(x)
+    if c.tie_embeddings:
+      logits = matmul_rows(x, embed.embedding.T.astype(c.dtype))
+    else:
+      logits = Linear(c.vocab_size, dtype=c.dtype, name='lm_head')(x)
+    if cache is not None:
+      cache = cache.replace(lengths=cache.lengths + valid.sum(axis=1, dtype=jnp.int32))
+    return logits.astype(jnp.float32), cache

@@ -1,0 +1,201 @@
+"""Tests for jaxspec.data: corpus splits, tokenizer, workloads, batches."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from jaxspec.data import (WORKLOADS, Tokenizer, code_files, documents, json_files, make_prompts,
+                          random_windows, split_of, token_stream, train_mixture)
+from jaxspec.data import corpus
+
+SPLITS = ('train', 'val', 'test')
+
+
+@pytest.fixture(scope='session')
+def tok() -> Tokenizer:
+  docs = documents('code', 'train')[:25] + documents('json', 'train')[:25]
+  return Tokenizer.train((d.text for d in docs), vocab_size=512)
+
+
+# --- corpus -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('kind', corpus.KINDS)
+def test_splits_are_disjoint_cover_all_files_and_nonempty(kind):
+  names = {s: {d.name for d in documents(kind, s)} for s in SPLITS}
+  assert all(names[s] for s in SPLITS), {s: len(v) for s, v in names.items()}
+  assert not names['train'] & names['val']
+  assert not names['train'] & names['test']
+  assert not names['val'] & names['test']
+  all_files = code_files() if kind == 'code' else json_files()
+  assert sum(len(v) for v in names.values()) == len(all_files)
+  assert len(names['train']) > 5 * len(names['test'])
+
+
+def test_split_of_is_a_fixed_function_of_the_relative_path():
+  # Pinned values: SHA-256 based, so identical on every machine and Python version.
+  assert split_of('/r/os.py', '/r') == 'val'
+  assert split_of('/elsewhere/os.py', '/elsewhere') == 'val'
+  assert split_of(pathlib.Path('/r/ast.py'), pathlib.Path('/r')) == 'test'
+  assert split_of('/r/json/__init__.py', '/r') == 'train'
+  with pytest.raises(ValueError):
+    split_of('/a/x.py', '/b')
+
+
+def test_json_services_never_straddle_splits():
+  service_splits = {}
+  for s in SPLITS:
+    for d in documents('json', s):
+      service_splits.setdefault(d.name.split('/')[0], set()).add(s)
+  assert all(len(v) == 1 for v in service_splits.values())
+
+
+def test_files_respect_filters_and_gz_is_decoded():
+  code = code_files()
+  assert code == sorted(code) and all(p.suffix == '.py' for p in code)
+  for p in code:
+    assert not {'site-packages', 'test', 'tests', 'idlelib'} & set(p.parts)
+  docs = documents('json', 'val')
+  gz = [d for d in docs if d.name.endswith('.gz')]
+  assert gz and all(d.text.lstrip().startswith('{') for d in gz)
+  assert all(200 <= len(d.text.encode()) <= 300_000 for d in docs)
+
+
+@pytest.mark.parametrize('kind, split', [('yaml', 'train'), ('code', 'dev')])
+def test_documents_rejects_unknown_kind_or_split(kind, split):
+  with pytest.raises(ValueError, match='yaml' if kind == 'yaml' else 'dev'):
+    documents(kind, split)
+
+
+# --- tokenizer ----------------------------------------------------------------------------------
+
+def test_tokenizer_round_trips_real_code_and_json(tok):
+  for kind in corpus.KINDS:
+    for d in documents(kind, 'test')[:5]:
+      ids = tok.encode(d.text)
+      assert tok.decode(ids) == d.text, d.name
+      assert min(ids) > tok.eos_id and max(ids) < tok.vocab_size
+
+
+def test_tokenizer_round_trips_whitespace_unicode_and_special_text(tok):
+  text = '\tx = {"a":  [1,\r\n 2]}  \n\n\n    # é 漢字 🙂 \x00<|eos|><|pad|>'
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text
+  assert not {tok.pad_id, tok.bos_id, tok.eos_id} & set(ids)  # Literal text is not special.
+  assert tok.encode(' a') != tok.encode('a')  # No prefix space is added.
+
+
+def test_tokenizer_special_ids(tok):
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+  assert tok.vocab_size == 512
+  assert tok.decode([1, 2]) == '<|bos|><|eos|>'
+
+
+def test_tokenizer_save_load_round_trip(tok, tmp_path):
+  path = tmp_path / 'sub' / 'tok.json'
+  tok.save(path)
+  loaded = Tokenizer.load(path)
+  text = documents('code', 'val')[0].text[:2000]
+  assert loaded.encode(text) == tok.encode(text)
+  assert loaded.vocab_size == tok.vocab_size
+
+
+def test_tokenizer_load_missing_file_names_path(tmp_path):
+  path = tmp_path / 'nope.json'
+  with pytest.raises(FileNotFoundError, match='nope.json'):
+    Tokenizer.load(path)
+
+
+@pytest.mark.parametrize('content', ['{"model": ', '{}', 'not json at all'])
+def test_tokenizer_load_corrupt_file_names_path(tmp_path, content):
+  path = tmp_path / 'corrupt.json'
+  path.write_text(content)
+  with pytest.raises(ValueError, match='corrupt.json'):
+    Tokenizer.load(path)
+
+
+def test_tokenizer_train_rejects_tiny_vocab():
+  with pytest.raises(ValueError, match='100'):
+    Tokenizer.train(['abc'], vocab_size=100)
+
+
+# --- workloads ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('workload', WORKLOADS)
+def test_make_prompts_is_deterministic_and_seed_dependent(tok, workload):
+  a = make_prompts(workload, tok, num_prompts=4, prompt_len=128, seed=0)
+  b = make_prompts(workload, tok, num_prompts=4, prompt_len=128, seed=0)
+  c = make_prompts(workload, tok, num_prompts=4, prompt_len=128, seed=1)
+  assert a == b
+  assert a != c
+
+
+@pytest.mark.parametrize('workload', ['json', 'code'])
+def test_window_prompts_have_exact_length_and_distinct_files(tok, workload):
+  prompts = make_prompts(workload, tok, num_prompts=6, prompt_len=200)
+  assert all(len(p.tokens) == 200 and p.workload == workload for p in prompts)
+  assert all(1 <= len(p.reference) <= 256 for p in prompts)
+  assert len({p.name.split('@')[0] for p in prompts}) == 6
+  test_names = {f'{workload}:{d.name}' for d in documents(workload, 'test')}
+  assert all(p.name.split('@')[0] in test_names for p in prompts)
+
+
+def test_window_prompt_is_a_real_slice_of_its_file(tok):
+  (p,) = make_prompts('code', tok, num_prompts=1, prompt_len=64)
+  name, offset = p.name.removeprefix('code:').split('@')
+  doc = next(d for d in documents('code', 'test') if d.name == name)
+  ids = tok.encode(doc.text)
+  start = int(offset)
+  assert tuple(ids[start:start + 64]) == p.tokens
+  assert tuple(ids[start + 64:start + 64 + len(p.reference)]) == p.reference
+
+
+@pytest.mark.parametrize('prompt_len', [96, 256, 512])
+def test_retrieval_prompt_quotes_a_passage_of_its_document_portion(tok, prompt_len):
+  for p in make_prompts('retrieval', tok, num_prompts=5, prompt_len=prompt_len):
+    assert len(p.tokens) <= prompt_len
+    text = tok.decode(p.tokens)
+    sep = text.rindex('\n\n# Quote the passage that starts with: "')
+    document, instruction = text[:sep], text[sep:]
+    quote = instruction.split('\n')[-1]  # Prompt ends with the passage's first tokens.
+    assert quote.strip() and quote.strip() in instruction.split('\n')[2]
+    assert document.count(quote) == 1
+    # The reference is what follows the quote in the document.
+    after = document[document.index(quote) + len(quote):]
+    assert after.startswith(tok.decode(p.reference))
+
+
+def test_make_prompts_rejects_unknown_workload(tok):
+  with pytest.raises(ValueError, match='chat'):
+    make_prompts('chat', tok, num_prompts=1, prompt_len=64)
+
+
+# --- batches ------------------------------------------------------------------------------------
+
+def test_token_stream_joins_documents_with_eos(tok):
+  docs = documents('json', 'val')[:3]
+  stream = token_stream('json', 'val', tok, max_docs=3)
+  assert stream.dtype == np.int32 and stream.ndim == 1
+  assert stream[-1] == tok.eos_id and int((stream == tok.eos_id).sum()) == 3
+  assert tok.decode(stream) == ''.join(d.text + '<|eos|>' for d in docs)
+
+
+def test_train_mixture_holds_both_kinds(tok):
+  stream = train_mixture(tok, split='val', max_docs=4)
+  assert int((stream == tok.eos_id).sum()) == 8
+  text = tok.decode(stream)
+  assert 'def ' in text and '":' in text
+
+
+def test_random_windows_shape_dtype_and_contiguity():
+  tokens = np.arange(1000, dtype=np.int32)
+  w = random_windows(tokens, batch=16, seq_len=32, rng=np.random.default_rng(0))
+  assert w.shape == (16, 33) and w.dtype == np.int32
+  np.testing.assert_array_equal(np.diff(w, axis=1), 1)
+  assert w.max() < 1000
+  w2 = random_windows(tokens, batch=16, seq_len=32, rng=np.random.default_rng(0))
+  np.testing.assert_array_equal(w, w2)
+  edge = random_windows(tokens[:33], batch=4, seq_len=32, rng=np.random.default_rng(0))
+  np.testing.assert_array_equal(edge, np.tile(tokens[:33], (4, 1)))
+  with pytest.raises(ValueError, match='32'):
+    random_windows(tokens[:32], batch=1, seq_len=32, rng=np.random.default_rng(0))
