@@ -1,0 +1,163 @@
+"""Host-side entry point: validate a batch of prompts, allocate pages, run prefill and a compiled
+decode loop (autoregressive, or speculative when a draft is given), and time both phases."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import PageAllocator, pages_needed
+from jaxspec.decoding.autoregressive import decode_autoregressive, prefill
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.speculative import decode_speculative
+from jaxspec.models import ModelConfig, cache_for
+
+MAX_K = 16  # largest speculation length accepted by default
+
+
+@dataclasses.dataclass
+class GenerationResult:
+  """Tokens and measurements of one `generate` call (sums over the batch).
+
+  Attributes:
+    tokens: per prompt, the emitted token ids (stop token included when hit).
+    ttft_s: seconds from the call to the first token of every row (prefill + first sample).
+    decode_s: seconds of the compiled decode loop after the first token.
+    proposed, accepted, emitted, target_calls: speculative counters of the decode loop (zero for
+      autoregressive decoding); see `SpecStats`.
+  """
+
+  tokens: list
+  ttft_s: float
+  decode_s: float
+  proposed: int = 0
+  accepted: int = 0
+  emitted: int = 0
+  target_calls: int = 0
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(len(t) for t in self.tokens)
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    """Tokens emitted after the first ÷ decode seconds (batch total)."""
+    return (self.num_tokens - len(self.tokens)) / max(self.decode_s, 1e-9)
+
+  @property
+  def acceptance_rate(self) -> float:
+    """α = accepted draft tokens ÷ proposed draft tokens."""
+    return self.accepted / self.proposed if self.proposed else float('nan')
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """τ = tokens emitted per target forward pass in the decode loop."""
+    return self.emitted / self.target_calls if self.target_calls else float('nan')
+
+
+def _check_prompts(prompts, configs, max_new_tokens, slack):
+  if not prompts:
+    raise ValueError('no prompts given')
+  for i, prompt in enumerate(prompts):
+    if len(prompt) == 0:
+      raise ValueError(f'prompt {i} is empty')
+    for config in configs:
+      bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
+      if bad:
+        raise ValueError(f'prompt {i} has token id {bad[0]} outside the vocabulary '
+                         f'[0, {config.vocab_size})')
+      need = len(prompt) + max_new_tokens + slack
+      if need > config.max_seq_len:
+        raise ValueError(
+            f'prompt {i} of {len(prompt)} tokens + max_new_tokens={max_new_tokens} + {slack} '
+            f'tokens of decoding slack = {need} exceeds the context of {config.max_seq_len}')
+
+
+def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]], *,
+             max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             stop_tokens: Sequence[int] = (), seed: int = 0,
+             draft: Optional[ModelConfig] = None, draft_params=None, k: Optional[int] = None,
+             max_k: int = MAX_K, page_size: int = 16, prompt_bucket: int = 64) -> GenerationResult:
+  """Generate continuations of a batch of prompts.
+
+  Autoregressive when `draft` is None, speculative (draft K, verify in one target pass) otherwise.
+  Prompts are right-padded to a multiple of `prompt_bucket` so similar batches reuse one compile.
+
+  Args:
+    target, target_params: the target model.
+    prompts: B token-id sequences of any lengths >= 1.
+    max_new_tokens: tokens to emit per prompt at most (>= 1), the first included.
+    sampling: temperature / top-k / top-p, applied to target and draft alike.
+    stop_tokens: ids that end a row (the stop token is emitted).
+    seed: PRNG seed.
+    draft, draft_params, k: the draft model and speculation length K in [1, max_k].
+    page_size: tokens per KV page (L).
+  Returns:
+    GenerationResult.
+  Raises:
+    ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
+      K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids.
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  configs = [target]
+  slack = 1
+  if draft is not None:
+    if draft.vocab_size != target.vocab_size:
+      raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
+                       f'vocabulary ({target.vocab_size})')
+    if k is None or not 1 <= k <= max_k:
+      raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
+    configs.append(draft)
+    slack = k + 1
+  _check_prompts(prompts, configs, max_new_tokens, slack)
+  stop = jnp.asarray(sorted(set(int(t) for t in stop_tokens)), jnp.int32)
+  for t in stop.tolist():
+    if not 0 <= t < target.vocab_size:
+      raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
+
+  b = len(prompts)
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  width = -(-int(lengths.max()) // prompt_bucket) * prompt_bucket
+  tokens = np.zeros((b, width), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  per_seq = pages_needed(width + max_new_tokens + slack, page_size)
+  allocator = PageAllocator(b * per_seq + 1)
+  page_table = np.array([allocator.allocate(per_seq) for _ in range(b)], np.int32)
+
+  rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
+  tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+  start = time.perf_counter()
+  cache = cache_for(target, page_table, allocator.num_pages, page_size)
+  first, cache = prefill(target, target_params, cache, tokens, lengths, rng_prefill,
+                         sampling=sampling)
+  if draft is not None:
+    draft_cache = cache_for(draft, page_table, allocator.num_pages, page_size)
+    _, draft_cache = prefill(draft, draft_params, draft_cache, tokens, lengths, rng_prefill,
+                             sampling=sampling)
+    jax.block_until_ready(draft_cache)
+  first = jax.block_until_ready(first)
+  ttft = time.perf_counter() - start
+
+  start = time.perf_counter()
+  counters = {}
+  if draft is None:
+    out, _ = decode_autoregressive(target, target_params, cache, first, rng_decode, stop,
+                                   sampling=sampling, max_new_tokens=max_new_tokens)
+  else:
+    out, stats, _, _ = decode_speculative(
+        target, draft, target_params, draft_params, cache, draft_cache, first, rng_decode, stop,
+        k=k, sampling=sampling, max_new_tokens=max_new_tokens)
+    counters = {f: int(getattr(stats, f).sum()) for f in
+                ('proposed', 'accepted', 'emitted', 'target_calls')}
+  out = jax.block_until_ready(out)
+  decode_s = time.perf_counter() - start
+  toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
+  return GenerationResult(tokens=[toks[i, :nums[i]].tolist() for i in range(b)], ttft_s=ttft,
+                          decode_s=decode_s, **counters)

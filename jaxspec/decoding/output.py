@@ -1,0 +1,61 @@
+"""The output buffer of a compiled generation loop, and the one place tokens are committed to it.
+
+Both the autoregressive and the speculative loops commit through `commit`, so stop tokens and
+max_new_tokens are handled identically: tokens after a stop token, or past max_new_tokens, are
+never emitted (not even a speculative bonus token).
+"""
+
+from __future__ import annotations
+
+import flax
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class Output:
+  """Tokens emitted so far.
+
+  Fields:
+    tokens: [B, N] int32, N = max_new_tokens + window slack; valid up to num_tokens.
+    num_tokens: [B] int32 tokens emitted per row.
+    done: [B] bool, row hit a stop token or max_new_tokens.
+  """
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  done: jax.Array
+
+  @classmethod
+  def empty(cls, batch: int, capacity: int) -> 'Output':
+    return cls(tokens=jnp.zeros((batch, capacity), jnp.int32),
+               num_tokens=jnp.zeros((batch,), jnp.int32),
+               done=jnp.zeros((batch,), bool))
+
+
+def commit(out: Output, window, num_candidates, stop_tokens, max_new_tokens: int):
+  """Append up to `num_candidates` tokens of `window` to each row that is not done.
+
+  A row's commit stops after the first stop token (which is emitted) and at max_new_tokens.
+
+  Args:
+    out: the buffer; its capacity must be >= max_new_tokens + W.
+    window: [B, W] int32 candidate tokens, in order.
+    num_candidates: [B] int32 in [1, W], how many of them are real.
+    stop_tokens: [S] int32 stop token ids (S may be 0).
+    max_new_tokens: static int.
+  Returns:
+    (out, num_emitted [B] int32): the updated buffer and the tokens actually appended per row.
+  """
+  b, w = window.shape
+  idx = jnp.arange(w, dtype=jnp.int32)
+  is_stop = jnp.isin(window, stop_tokens) & (idx[None, :] < num_candidates[:, None])
+  stop_cut = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1) + 1, w + 1)
+  room = max_new_tokens - out.num_tokens
+  n = jnp.minimum(jnp.minimum(num_candidates, stop_cut), room)
+  n = jnp.where(out.done, 0, n).astype(jnp.int32)
+  tokens = jax.vmap(lambda row, win, start: jax.lax.dynamic_update_slice(row, win, (start,)))(
+      out.tokens, window, out.num_tokens)
+  num_tokens = out.num_tokens + n
+  done = out.done | (stop_cut <= n) | (num_tokens >= max_new_tokens)
+  return Output(tokens=tokens, num_tokens=num_tokens, done=done), n

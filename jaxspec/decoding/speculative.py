@@ -1,0 +1,141 @@
+"""Speculative decoding: a draft proposes K tokens, the target verifies all K in one forward pass,
+modified rejection sampling keeps the target's distribution (Leviathan et al. 2023, Alg. 1;
+Chen et al. 2023). The draft's K steps are one `lax.scan`; the whole loop is one `lax.while_loop`.
+
+Invariant between rounds: both caches hold every committed token except the last one, `pending`,
+which is the input of the next round (so the draft's context always equals the target's).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import rollback
+from jaxspec.decoding.autoregressive import decode_step
+from jaxspec.decoding.output import Output, commit
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.models import ModelConfig, Transformer
+
+
+@flax.struct.dataclass
+class SpecStats:
+  """Per-row counters of the decode loop (the prefill's first token is not counted).
+
+  Fields (all [B] int32):
+    proposed: draft tokens proposed (K per round the row was active).
+    accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
+    emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
+    target_calls: target forward passes (rounds the row was active).
+  """
+
+  proposed: jax.Array
+  accepted: jax.Array
+  emitted: jax.Array
+  target_calls: jax.Array
+
+  @classmethod
+  def zeros(cls, batch: int) -> 'SpecStats':
+    z = jnp.zeros((batch,), jnp.int32)
+    return cls(z, z, z, z)
+
+
+def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *, k: int,
+                 sampling: SamplingParams):
+  """The draft proposes K tokens autoregressively in one `lax.scan`.
+
+  Args:
+    pending: [B] int32, the last committed token (not yet in either cache).
+  Returns:
+    tokens: [B, K] int32 x_1..x_K; q: [B, K, V] float32, the processed distribution each x_i was
+    drawn from; draft_cache with pending, x_1..x_{K-1} written (lengths + K).
+  """
+  def one(carry, step_rng):
+    cache, token = carry
+    logits, cache = decode_step(draft, draft_params, cache, token)
+    q = probabilities(logits, sampling)
+    x = sample(step_rng, q)
+    return (cache, x), (x, q)
+
+  (draft_cache, _), (xs, qs) = jax.lax.scan(one, (draft_cache, pending), jax.random.split(rng, k))
+  return xs.T, qs.transpose(1, 0, 2), draft_cache
+
+
+def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
+                      target_cache, draft_cache, pending, rng, *, k: int,
+                      sampling: SamplingParams):
+  """Draft K, verify K+1 positions in one target pass, accept/reject.
+
+  Returns:
+    window: [B, K+1] int32, x_1..x_n followed by the correction/bonus token at index n;
+    num_accepted: [B] int32 n in [0, K]; target_cache (lengths + K+1) and draft_cache
+    (lengths + K), both still to be rolled back to what is committed.
+  """
+  rng_draft, rng_accept = jax.random.split(rng)
+  xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
+                                     k=k, sampling=sampling)
+  verify = jnp.concatenate([pending[:, None], xs], axis=1)                  # [B, K+1]
+  positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+  logits, target_cache = Transformer(target).apply(target_params, verify, positions, target_cache)
+  p = probabilities(logits, sampling)                                         # [B, K+1, V]
+  n, next_token = rejection_sample(rng_accept, xs, qs, p)
+  idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+  return window, n, target_cache, draft_cache
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),
+                   donate_argnames=('target_cache', 'draft_cache'))
+def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
+                       target_cache, draft_cache, first_token, rng, stop_tokens, *, k: int,
+                       sampling: SamplingParams, max_new_tokens: int):
+  """Speculative decoding until every row is done; each row accepts its own number of tokens.
+
+  Args:
+    target_cache, draft_cache: both prefilled with the same prompts (donated); capacity at least
+      prompt + max_new_tokens + k + 1 tokens.
+    first_token: [B] int32 drawn from the target at prefill.
+    stop_tokens: [S] int32.
+    k: static speculation length K >= 1.
+  Returns:
+    (Output, SpecStats, target_cache, draft_cache).
+  """
+  b = first_token.shape[0]
+  out, _ = commit(Output.empty(b, max_new_tokens + k + 1), first_token[:, None],
+                  jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
+
+  def body(state):
+    target_cache, draft_cache, out, stats, pending, rng = state
+    rng, round_rng = jax.random.split(rng)
+    active = ~out.done
+    old_lengths = target_cache.lengths
+    window, n, target_cache, draft_cache = speculative_round(
+        target, draft, target_params, draft_params, target_cache, draft_cache, pending,
+        round_rng, k=k, sampling=sampling)
+    out, emitted = commit(out, window, n + 1, stop_tokens, max_new_tokens)
+    # The draft wrote pending, x_1..x_{K-1}; when a row keeps all K it also needs x_K.
+    draft_cache = jax.lax.cond(
+        jnp.any(emitted == k + 1),
+        lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
+        lambda c: c, draft_cache)
+    # Keep pending + the first emitted-1 committed tokens; the last emitted token is next pending.
+    keep = old_lengths + jnp.where(emitted > 0, emitted, 0)
+    target_cache = rollback(target_cache, keep)
+    draft_cache = rollback(draft_cache, keep)
+    last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+    pending = jnp.where(emitted > 0, last, pending)
+    act = active.astype(jnp.int32)
+    stats = SpecStats(proposed=stats.proposed + k * act,
+                      accepted=stats.accepted + jnp.minimum(n, emitted),
+                      emitted=stats.emitted + emitted,
+                      target_calls=stats.target_calls + act)
+    return target_cache, draft_cache, out, stats, pending, rng
+
+  state = (target_cache, draft_cache, out, SpecStats.zeros(b), first_token, rng)
+  target_cache, draft_cache, out, stats, _, _ = jax.lax.while_loop(
+      lambda s: ~jnp.all(s[2].done), body, state)
+  return out, stats, target_cache, draft_cache
