@@ -1,9 +1,10 @@
 """Llama-family decoder (Flax Linen), its config and presets, and checkpoints."""
 
+from jaxspec.models.checkpoint import CheckpointError, load_model, param_shapes, save_model, shipped
 from jaxspec.models.config import PRESETS, ModelConfig
 from jaxspec.models.llama import Transformer, apply_rope, matmul_rows
 
-__all__ = ['ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for']
+__all__ = ['CheckpointError', 'load_model', 'param_shapes', 'save_model', 'shipped', 'ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for']
 
 
 def cache_for(config: ModelConfig, page_table, num_pages: int, page_size: int):

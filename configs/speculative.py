@@ -1,0 +1,45 @@
+"""Speculative decoding vs autoregressive decoding on held-out real text (the default main job).
+
+    python -m experiments.run                                   # this config, shipped models
+    python -m experiments.run --config=configs/speculative.py --config.k=8 --workdir=/tmp/run
+    python -m experiments.run --config=configs/speculative.py:smoke
+    python -m experiments.sweep --config=configs/speculative.py  # K x temperature x workload
+
+One results line per workload: acceptance_rate, mean_accepted_length, tokens/s of both decoders,
+speedup, TTFT, and (at temperature 0) whether every speculative output equals the autoregressive.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.experiment = 'speculative'
+  c.target = ''          # model directory; '' = the shipped target (jaxspec/assets/target)
+  c.draft = ''           # model directory; '' = the shipped draft (jaxspec/assets/draft)
+  c.tokenizer = ''       # tokenizer.json; '' = the shipped one
+  c.workloads = 'json,code,retrieval'
+  c.k = 4                # speculation length K
+  c.max_k = 16           # largest K accepted
+  c.temperature = 0.0
+  c.top_k = 0
+  c.top_p = 1.0
+  c.max_new_tokens = 128
+  c.num_prompts = 8      # per workload
+  c.prompt_len = 384     # tokens
+  c.batch_size = 1
+  c.page_size = 16
+  c.seed = 0
+  if arg == 'smoke':
+    c.num_prompts = 1
+    c.max_new_tokens = 16
+    c.prompt_len = 128
+  elif arg not in (None, ''):
+    raise ValueError(f'unknown variant {arg!r} of configs/speculative.py (known: smoke)')
+  return c
+
+
+def get_sweep():
+  """K x temperature x workload, one case per combination."""
+  from experiments.sweeps import product
+  return product(k=[1, 2, 4, 8], temperature=[0.0, 1.0], workloads=['json', 'code', 'retrieval'])

@@ -1,0 +1,84 @@
+"""Where an experiment's results go: WORKDIR/EXPERIMENT/RUN_ID/{config.json, results.jsonl}.
+
+Each measured case is appended to results.jsonl (and flushed) as soon as it is measured, so an
+interrupted run loses nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import pathlib
+from typing import Optional
+
+import ml_collections
+
+
+def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
+  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp)."""
+  base = pathlib.Path(workdir) / experiment
+  run_id = run_id or datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')
+  path, n = base / run_id, 1
+  while path.exists():
+    n += 1
+    path = base / f'{run_id}-{n}'
+  path.mkdir(parents=True)
+  return path
+
+
+def _clean(value):
+  """JSON-safe: NaN/inf become None (strict JSON has no NaN)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+class Results:
+  """Appends one JSON line per measured case to `run_dir/results.jsonl`.
+
+  Attributes:
+    dir: the run directory (plots go here too).
+    records: every record written so far, in order.
+  """
+
+  def __init__(self, run_dir, config: Optional[ml_collections.ConfigDict] = None,
+               tags: Optional[dict] = None, verbose: bool = True):
+    self.dir = pathlib.Path(run_dir)
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self.tags = dict(tags or {})
+    self.verbose = verbose
+    self.records: list[dict] = []
+    if config is not None:
+      (self.dir / 'config.json').write_text(config.to_json_best_effort(indent=2) + '\n')
+    self.path = self.dir / 'results.jsonl'
+
+  def write(self, record: dict) -> None:
+    """Append `record` (plus the tags) as one line, flushed to disk before returning."""
+    record = {**self.tags, **{k: _clean(v) for k, v in record.items()}}
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+    self.records.append(record)
+    if self.verbose:
+      print(format_record(record), flush=True)
+
+
+def format_record(record: dict) -> str:
+  """One readable line: key=value with floats at 4 significant digits."""
+  parts = []
+  for key, value in record.items():
+    if isinstance(value, float):
+      value = f'{value:.4g}'
+    parts.append(f'{key}={value}')
+  return '  '.join(parts)
+
+
+def read_results(path) -> list[dict]:
+  """All records of a results.jsonl file (a torn last line, from a killed run, is skipped)."""
+  records = []
+  for line in pathlib.Path(path).read_text().splitlines():
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records

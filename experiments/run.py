@@ -1,0 +1,36 @@
+"""Run one experiment from a config file.
+
+    python -m experiments.run                                     # speculative decoding, default
+    python -m experiments.run --config=configs/speculative.py --config.k=8 --workdir=/tmp/run
+    python -m experiments.run --config=configs/speculative.py:smoke
+
+Results land in WORKDIR/EXPERIMENT/RUN_ID/ (config.json, results.jsonl).
+"""
+
+import importlib
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from experiments.common import Results, new_run_dir
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
+  config = _CONFIG.value
+  module = importlib.import_module(f'experiments.{config.experiment}')
+  run_dir = new_run_dir(_WORKDIR.value, config.experiment)
+  print(f'results -> {run_dir}', flush=True)
+  module.run(config, Results(run_dir, config))
+  print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,90 @@
+"""Speculative vs autoregressive decoding on held-out prompts, one results line per workload.
+
+Both decoders run on the same prompts in the same process, interleaved batch by batch, after a
+compile-only warm-up, so the speedup is a ratio taken under the same machine conditions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.decoding import SamplingParams, generate
+from jaxspec.models import load_model, shipped
+
+
+def load_pair(config):
+  """(target_config, target_params, draft_config, draft_params, tokenizer) from the config's
+  paths, the shipped ones where a path is ''. Raises CheckpointError / ValueError when missing,
+  corrupt, or the vocabularies disagree."""
+  target_cfg, target_params = load_model(config.target or shipped('target'))
+  draft_cfg, draft_params = load_model(config.draft or shipped('draft'))
+  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  for name, cfg in (('target', target_cfg), ('draft', draft_cfg)):
+    if cfg.vocab_size != tokenizer.vocab_size:
+      raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) differs from the tokenizer '
+                       f'vocabulary ({tokenizer.vocab_size})')
+  if draft_cfg.vocab_size != target_cfg.vocab_size:
+    raise ValueError(f'draft vocabulary ({draft_cfg.vocab_size}) differs from the target '
+                     f'vocabulary ({target_cfg.vocab_size})')
+  return target_cfg, target_params, draft_cfg, draft_params, tokenizer
+
+
+def _workloads(config) -> list[str]:
+  names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
+  if not names:
+    raise ValueError(f'config.workloads names no workload: {config.workloads!r}')
+  return names
+
+
+def run(config, results) -> None:
+  """Measure every workload of `config` (see configs/speculative.py) and write one record each."""
+  sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
+                            top_p=float(config.top_p))
+  if not 1 <= config.k <= config.max_k:
+    raise ValueError(f'speculation length K must be in [1, {config.max_k}], got {config.k}')
+  if config.batch_size < 1 or config.num_prompts < 1:
+    raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
+                     'must be >= 1')
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling,
+                stop_tokens=(tokenizer.eos_id,), page_size=config.page_size)
+  spec = dict(draft=draft, draft_params=draft_params, k=config.k, max_k=config.max_k)
+
+  for workload in _workloads(config):
+    prompts = [p.tokens for p in make_prompts(workload, tokenizer, config.num_prompts,
+                                              config.prompt_len, split='test', seed=config.seed)]
+    batches = [prompts[i:i + config.batch_size]
+               for i in range(0, len(prompts), config.batch_size)]
+    # Compile both loops for this shape before timing anything.
+    generate(target, target_params, batches[0], seed=config.seed, **common)
+    generate(target, target_params, batches[0], seed=config.seed, **common, **spec)
+    ar_runs, sp_runs = [], []
+    for i, batch in enumerate(batches):
+      ar_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common))
+      sp_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common,
+                              **spec))
+    results.write(summarize(workload, config, ar_runs, sp_runs, sampling))
+
+
+def summarize(workload, config, ar_runs, sp_runs, sampling) -> dict:
+  """One record from per-batch GenerationResults of both decoders."""
+  total = lambda runs, f: sum(getattr(r, f) for r in runs)
+  new_tokens = lambda runs: sum(r.num_tokens - len(r.tokens) for r in runs)
+  ar_tps = new_tokens(ar_runs) / total(ar_runs, 'decode_s')
+  sp_tps = new_tokens(sp_runs) / total(sp_runs, 'decode_s')
+  proposed = total(sp_runs, 'proposed')
+  matches = None
+  if sampling.greedy:
+    matches = all(a.tokens == s.tokens for a, s in zip(ar_runs, sp_runs))
+  return dict(
+      workload=workload, k=int(config.k), temperature=sampling.temperature,
+      top_p=sampling.top_p, batch_size=int(config.batch_size), num_prompts=int(config.num_prompts),
+      acceptance_rate=total(sp_runs, 'accepted') / proposed if proposed else float('nan'),
+      mean_accepted_length=total(sp_runs, 'emitted') / max(total(sp_runs, 'target_calls'), 1),
+      tokens_per_s_autoregressive=ar_tps, tokens_per_s_speculative=sp_tps,
+      speedup=sp_tps / ar_tps,
+      ttft_s=float(np.mean([r.ttft_s for r in sp_runs])),
+      ttft_s_autoregressive=float(np.mean([r.ttft_s for r in ar_runs])),
+      tokens_generated=sum(r.num_tokens for r in sp_runs),
+      matches_autoregressive=matches)

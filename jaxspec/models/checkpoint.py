@@ -1,0 +1,115 @@
+"""Saving and loading a model directory: `config.json` (the ModelConfig), `params/` (an orbax
+checkpoint, stored in bfloat16 or float32) and optional `info.json` (how it was trained).
+
+Loading checks every tensor against the shapes the config implies, so a wrong or truncated
+checkpoint is reported by name instead of failing later inside a jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxspec.models.config import ModelConfig
+from jaxspec.models.llama import Transformer
+
+
+class CheckpointError(ValueError):
+  """A model directory is missing, incomplete or does not match its config."""
+
+
+def param_shapes(config: ModelConfig):
+  """The params pytree of `config` as jax.ShapeDtypeStruct leaves (float32), without allocating."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(lambda: Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens))
+
+
+def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
+               info: Optional[dict] = None) -> None:
+  """Write a model directory (overwriting one that exists).
+
+  Args:
+    path: directory to create.
+    params: the params pytree of `config`.
+    dtype: storage dtype of the tensors ('bfloat16' halves the size; loading casts back).
+    info: JSON-serialisable facts about training (tokens seen, held-out loss, ...).
+  """
+  path = pathlib.Path(path).absolute()
+  path.mkdir(parents=True, exist_ok=True)
+  (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
+  stored = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), params)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path / 'params', stored, force=True)
+  if info is not None:
+    (path / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
+
+
+def load_model(path, dtype: str = 'float32'):
+  """Read a model directory written by `save_model`.
+
+  Args:
+    path: the directory.
+    dtype: dtype of the returned params.
+  Returns:
+    (ModelConfig, params pytree).
+  Raises:
+    CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
+      has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
+  """
+  path = pathlib.Path(path).absolute()
+  if not path.is_dir():
+    raise CheckpointError(f'no model directory at {path}')
+  try:
+    fields = json.loads((path / 'config.json').read_text())
+    config = ModelConfig(**fields)
+  except FileNotFoundError as e:
+    raise CheckpointError(f'{path / "config.json"} is missing') from e
+  except (json.JSONDecodeError, TypeError, ValueError) as e:
+    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}') from e
+  expected = param_shapes(config)
+  if not (path / 'params').is_dir():
+    raise CheckpointError(f'{path / "params"} is missing')
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      restored = ckptr.restore(path / 'params')
+  except Exception as e:  # orbax raises many types for damaged files; name the path
+    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
+  _check_tree(expected, restored, str(path))
+  params = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
+  return config, params
+
+
+def _check_tree(expected, restored, where: str) -> None:
+  flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
+  flat_restored = dict(jax.tree_util.tree_flatten_with_path(restored)[0])
+  names = lambda d: {jax.tree_util.keystr(k): v for k, v in d.items()}
+  want, got = names(flat_expected), names(flat_restored)
+  for name, leaf in want.items():
+    if name not in got:
+      raise CheckpointError(f'checkpoint {where} is missing tensor {name}')
+    if tuple(got[name].shape) != tuple(leaf.shape):
+      raise CheckpointError(f'checkpoint {where}: tensor {name} has shape '
+                            f'{tuple(got[name].shape)}, config implies {tuple(leaf.shape)}')
+  extra = sorted(set(got) - set(want))
+  if extra:
+    raise CheckpointError(f'checkpoint {where} has unexpected tensors {extra[:5]}')
+
+
+ASSETS = pathlib.Path(__file__).resolve().parent.parent / 'assets'
+
+
+def shipped(name: str) -> pathlib.Path:
+  """Path of a file or model directory shipped in `jaxspec/assets/` ('target', 'draft',
+  'tokenizer.json'). Raises CheckpointError naming what exists when `name` is not there."""
+  path = ASSETS / name
+  if not path.exists():
+    have = sorted(p.name for p in ASSETS.iterdir()) if ASSETS.is_dir() else []
+    raise CheckpointError(f'no shipped asset {name!r} in {ASSETS} (found {have})')
+  return path

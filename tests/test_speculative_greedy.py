@@ -1,0 +1,61 @@
+"""Contract 1: greedy speculative decoding returns exactly the greedy target tokens."""
+
+import numpy as np
+import pytest
+
+from jaxspec.decoding import generate
+
+
+def _prompts(lengths, seed=0, vocab=64):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, vocab, size=n).tolist() for n in lengths]
+
+
+# page_size 8: lengths just before, on and just after a page boundary.
+@pytest.mark.parametrize('lengths', [[7], [8], [9], [15, 16, 17, 24]])
+@pytest.mark.parametrize('k', [1, 2, 4, 8])
+def test_greedy_speculative_equals_autoregressive(tiny, tiny_draft, lengths, k):
+  (tc, tp), (dc, dp) = tiny, tiny_draft
+  prompts = _prompts(lengths, seed=len(lengths) * 100 + lengths[0])
+  ar = generate(tc, tp, prompts, max_new_tokens=33, page_size=8)
+  sp = generate(tc, tp, prompts, max_new_tokens=33, page_size=8, draft=dc, draft_params=dp, k=k)
+  assert sp.tokens == ar.tokens
+  assert all(len(t) == 33 for t in sp.tokens)
+  # The draft agrees only partly, so both the accept and the reject paths were taken.
+  assert 0.0 < sp.acceptance_rate < 1.0
+
+
+def test_stop_token_inside_accepted_run_ends_output(tiny):
+  tc, tp = tiny
+  prompts = _prompts([12, 21])
+  ar_free = generate(tc, tp, prompts, max_new_tokens=40, page_size=8)
+  # A stop token the target emits at index 5 of row 0: with the target as its own draft every
+  # proposal is accepted, so with K = 8 the stop token sits inside an accepted run.
+  stop = ar_free.tokens[0][5]
+  ar = generate(tc, tp, prompts, max_new_tokens=40, page_size=8, stop_tokens=[stop])
+  sp = generate(tc, tp, prompts, max_new_tokens=40, page_size=8, stop_tokens=[stop], draft=tc,
+                draft_params=tp, k=8)
+  assert sp.tokens == ar.tokens
+  first = ar_free.tokens[0].index(stop)
+  assert sp.tokens[0] == ar_free.tokens[0][:first + 1]          # ends at (and includes) the stop
+  # Counters count only what was emitted: every proposal was accepted, and nothing past the
+  # stop token or max_new_tokens was counted.
+  assert sp.emitted == sum(len(t) - 1 for t in sp.tokens)
+  assert sp.accepted <= sp.emitted
+
+
+def test_max_new_tokens_cuts_an_accepted_run(tiny):
+  tc, tp = tiny
+  prompts = _prompts([10])
+  ar = generate(tc, tp, prompts, max_new_tokens=6, page_size=8)
+  sp = generate(tc, tp, prompts, max_new_tokens=6, page_size=8, draft=tc, draft_params=tp, k=8)
+  assert sp.tokens == ar.tokens and len(sp.tokens[0]) == 6
+  assert sp.emitted == 5 and sp.accepted == 5 and sp.target_calls == 1
+
+
+def test_self_draft_accepts_everything(tiny):
+  tc, tp = tiny
+  sp = generate(tc, tp, _prompts([9, 13]), max_new_tokens=30, page_size=8, draft=tc,
+                draft_params=tp, k=4)
+  assert sp.acceptance_rate == 1.0
+  assert sp.mean_accepted_length > 4.0
