@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import fcntl
 import importlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -28,6 +27,8 @@ import sys
 import traceback
 from typing import Iterable, Optional
 
+from absl import app, flags
+from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
@@ -52,22 +53,6 @@ class SweepOutcome:
     return 1 if self.failed or self.report_error else 0
 
 
-def load_config_file(spec: str):
-  """Loads a config file given as `path[:variant]`; returns (module, base ConfigDict).
-
-  Raises:
-    ValueError: the file does not exist.
-  """
-  path, _, arg = spec.partition(':')
-  if not os.path.isfile(path):
-    raise ValueError(f'config file {path!r} not found')
-  name = '_sweep_config_' + pathlib.Path(path).stem
-  module_spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module, (module.get_config(arg) if arg else module.get_config())
-
-
 @contextlib.contextmanager
 def _locked(sweep_dir: pathlib.Path):
   """Exclusive lock on the sweep's shared files (several shards may write at once)."""
@@ -77,6 +62,10 @@ def _locked(sweep_dir: pathlib.Path):
       yield
     finally:
       fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
@@ -121,30 +110,36 @@ class _CaseResults(Results):
       tqdm.write(format_record(self.records[-1]))
 
 
-def _run_case(module, cid, overrides, config, sweep_dir, echo) -> bool:
-  """Runs one case from scratch; True if it finished (then marked done), False if it raised."""
+def _run_case(module, cid, overrides, config, sweep_dir, echo) -> str:
+  """Runs one case from scratch unless another process holds it or finished it meanwhile.
+
+  Returns 'ran' (then marked done), 'failed' (raised; error recorded), 'busy' or 'skipped'.
+  """
   case_dir = sweep_dir / 'cases' / cid
-  (case_dir / 'results.jsonl').write_text('')  # partial records of an interrupted try
-  (case_dir / 'error.txt').unlink(missing_ok=True)
-  with _locked(sweep_dir):
-    _drop_lines(sweep_dir / 'results.jsonl', cid)
-    _drop_lines(sweep_dir / 'failures.jsonl', cid)
-  results = _CaseResults(case_dir, config, {'case_id': cid, **overrides}, sweep_dir, echo)
-  try:
-    module.run(config, results)
-  except Exception as e:  # pylint: disable=broad-except  (one bad case must not stop the sweep)
-    tb = traceback.format_exc()
-    (case_dir / 'error.txt').write_text(tb)
-    _append(sweep_dir, 'failures.jsonl', {'case_id': cid, 'overrides': overrides,
-                                          'error': f'{type(e).__name__}: {e}', 'time': _now()})
-    tqdm.write(f'case {cid} FAILED: {type(e).__name__}: {e} (see {case_dir / "error.txt"})')
-    return False
-  _write_atomic(case_dir / 'done', json.dumps({'records': len(results.records), 'time': _now()}))
-  return True
-
-
-def _now() -> str:
-  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+  case_dir.mkdir(parents=True, exist_ok=True)
+  with open(case_dir / '.lock', 'a') as lock:  # released when this process dies
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      return 'busy'
+    if (case_dir / 'done').exists():
+      return 'skipped'
+    (case_dir / 'results.jsonl').write_text('')  # partial records of an interrupted try
+    (case_dir / 'error.txt').unlink(missing_ok=True)
+    with _locked(sweep_dir):
+      _drop_lines(sweep_dir / 'results.jsonl', cid)
+      _drop_lines(sweep_dir / 'failures.jsonl', cid)
+    results = _CaseResults(case_dir, config, {'case_id': cid, **overrides}, sweep_dir, echo)
+    try:
+      module.run(config, results)
+    except Exception as e:  # pylint: disable=broad-except  (one bad case must not stop the rest)
+      (case_dir / 'error.txt').write_text(traceback.format_exc())
+      _append(sweep_dir, 'failures.jsonl', {'case_id': cid, 'overrides': overrides,
+                                            'error': f'{type(e).__name__}: {e}', 'time': _now()})
+      tqdm.write(f'case {cid} FAILED: {type(e).__name__}: {e} (see {case_dir / "error.txt"})')
+      return 'failed'
+    _write_atomic(case_dir / 'done', json.dumps({'records': len(results.records), 'time': _now()}))
+    return 'ran'
 
 
 def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None,
@@ -168,55 +163,33 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
       --shard is invalid (the message names the bad field or value).
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
-  module_cfg, base = load_config_file(config_path)
-  if not hasattr(module_cfg, 'get_sweep'):
-    raise ValueError(f'{config_path} has no get_sweep()')
+  base, cases = sweeps.load_sweep(config_path)
   base = sweeps.apply_overrides(base, dict(overrides or {}))
-  cases = module_cfg.get_sweep()
   configs = sweeps.validate_sweep(base, cases)
   ids = [sweeps.case_id(c) for c in cases]
-  filters, shard_in = sweeps.parse_only(only), sweeps.parse_shard(shard)
-  swept = {field for case in cases for field in case}
-  for field in filters:
-    if field not in swept:
-      raise ValueError(f'--only field {field!r} is not swept (swept: {", ".join(sorted(swept))})')
-  picked = [i for i, case in enumerate(cases) if sweeps.matches(case, filters)
-            and (shard_in is None or i % shard_in[1] == shard_in[0])]
-  if not picked:
-    raise ValueError(f'no case matches --only={list(only)} --shard={shard}')
+  picked = sweeps.select_cases(cases, only, shard)
   experiment = importlib.import_module(f'experiments.{base.experiment}')
 
   sweep_dir = pathlib.Path(workdir) / base.experiment / sweep_name
   sweep_dir.mkdir(parents=True, exist_ok=True)
   _write_atomic(sweep_dir / 'config.json', base.to_json_best_effort(indent=2) + '\n')
   _write_atomic(sweep_dir / 'sweep.json', json.dumps(
-      [{'index': i, 'case_id': ids[i], 'overrides': cases[i]} for i in range(len(cases))],
-      indent=1) + '\n')
+      [{'index': i, 'case_id': ids[i], 'overrides': c} for i, c in enumerate(cases)], indent=1))
   with _locked(sweep_dir):
     _drop_lines(sweep_dir / 'results.jsonl', None)  # a torn last line from a killed run
-  done = [i for i in picked if (sweep_dir / 'cases' / ids[i] / 'done').exists()]
-  outcome = SweepOutcome(sweep_dir, [ids[i] for i in picked], [], [ids[i] for i in done], [], [],
-                         [])
-  todo = [i for i in picked if i not in done]
-  print(f'sweep -> {sweep_dir}: {len(picked)} cases selected, {len(done)} done, '
+  outcome = SweepOutcome(sweep_dir, [ids[i] for i in picked], [], [], [], [], [])
+  outcome.skipped = [ids[i] for i in picked if (sweep_dir / 'cases' / ids[i] / 'done').exists()]
+  todo = [i for i in picked if ids[i] not in outcome.skipped]
+  print(f'sweep -> {sweep_dir}: {len(picked)} cases selected, {len(outcome.skipped)} done, '
         f'{len(todo)} to run', flush=True)
-  bar = tqdm(todo, total=len(picked), initial=len(done), unit='case', disable=not progress)
+  bar = tqdm(todo, total=len(picked), initial=len(outcome.skipped), unit='case',
+             disable=not progress)
   for i in bar:
     bar.set_postfix_str(ids[i])
-    case_dir = sweep_dir / 'cases' / ids[i]
-    case_dir.mkdir(parents=True, exist_ok=True)
-    with open(case_dir / '.lock', 'a') as lock:
-      try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except BlockingIOError:
-        outcome.busy.append(ids[i])
-        continue
-      if (case_dir / 'done').exists():  # finished by another process meanwhile
-        outcome.skipped.append(ids[i])
-        continue
-      outcome.ran.append(ids[i])
-      if not _run_case(experiment, ids[i], cases[i], configs[i], sweep_dir, progress):
-        outcome.failed.append(ids[i])
+    status = _run_case(experiment, ids[i], cases[i], configs[i], sweep_dir, progress)
+    getattr(outcome, 'ran' if status == 'failed' else status).append(ids[i])
+    if status == 'failed':
+      outcome.failed.append(ids[i])
   bar.close()
   _report(outcome, ids, base.experiment)
   return outcome
@@ -224,30 +197,27 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
 
 def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
   """Summary table and plots of every record of the sweep, in sweep order."""
-  sweep_dir = outcome.sweep_dir
-  with _locked(sweep_dir):
-    path = sweep_dir / 'results.jsonl'
+  path = outcome.sweep_dir / 'results.jsonl'
+  with _locked(outcome.sweep_dir):
     records = read_results(path) if path.exists() else []
   order = {cid: n for n, cid in enumerate(ids)}
   outcome.records = sorted(records, key=lambda r: order.get(r.get('case_id'), len(order)))
   try:
-    report.summarize(outcome.records, sweep_dir / 'summary.md', sweep_dir / 'summary.csv')
-    report.plot(outcome.records, sweep_dir / 'plots', experiment)
+    report.summarize(outcome.records, path.with_name('summary.md'), path.with_name('summary.csv'))
+    report.plot(outcome.records, outcome.sweep_dir / 'plots', experiment)
   except Exception:  # pylint: disable=broad-except  (the results are safe on disk regardless)
     outcome.report_error = traceback.format_exc()
-    print(f'report failed (rerun: python -m experiments.report {path}):\n'
+    print(f'report failed; redo with python -m experiments.report {path}\n'
           f'{outcome.report_error}', file=sys.stderr)
-  print(f'{len(outcome.ran)} cases ran, {len(outcome.failed)} failed'
-        f'{": " + ", ".join(outcome.failed) if outcome.failed else ""}; '
-        f'summary in {sweep_dir / "summary.md"}', flush=True)
+  failed = f': {", ".join(outcome.failed)}' if outcome.failed else ''
+  print(f'{len(outcome.ran)} cases ran, {len(outcome.failed)} failed{failed}; '
+        f'summary in {path.with_name("summary.md")}', flush=True)
 
 
 def define_flags() -> None:
-  """Defines the CLI flags (only when run as a program, so importing this module defines none)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  """Defines the CLI flags; called only when run as a program, so imports define no flags."""
   config_flags.DEFINE_config_file('config', 'configs/speculative.py',
-                                  'Config file (path[:variant]) defining get_sweep().',
+                                  'Config file (path[:variant]) with get_sweep().',
                                   lock_config=True)
   flags.DEFINE_string('workdir', 'runs', 'Root directory; the sweep goes to WORKDIR/EXPERIMENT/.')
   flags.DEFINE_string('sweep_name', 'sweep', 'Sweep directory name; the same name resumes.')
@@ -257,8 +227,6 @@ def define_flags() -> None:
 
 def main(argv) -> int:
   """absl entry point: runs the sweep the flags describe; returns the exit status."""
-  from absl import app, flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   f = flags.FLAGS
@@ -272,6 +240,5 @@ def main(argv) -> int:
 
 
 if __name__ == '__main__':
-  from absl import app as _app  # pylint: disable=g-import-not-at-top
   define_flags()
-  _app.run(main)
+  app.run(main)

@@ -14,7 +14,10 @@ from __future__ import annotations
 import copy
 import difflib
 import hashlib
+import importlib.util
 import itertools
+import os
+import pathlib
 import re
 from typing import Iterable, Optional
 
@@ -200,3 +203,40 @@ def parse_shard(text: Optional[str]) -> Optional[tuple[int, int]]:
   if not m or not 0 <= int(m[1]) < int(m[2]):
     raise ValueError(f'--shard takes i/n with 0 <= i < n, got {text!r}')
   return int(m[1]), int(m[2])
+
+
+def select_cases(cases: list[dict], only: Iterable[str] = (), shard: Optional[str] = None
+                 ) -> list[int]:
+  """Indices of the cases that pass the `--only` filters and fall in `--shard` ('i/n').
+
+  Raises:
+    ValueError: a filter names a field the sweep does not vary, a bad filter or shard, or
+      nothing is selected.
+  """
+  filters, shard_in = parse_only(only), parse_shard(shard)
+  swept = {field for case in cases for field in case}
+  for field in filters:
+    if field not in swept:
+      raise ValueError(f'--only field {field!r} is not swept (swept: {", ".join(sorted(swept))})')
+  picked = [i for i, case in enumerate(cases) if matches(case, filters)
+            and (shard_in is None or i % shard_in[1] == shard_in[0])]
+  if not picked:
+    raise ValueError(f'no case matches --only={list(only or ())} --shard={shard}')
+  return picked
+
+
+def load_sweep(spec: str) -> tuple[ml_collections.ConfigDict, list]:
+  """Loads a config file given as `path[:variant]`: (get_config(variant), get_sweep()).
+
+  Raises:
+    ValueError: the file does not exist or defines no get_sweep().
+  """
+  path, _, arg = spec.partition(':')
+  if not os.path.isfile(path):
+    raise ValueError(f'config file {path!r} not found')
+  module_spec = importlib.util.spec_from_file_location('_sweep_' + pathlib.Path(path).stem, path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  if not hasattr(module, 'get_sweep'):
+    raise ValueError(f'{path} defines no get_sweep()')
+  return (module.get_config(arg) if arg else module.get_config()), module.get_sweep()

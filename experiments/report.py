@@ -1,0 +1,166 @@
+"""Summary tables and plots of results records (a sweep's, or any run's results.jsonl).
+
+    python -m experiments.report runs/speculative/sweep/results.jsonl
+    python -m experiments.report runs/speculative/20250101-120000/results.jsonl --out /tmp/report
+    python -m experiments.report results.jsonl --experiment=speculative
+
+Writes summary.md and summary.csv (one row per record; case_id and the overrides come first as
+they lead each record, then the metrics) and the experiment's plots (PNG) under OUT/plots.
+An experiment gets plots by adding a function to PLOTS.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import pathlib
+from typing import Callable, Optional
+
+import matplotlib
+
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+def columns(records: list[dict]) -> list[str]:
+  """Every field of the records in first-seen order, with case_id (if any) first."""
+  names = list(dict.fromkeys(key for record in records for key in record))
+  return sorted(names, key=lambda name: name != 'case_id')
+
+
+def _cell(value) -> str:
+  """A markdown cell: floats at 4 significant digits, None empty, lists joined."""
+  if value is None:
+    return ''
+  if isinstance(value, float):
+    return f'{value:.4g}'
+  if isinstance(value, (list, dict)):
+    value = json.dumps(value)
+  return str(value).replace('|', '\\|').replace('\n', ' ')
+
+
+def summarize(records: list[dict], path_md, path_csv) -> None:
+  """Writes one row per record as a markdown table (`path_md`) and as CSV (`path_csv`).
+
+  Args:
+    records: result dicts; fields missing from a record are left empty.
+    path_md: markdown file (floats rounded to 4 significant digits, for reading).
+    path_csv: CSV file (full precision, None as empty, for other tools).
+  """
+  cols = columns(records)
+  with open(path_csv, 'w', newline='') as f:
+    writer = csv.writer(f)
+    writer.writerow(cols)
+    for record in records:
+      writer.writerow(['' if record.get(c) is None else record[c] for c in cols])
+  lines = [f'{len(records)} records', '']
+  if records:
+    lines += ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
+    lines += ['| ' + ' | '.join(_cell(r.get(c)) for c in cols) + ' |' for r in records]
+  pathlib.Path(path_md).write_text('\n'.join(lines) + '\n')
+
+
+def _mean_by(records, keys: tuple, metric: str) -> dict:
+  """{tuple of `keys` values: mean of `metric`} over records where the metric is not None."""
+  groups = collections.defaultdict(list)
+  for r in records:
+    if r.get(metric) is not None and all(r.get(k) is not None for k in keys):
+      groups[tuple(r[k] for k in keys)].append(float(r[metric]))
+  return {key: sum(v) / len(v) for key, v in groups.items()}
+
+
+def plot_speculative(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """Acceptance rate α vs K and speedup vs K: a panel per temperature, a line per workload.
+
+  Records with equal (temperature, workload, k) (e.g. from a sweep over another field) are
+  averaged. Returns the PNG paths written (none if no record has workload, k and temperature).
+  """
+  panels = [
+      ('acceptance_rate', 'acceptance rate α (fraction of draft tokens)', 'acceptance_vs_k.png'),
+      ('speedup', 'speedup over autoregressive (×)', 'speedup_vs_k.png'),
+  ]
+  paths = []
+  for metric, ylabel, name in panels:
+    means = _mean_by(records, ('temperature', 'workload', 'k'), metric)
+    if not means:
+      continue
+    temps = sorted({t for t, _, _ in means})
+    workloads = list(dict.fromkeys(w for _, w, _ in means))
+    ks = sorted({k for _, _, k in means})
+    fig, axes = plt.subplots(1, len(temps), figsize=(4.5 * len(temps), 3.6), squeeze=False,
+                             sharey=True)
+    for ax, temp in zip(axes[0], temps):
+      for workload in workloads:
+        pts = sorted((k, v) for (t, w, k), v in means.items() if t == temp and w == workload)
+        if pts:
+          ax.plot([k for k, _ in pts], [v for _, v in pts], marker='o', label=workload)
+      if metric == 'speedup':
+        ax.axhline(1.0, color='gray', linestyle='--', linewidth=0.8)
+      else:
+        ax.set_ylim(0.0, 1.02)
+      if all(k > 0 for k in ks):
+        ax.set_xscale('log', base=2)
+      ax.set_xticks(ks, [str(k) for k in ks])
+      ax.set_xlabel('K (draft tokens per round)')
+      ax.set_title(f'temperature {temp:g}')
+      ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(title='workload', fontsize='small')
+    fig.tight_layout()
+    paths.append(out_dir / name)
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+  return paths
+
+
+PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
+    'speculative': plot_speculative,
+}
+
+
+def plot(records: list[dict], out_dir, experiment: Optional[str]) -> list[pathlib.Path]:
+  """Draws the plots registered in PLOTS for `experiment` into `out_dir` (created).
+
+  Returns:
+    The PNG paths written; [] for an experiment without plots (tables still cover it).
+  """
+  fn = PLOTS.get(experiment or '')
+  if fn is None:
+    return []
+  out_dir = pathlib.Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  return fn(records, out_dir)
+
+
+def guess_experiment(results_path) -> Optional[str]:
+  """The `experiment` field of the config.json beside a results file, else None."""
+  config = pathlib.Path(results_path).parent / 'config.json'
+  try:
+    return json.loads(config.read_text()).get('experiment')
+  except (OSError, ValueError, AttributeError):
+    return None
+
+
+def main(argv) -> None:
+  """CLI: `python -m experiments.report RESULTS_JSONL [--out DIR] [--experiment NAME]`."""
+  from absl import app, flags  # pylint: disable=g-import-not-at-top
+  from experiments.common import read_results  # pylint: disable=g-import-not-at-top
+  if len(argv) != 2:
+    raise app.UsageError('usage: python -m experiments.report RESULTS_JSONL [--out DIR]')
+  path = pathlib.Path(argv[1])
+  out = pathlib.Path(flags.FLAGS.out or path.parent)
+  out.mkdir(parents=True, exist_ok=True)
+  records = read_results(path)
+  experiment = flags.FLAGS.experiment or guess_experiment(path)
+  summarize(records, out / 'summary.md', out / 'summary.csv')
+  pngs = plot(records, out / 'plots', experiment)
+  print(f'{len(records)} records -> {out / "summary.md"}, {out / "summary.csv"}; '
+        f'{len(pngs)} plots for experiment {experiment!r}')
+
+
+if __name__ == '__main__':
+  from absl import app as _app, flags as _flags  # pylint: disable=g-import-not-at-top
+  _flags.DEFINE_string('out', None, 'Output directory (default: beside RESULTS_JSONL).')
+  _flags.DEFINE_string('experiment', None, 'Which PLOTS entry to draw (default: config.json).')
+  _app.run(main)

@@ -1,0 +1,109 @@
+"""The paged KV cache: prefill through pages equals plain attention, one-token decode equals
+(K+1)-token verification bit for bit, rollback (contract 6), donation, the page allocator."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache import OutOfPagesError, PageAllocator, pages_needed, rollback
+from jaxspec.decoding import decode_autoregressive, prefill, SamplingParams
+from jaxspec.models import Transformer, cache_for
+
+PAGE = 8
+
+
+def _setup(tiny, batch, pages_per_seq=6):
+  config, params = tiny
+  alloc = PageAllocator(batch * pages_per_seq + 1)
+  table = np.array([alloc.allocate(pages_per_seq) for _ in range(batch)])
+  return config, params, cache_for(config, table, alloc.num_pages, PAGE)
+
+
+def _tokens(batch, t, seed=0):
+  return jax.random.randint(jax.random.PRNGKey(seed), (batch, t), 0, 64)
+
+
+def _positions(start, t, batch):
+  return jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (batch, t))
+
+
+def test_paged_prefill_matches_uncached_forward(tiny):
+  config, params, cache = _setup(tiny, 2)
+  tokens = _tokens(2, 21)
+  model = Transformer(config)
+  ref, _ = model.apply(params, tokens, _positions(0, 21, 2), None)
+  logits, cache = jax.jit(model.apply)(params, tokens, _positions(0, 21, 2), cache)
+  np.testing.assert_allclose(logits, ref, rtol=1e-4, atol=1e-4)  # fp32 reassociation
+  assert cache.lengths.tolist() == [21, 21]
+
+
+def test_one_token_decode_equals_verify_bit_for_bit(tiny):
+  config, params, cache = _setup(tiny, 1)
+  apply = jax.jit(Transformer(config).apply)
+  tokens = _tokens(1, 25)
+  _, cache = apply(params, tokens[:, :16], _positions(0, 16, 1), cache)
+  verify, _ = apply(params, tokens[:, 16:25], _positions(16, 9, 1), cache)
+  step_logits = []
+  for i in range(16, 25):
+    logits, cache = apply(params, tokens[:, i:i + 1], _positions(i, 1, 1), cache)
+    step_logits.append(logits)
+  np.testing.assert_array_equal(jnp.concatenate(step_logits, axis=1), verify)
+
+
+@pytest.mark.parametrize('prefix, rejected', [(8, 5), (13, 3), (15, 9)])
+def test_rollback_is_as_if_rejected_tokens_were_never_written(tiny, prefix, rejected):
+  config, params, cache = _setup(tiny, 2)
+  apply = jax.jit(Transformer(config).apply)
+  tokens = _tokens(2, prefix + rejected + 4, seed=prefix)
+  cont = _tokens(2, 4, seed=99)
+  _, clean = apply(params, tokens[:, :prefix], _positions(0, prefix, 2), cache)
+  expected, _ = apply(params, cont, _positions(prefix, 4, 2), clean)
+  _, dirty = apply(params, tokens[:, :prefix + rejected], _positions(0, prefix + rejected, 2),
+                   _setup(tiny, 2)[2])
+  dirty = rollback(dirty, jnp.full((2,), prefix, jnp.int32))
+  assert dirty.lengths.tolist() == [prefix, prefix]
+  got, after = apply(params, cont, _positions(prefix, 4, 2), dirty)
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  assert after.lengths.tolist() == [prefix + 4] * 2
+
+
+def test_rollback_never_grows_a_sequence(tiny):
+  _, _, cache = _setup(tiny, 2)
+  cache = cache.replace(lengths=jnp.array([5, 9], jnp.int32))
+  assert rollback(cache, jnp.array([7, 3])).lengths.tolist() == [5, 3]
+
+
+def test_decode_loop_consumes_the_donated_cache(tiny):
+  config, params, cache = _setup(tiny, 2)
+  tokens, lengths = _tokens(2, 8), jnp.array([8, 5], jnp.int32)
+  first, cache = prefill(config, params, cache, tokens, lengths, jax.random.PRNGKey(0),
+                         sampling=SamplingParams())
+  k_pages = cache.k_pages
+  out, new_cache = decode_autoregressive(config, params, cache, first, jax.random.PRNGKey(1),
+                                         jnp.zeros((0,), jnp.int32), sampling=SamplingParams(),
+                                         max_new_tokens=5)
+  assert k_pages.is_deleted()            # updated in place, not copied
+  assert not new_cache.k_pages.is_deleted()
+  assert out.num_tokens.tolist() == [5, 5]
+
+
+def test_pages_needed_rounds_up():
+  assert [pages_needed(n, 8) for n in (0, 1, 7, 8, 9, 16, 17)] == [0, 1, 1, 1, 2, 2, 3]
+
+
+def test_allocator_accounting_and_errors():
+  alloc = PageAllocator(5)
+  pages = alloc.allocate(3)
+  assert 0 not in pages and alloc.num_free == 1
+  with pytest.raises(OutOfPagesError, match='need 2, 1 free'):
+    alloc.allocate(2)
+  assert alloc.num_free == 1                       # a failed allocation takes nothing
+  alloc.share(pages[:1])
+  assert alloc.free(pages) == pages[1:]            # the shared page still has a holder
+  assert alloc.ref_count(pages[0]) == 1
+  with pytest.raises(ValueError, match='double free'):
+    alloc.free(pages[1:2])
+  with pytest.raises(ValueError, match='not a pool page'):
+    alloc.free([0])
+  assert alloc.free(pages[:1]) == pages[:1] and alloc.num_free == 4

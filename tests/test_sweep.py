@@ -1,0 +1,200 @@
+"""Tests for experiments.sweeps, experiments.sweep and experiments.report (fake experiment)."""
+
+import collections
+import csv
+import json
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+import fake_experiment
+from experiments import report, sweeps
+from experiments.common import read_results
+from experiments.sweep import run_sweep
+
+TESTS = pathlib.Path(__file__).parent
+ROOT = TESTS.parent
+CONFIG = str(TESTS / 'fake_config.py')
+ALL_CASES = [f'k={k},temperature={t}' for k in (1, 2, 4) for t in (0.0, 1.0)]
+
+
+@pytest.fixture(autouse=True)
+def fake_registered(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'experiments.fake', fake_experiment)
+
+
+def _sweep(tmp_path, **kw):
+  overrides = {'log': str(tmp_path / 'log.txt'), **kw.pop('overrides', {})}
+  return run_sweep(CONFIG, tmp_path / 'runs', overrides=overrides, progress=False, **kw)
+
+
+def _runs(tmp_path) -> collections.Counter:
+  return collections.Counter((tmp_path / 'log.txt').read_text().split())
+
+
+def _case_counts(records) -> collections.Counter:
+  return collections.Counter(r['case_id'] for r in records)
+
+
+def test_product_zip_and_case_id_are_deterministic_and_checked():
+  assert sweeps.product(k=[1, 2], t=[0.0, 1.0]) == [
+      {'k': 1, 't': 0.0}, {'k': 1, 't': 1.0}, {'k': 2, 't': 0.0}, {'k': 2, 't': 1.0}]
+  assert sweeps.zip_(k=[1, 2], t=[0.5, 1.0]) == [{'k': 1, 't': 0.5}, {'k': 2, 't': 1.0}]
+  with pytest.raises(ValueError, match='k=2, t=3'):
+    sweeps.zip_(k=[1, 2], t=[0, 1, 2])
+  with pytest.raises(ValueError, match='workloads'):
+    sweeps.product(workloads='json')
+  assert sweeps.case_id({'workloads': 'json', 'temperature': 0, 'k': 4}) == (
+      'k=4,temperature=0,workloads=json')
+  assert sweeps.case_id({'path': 'a/b c'}) == 'path=a_b_c'
+  assert sweeps.case_id({}) == 'base'
+
+
+def test_apply_overrides_copies_coerces_and_names_unknown_fields():
+  config = ml_collections.ConfigDict({'k': 4, 'temperature': 0.0, 'name': 'x', 'sub': {'n': 1}})
+  config.lock()
+  new = sweeps.apply_overrides(config, {'temperature': 1, 'k': '8', 'sub.n': 2, 'name': 'y'})
+  assert (new.k, new.temperature, new.sub.n, new.name) == (8, 1.0, 2, 'y')
+  assert isinstance(new.temperature, float) and config.k == 4 and config.sub.n == 1
+  with pytest.raises(ValueError, match="'sub.m'"):
+    sweeps.apply_overrides(config, {'sub.m': 1})
+  with pytest.raises(ValueError, match="'name'"):
+    sweeps.apply_overrides(config, {'name': 3})
+  with pytest.raises(ValueError, match='same id'):
+    sweeps.validate_sweep(config, [{'k': 1}, {'k': 1}])
+
+
+def test_only_and_shard_parsing():
+  assert sweeps.parse_only(['k=4,temperature=0.0', 'k=8', 'workloads=json,code']) == {
+      'k': ['4', '8'], 'temperature': ['0.0'], 'workloads': ['json,code']}
+  assert sweeps.matches({'k': 4, 'temperature': 0.0}, {'k': ['4'], 'temperature': ['0']})
+  assert not sweeps.matches({'k': 4, 'temperature': 1.0}, {'k': ['4'], 'temperature': ['0']})
+  assert sweeps.parse_shard('1/3') == (1, 3)
+  for bad in ('3/3', '1', 'a/b'):
+    with pytest.raises(ValueError, match='shard'):
+      sweeps.parse_shard(bad)
+
+
+def test_resume_runs_only_the_rest_and_each_case_appears_once(tmp_path):
+  partial = 'k=2,temperature=0.0'  # third case: interrupted after its first record
+  with pytest.raises(KeyboardInterrupt):
+    _sweep(tmp_path, overrides={'interrupt_on': partial})
+  sweep_dir = tmp_path / 'runs' / 'fake' / 'sweep'
+  assert _case_counts(read_results(sweep_dir / 'results.jsonl'))[partial] == 1
+  with open(sweep_dir / 'results.jsonl', 'a') as f:  # a kill in the middle of a write
+    f.write('{"case_id": "k=2,temp')
+
+  outcome = _sweep(tmp_path)
+  assert outcome.skipped == ALL_CASES[:2] and outcome.ran == ALL_CASES[2:]
+  assert outcome.exit_code == 0
+  assert _runs(tmp_path) == {**{c: 1 for c in ALL_CASES}, partial: 2}
+  lines = (sweep_dir / 'results.jsonl').read_text().splitlines()
+  records = [json.loads(line) for line in lines]  # no torn line left
+  assert _case_counts(records) == {c: 2 for c in ALL_CASES}
+  assert len(read_results(sweep_dir / 'cases' / partial / 'results.jsonl')) == 2
+  assert all((sweep_dir / 'cases' / c / 'done').exists() for c in ALL_CASES)
+
+  again = _sweep(tmp_path)
+  assert again.ran == [] and again.skipped == ALL_CASES and len(again.records) == 12
+
+
+def test_unknown_field_fails_before_any_case_runs(tmp_path):
+  config = tmp_path / 'bad_config.py'
+  config.write_text((TESTS / 'fake_config.py').read_text()
+                    + '\n\ndef get_sweep():\n  return [{"k": 1}, {"kk": 2}]\n')
+  with pytest.raises(ValueError, match="'kk'"):
+    run_sweep(str(config), tmp_path / 'runs', overrides={'log': str(tmp_path / 'log.txt')})
+  assert not (tmp_path / 'log.txt').exists() and not (tmp_path / 'runs').exists()
+  with pytest.raises(ValueError, match="'num_promts'"):
+    _sweep(tmp_path, overrides={'num_promts': 2})
+
+
+def test_failing_case_is_recorded_and_the_rest_still_run(tmp_path):
+  bad = 'k=2,temperature=1.0'
+  outcome = _sweep(tmp_path, overrides={'fail_on': bad})
+  assert outcome.failed == [bad] and outcome.exit_code == 1
+  assert outcome.ran == ALL_CASES
+  assert _case_counts(outcome.records) == {c: 2 for c in ALL_CASES if c != bad}
+  case_dir = outcome.sweep_dir / 'cases' / bad
+  assert 'fake failure' in (case_dir / 'error.txt').read_text()
+  assert 'Traceback' in (case_dir / 'error.txt').read_text()
+  assert not (case_dir / 'done').exists()
+  failures = read_results(outcome.sweep_dir / 'failures.jsonl')
+  assert [f['case_id'] for f in failures] == [bad] and 'fake failure' in failures[0]['error']
+  assert (outcome.sweep_dir / 'summary.md').exists()
+
+  retry = _sweep(tmp_path)
+  assert retry.ran == [bad] and retry.exit_code == 0
+  assert read_results(outcome.sweep_dir / 'failures.jsonl') == []
+  assert _case_counts(retry.records) == {c: 2 for c in ALL_CASES}
+
+
+@pytest.mark.parametrize('only, shard, expected', [
+    (['k=4'], None, ['k=4,temperature=0.0', 'k=4,temperature=1.0']),
+    (['k=4,temperature=0.0'], None, ['k=4,temperature=0.0']),
+    (['k=1', 'k=4', 'temperature=1'], None, ['k=1,temperature=1.0', 'k=4,temperature=1.0']),
+    ([], '1/4', ['k=1,temperature=1.0', 'k=4,temperature=1.0']),
+])
+def test_only_and_shard_run_the_subset(tmp_path, only, shard, expected):
+  outcome = _sweep(tmp_path, only=only, shard=shard)
+  assert outcome.selected == expected and outcome.ran == expected
+  assert set(_runs(tmp_path)) == set(expected)
+
+
+def test_only_rejects_fields_that_are_not_swept_and_empty_selections(tmp_path):
+  with pytest.raises(ValueError, match='workloads'):
+    _sweep(tmp_path, only=['workloads=json'])
+  with pytest.raises(ValueError, match='no case'):
+    _sweep(tmp_path, only=['k=3'])
+
+
+def _spec_records():
+  return [{'case_id': f'k={k},temperature={t}', 'k': k, 'temperature': t, 'workload': w,
+           'acceptance_rate': 0.9 / k, 'speedup': 1 + 0.5 / k, 'ttft_s': None}
+          for k in (1, 2, 4) for t in (0.0, 1.0) for w in ('json', 'code')]
+
+
+def test_report_writes_one_row_per_record_and_nonempty_plots(tmp_path):
+  records = _spec_records()
+  report.summarize(records, tmp_path / 's.md', tmp_path / 's.csv')
+  rows = list(csv.reader(open(tmp_path / 's.csv')))
+  assert rows[0][:3] == ['case_id', 'k', 'temperature'] and len(rows) == len(records) + 1
+  md_rows = [l for l in (tmp_path / 's.md').read_text().splitlines() if l.startswith('|')]
+  assert len(md_rows) == len(records) + 2  # header and separator
+  pngs = report.plot(records, tmp_path / 'plots', 'speculative')
+  assert {p.name for p in pngs} == {'acceptance_vs_k.png', 'speedup_vs_k.png'}
+  assert all(p.stat().st_size > 1000 for p in pngs)
+  assert report.plot(records, tmp_path / 'other', 'no_plots_registered') == []
+
+
+def test_report_cli_remakes_summary_and_plots(tmp_path):
+  results = tmp_path / 'results.jsonl'
+  results.write_text(''.join(json.dumps(r) + '\n' for r in _spec_records()))
+  subprocess.run([sys.executable, '-m', 'experiments.report', str(results), '--out',
+                  str(tmp_path / 'out'), '--experiment=speculative'], cwd=ROOT, check=True)
+  assert (tmp_path / 'out' / 'summary.csv').exists()
+  assert (tmp_path / 'out' / 'plots' / 'speedup_vs_k.png').stat().st_size > 0
+
+
+def _cli(tmp_path, *flags):
+  code = ('import sys; sys.path.insert(0, "tests"); import fake_experiment; '
+          'sys.modules["experiments.fake"] = fake_experiment; from absl import app; '
+          'from experiments import sweep; sweep.define_flags(); app.run(sweep.main)')
+  return subprocess.run([sys.executable, '-c', code, f'--workdir={tmp_path}', *flags], cwd=ROOT,
+                        capture_output=True, text=True)
+
+
+def test_cli_applies_base_overrides_to_every_case_and_exits_nonzero_on_failure(tmp_path):
+  ok = _cli(tmp_path, '--config=tests/fake_config.py:smoke', '--config.num_prompts=3',
+            '--only=k=1', '--only=temperature=0.0')
+  assert ok.returncode == 0, ok.stderr
+  records = read_results(tmp_path / 'fake' / 'sweep' / 'results.jsonl')
+  assert [r['num_prompts'] for r in records] == [3, 3]
+  failed = _cli(tmp_path, '--config=tests/fake_config.py', '--sweep_name=s2', '--shard=0/3',
+                '--config.fail_on=k=1,temperature=0.0')
+  assert failed.returncode == 1, failed.stderr
+  bad = _cli(tmp_path, '--config=tests/fake_config.py', '--only=kk=1')
+  assert bad.returncode == 1 and "'kk'" in bad.stderr
