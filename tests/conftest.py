@@ -11,8 +11,9 @@ from jaxspec.training import init_params
 @pytest.fixture(scope='session')
 def tiny():
   """(config, params) of a tiny random target (V = 64). Projections are scaled up 3x so its
-  greedy output wanders over the vocabulary instead of repeating one token."""
-  config = ModelConfig.from_name('test-tiny')
+  greedy output wanders over the vocabulary instead of repeating one token. Exact-verify numerics,
+  so that verification rounds bit for bit like decode (see ModelConfig.exact_verify)."""
+  config = ModelConfig.from_name('test-tiny', exact_verify=True)
   params = jax.tree_util.tree_map_with_path(
       lambda path, w: w * 3.0 if 'kernel' in jax.tree_util.keystr(path) else w,
       init_params(config, 0))

@@ -59,3 +59,14 @@ def test_self_draft_accepts_everything(tiny):
                 draft_params=tp, k=4)
   assert sp.acceptance_rate == 1.0
   assert sp.mean_accepted_length > 4.0
+
+
+def test_decode_loops_compile_once_per_shape(tiny, tiny_draft):
+  from jaxspec.decoding import decode_autoregressive, decode_speculative, prefill
+  (tc, tp), (dc, dp) = tiny, tiny_draft
+  kwargs = dict(max_new_tokens=12, page_size=8, draft=dc, draft_params=dp, k=3)
+  generate(tc, tp, _prompts([10, 20]), **kwargs)
+  sizes = [f._cache_size() for f in (prefill, decode_speculative)]
+  # Other prompts of other lengths in the same bucket, another seed: no recompilation.
+  generate(tc, tp, _prompts([5, 33], seed=7), seed=3, **kwargs)
+  assert [f._cache_size() for f in (prefill, decode_speculative)] == sizes

@@ -48,3 +48,13 @@ def gqa_attention(q, k, v, mask):
   v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)                   # [B, K, H, S]
   out = jnp.einsum('BKGTS,BKHS->BKGTH', probs, v_t)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def gqa_attention_per_query(q, k, v, mask):
+  """`gqa_attention` evaluated one query token at a time (unrolled over T).
+
+  Each piece has exactly the shapes of single-token decode, so XLA emits the same reductions and
+  a (K+1)-token verification rounds like K+1 decode steps. Same args and result as gqa_attention.
+  """
+  return jnp.concatenate([gqa_attention(q[:, t:t + 1], k, v, mask[:, t:t + 1])
+                          for t in range(q.shape[1])], axis=1)

@@ -23,6 +23,9 @@ class ModelConfig:
     tie_embeddings: use the embedding matrix as the output projection.
     qkv_bias: biases on the q/k/v projections (Qwen2 family).
     dtype: compute dtype of activations, e.g. 'float32' or 'bfloat16'.
+    exact_verify: numerics policy, not a weight property: (K+1)-token verification rounds
+      exactly like K+1 single-token decode steps, at some cost in speed (see
+      `jaxspec.models.llama.matmul_rows`). Tests of greedy equality turn it on; timings do not.
   """
 
   vocab_size: int
@@ -38,6 +41,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   dtype: str = 'float32'
+  exact_verify: bool = False
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',

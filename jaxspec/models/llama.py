@@ -23,25 +23,48 @@ from jaxspec.kernels import attention
 from jaxspec.models.config import ModelConfig
 
 
-def matmul_rows(x, kernel):
-  """x @ kernel over the last axis, rounding each row the same way whatever the row count.
+# Row counts up to which XLA:CPU's matrix-matrix kernel rounds every row the same way (measured
+# on the shapes of the shipped models); see `matmul_rows`.
+EXACT_ROWS = 32
 
-  XLA:CPU sends a single row to a matrix-vector kernel that sums in a different order from its
-  matrix-matrix kernel, so one-token decode and (K+1)-token verification would disagree in the
-  last bits and could flip a greedy near-tie. A lone row is therefore padded to two.
+
+def matmul_rows(x, kernel, exact: bool = False):
+  """x @ kernel over the last axis.
+
+  With `exact`, each row is rounded the same way whatever the batch shape. XLA:CPU picks its
+  matmul kernel (and so its summation order) from the row count: one row goes to a matrix-vector
+  kernel, 2..32 rows share one blocking, more rows another. One-token decode and (K+1)-token
+  verification would then differ in the last bits and could flip a greedy near-tie. In exact mode
+  a call of at most EXACT_ROWS tokens per sequence pads a lone row to two and cuts more than
+  EXACT_ROWS rows into blocks of EXACT_ROWS; longer calls (prefill) use one plain matmul. Exact
+  mode makes single-token decode slower (the two-row kernel repacks the weights), so timings are
+  taken with exact=False.
 
   Args:
-    x: [..., D_in]; kernel: [D_in, D_out].
+    x: [B, T, D_in]; kernel: [D_in, D_out]; exact: static.
   Returns:
-    [..., D_out].
+    [B, T, D_out].
   """
   lead = x.shape[:-1]
   rows = x.reshape(-1, x.shape[-1])
-  if rows.shape[0] == 1:
-    out = (jnp.concatenate([rows, rows]) @ kernel)[:1]
-  else:
+  if not exact or x.shape[-2] > EXACT_ROWS:
     out = rows @ kernel
+  else:
+    blocks = []
+    for start in range(0, rows.shape[0], EXACT_ROWS):
+      block = rows[start:start + EXACT_ROWS]
+      if block.shape[0] == 1:
+        blocks.append((jnp.concatenate([block, block]) @ kernel)[:1])
+      else:
+        blocks.append(block @ kernel)
+    out = blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks)
   return out.reshape(*lead, kernel.shape[-1])
+
+
+def exact_per_token(config, x, cache) -> bool:
+  """Whether a [B, T, D] call must reduce one token at a time so that it rounds exactly like T
+  single-token decode steps: exact mode, a cached call of 2..EXACT_ROWS tokens (verification)."""
+  return config.exact_verify and cache is not None and 1 < x.shape[1] <= EXACT_ROWS
 
 
 class Linear(nn.Module):
@@ -50,28 +73,40 @@ class Linear(nn.Module):
   features: int
   use_bias: bool = False
   dtype: str = 'float32'
+  exact: bool = False
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param('kernel', nn.initializers.normal(x.shape[-1] ** -0.5),
                         (x.shape[-1], self.features), jnp.float32)
-    y = matmul_rows(x.astype(self.dtype), kernel.astype(self.dtype))
+    y = matmul_rows(x.astype(self.dtype), kernel.astype(self.dtype), self.exact)
     if self.use_bias:
       y = y + self.param('bias', nn.initializers.zeros, (self.features,)).astype(self.dtype)
     return y
 
 
 class RMSNorm(nn.Module):
-  """x / rms(x) * scale, computed in float32 (Zhang & Sennrich 2019)."""
+  """x / rms(x) * scale, computed in float32 (Zhang & Sennrich 2019).
+
+  With `per_token=True` the [B, T, D] input is normalised one token at a time (unrolled over
+  T): XLA:CPU's row reduction changes its summation order with the number of rows, so this is how
+  (K+1)-token verification rounds exactly like single-token decode (see `matmul_rows`).
+  """
 
   eps: float = 1e-5
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, per_token: bool = False):
     scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * scale).astype(x.dtype)
+
+    def norm(x):
+      x32 = x.astype(jnp.float32)
+      y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+      return (y * scale).astype(x.dtype)
+
+    if per_token:
+      return jnp.concatenate([norm(x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
+    return norm(x)
 
 
 def apply_rope(x, positions, theta: float):
@@ -100,9 +135,9 @@ class Attention(nn.Module):
   def __call__(self, x, positions, slots, cache):
     c = self.config
     b, t, _ = x.shape
-    q = Linear(c.num_heads * c.head_dim, c.qkv_bias, c.dtype, name='q')(x)
-    k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, name='k')(x)
-    v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, name='v')(x)
+    q = Linear(c.num_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='q')(x)
+    k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='k')(x)
+    v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='v')(x)
     q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
     k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -116,8 +151,13 @@ class Attention(nn.Module):
       keys = paged.gather_kv(cache.k_pages, self.layer, cache.page_table)
       values = paged.gather_kv(cache.v_pages, self.layer, cache.page_table)
     mask = attention.slot_causal_mask(slots, keys.shape[1])
-    out = attention.gqa_attention(q, keys, values, mask)
-    out = Linear(c.d_model, dtype=c.dtype, name='o')(out.reshape(b, t, -1))
+    if exact_per_token(c, x, cache):
+      # Verification: attend one query at a time with the very computation of a decode step, so
+      # both round identically (see matmul_rows).
+      out = attention.gqa_attention_per_query(q, keys, values, mask)
+    else:
+      out = attention.gqa_attention(q, keys, values, mask)
+    out = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='o')(out.reshape(b, t, -1))
     return out, cache
 
 
@@ -127,9 +167,9 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     c = self.config
-    gate = Linear(c.d_ff, dtype=c.dtype, name='gate')(x)
-    up = Linear(c.d_ff, dtype=c.dtype, name='up')(x)
-    return Linear(c.d_model, dtype=c.dtype, name='down')(jax.nn.silu(gate) * up)
+    gate = Linear(c.d_ff, dtype=c.dtype, exact=c.exact_verify, name='gate')(x)
+    up = Linear(c.d_ff, dtype=c.dtype, exact=c.exact_verify, name='up')(x)
+    return Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='down')(jax.nn.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -139,10 +179,11 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, positions, slots, cache):
     c = self.config
+    per_token = exact_per_token(c, x, cache)
     h, cache = Attention(c, self.layer, name='attn')(
-        RMSNorm(c.norm_eps, name='attn_norm')(x), positions, slots, cache)
+        RMSNorm(c.norm_eps, name='attn_norm')(x, per_token), positions, slots, cache)
     x = x + h
-    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x))
+    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x, per_token))
     return x, cache
 
 
@@ -176,11 +217,11 @@ class Transformer(nn.Module):
       slots = jnp.where(valid, cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), -1)
     for i in range(c.num_layers):
       x, cache = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache)
-    x = RMSNorm(c.norm_eps, name='final_norm')(x)
+    x = RMSNorm(c.norm_eps, name='final_norm')(x, exact_per_token(c, x, cache))
     if c.tie_embeddings:
-      logits = matmul_rows(x, embed.embedding.T.astype(c.dtype))
+      logits = matmul_rows(x, embed.embedding.T.astype(c.dtype), c.exact_verify)
     else:
-      logits = Linear(c.vocab_size, dtype=c.dtype, name='lm_head')(x)
+      logits = Linear(c.vocab_size, dtype=c.dtype, exact=c.exact_verify, name='lm_head')(x)
     if cache is not None:
       cache = cache.replace(lengths=cache.lengths + valid.sum(axis=1, dtype=jnp.int32))
     return logits.astype(jnp.float32), cache

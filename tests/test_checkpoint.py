@@ -1,0 +1,71 @@
+"""Model directories: round trip, and clear errors for missing or corrupt checkpoints."""
+
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.models import CheckpointError, ModelConfig, load_model, save_model
+from jaxspec.training import init_params
+
+
+@pytest.fixture
+def saved(tmp_path):
+  config = ModelConfig.from_name('test-tiny')
+  params = init_params(config, 0)
+  save_model(tmp_path / 'm', config, params, dtype='float32', info={'val_loss': 1.5})
+  return tmp_path / 'm', config, params
+
+
+def test_round_trip_is_exact_in_float32(saved):
+  path, config, params = saved
+  loaded_config, loaded = load_model(path)
+  assert loaded_config == config
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_bfloat16_storage_rounds_to_bfloat16(tmp_path):
+  config = ModelConfig.from_name('test-tiny')
+  params = init_params(config, 0)
+  save_model(tmp_path / 'b', config, params)          # bfloat16 by default
+  _, loaded = load_model(tmp_path / 'b')
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2), loaded, params)
+
+
+def test_missing_directory_is_named(tmp_path):
+  with pytest.raises(CheckpointError, match='no model directory at .*nowhere'):
+    load_model(tmp_path / 'nowhere')
+
+
+def test_missing_params_is_named(saved):
+  path, _, _ = saved
+  shutil.rmtree(path / 'params')
+  with pytest.raises(CheckpointError, match='params is missing'):
+    load_model(path)
+
+
+def test_corrupt_params_is_named(saved):
+  path, _, _ = saved
+  for f in (path / 'params').rglob('*'):
+    if f.is_file() and f.stat().st_size > 0:
+      f.write_bytes(b'\x00garbage' * 4)
+  with pytest.raises(CheckpointError, match='cannot read the checkpoint'):
+    load_model(path)
+
+
+def test_bad_config_is_named(saved):
+  path, _, _ = saved
+  (path / 'config.json').write_text('{"vocab_size": 64}')
+  with pytest.raises(CheckpointError, match='config.json is not a valid ModelConfig'):
+    load_model(path)
+
+
+def test_wrong_shape_names_the_tensor(saved):
+  path, config, _ = saved
+  fields = json.loads((path / 'config.json').read_text())
+  fields['d_ff'] = config.d_ff * 2
+  (path / 'config.json').write_text(json.dumps(fields))
+  with pytest.raises(CheckpointError, match=r"tensor \['params'\]\['layer_0'\]\['mlp'\].*has shape \(64, 32\)"):
+    load_model(path)

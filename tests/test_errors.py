@@ -1,0 +1,75 @@
+"""Bad input gets a clear error naming the value, never a silent wrong result."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from jaxspec.decoding import generate
+from jaxspec.models import ModelConfig
+
+
+def test_prompt_longer_than_context(tiny):
+  config, params = tiny
+  prompt = [5] * (config.max_seq_len - 10)
+  with pytest.raises(ValueError, match=rf'prompt 0 of {len(prompt)} tokens .* exceeds the context '
+                                       rf'of {config.max_seq_len}'):
+    generate(config, params, [prompt], max_new_tokens=20)
+
+
+def test_speculation_slack_counts_against_the_context(tiny):
+  config, params = tiny
+  prompt = [5] * (config.max_seq_len - 24)
+  generate(config, params, [prompt], max_new_tokens=20)           # fits without a draft
+  with pytest.raises(ValueError, match='exceeds the context'):
+    generate(config, params, [prompt], max_new_tokens=20, draft=config, draft_params=params, k=8)
+
+
+@pytest.mark.parametrize('k', [0, -1, 17])
+def test_k_out_of_range(tiny, k):
+  config, params = tiny
+  with pytest.raises(ValueError, match=rf'K must be in \[1, 16\], got {k}'):
+    generate(config, params, [[1, 2, 3]], max_new_tokens=4, draft=config, draft_params=params, k=k)
+
+
+def test_draft_vocabulary_must_match(tiny):
+  config, params = tiny
+  other = dataclasses.replace(config, vocab_size=65)
+  with pytest.raises(ValueError, match=r'draft vocabulary \(65\) differs from the target '
+                                       r'vocabulary \(64\)'):
+    generate(config, params, [[1, 2]], max_new_tokens=4, draft=other, draft_params=params, k=2)
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(max_new_tokens=0), 'max_new_tokens must be >= 1, got 0'),
+    (dict(max_new_tokens=4, stop_tokens=[64]), 'stop token id 64 outside'),
+])
+def test_bad_generation_arguments(tiny, kwargs, match):
+  config, params = tiny
+  with pytest.raises(ValueError, match=match):
+    generate(config, params, [[1, 2]], **kwargs)
+
+
+def test_bad_prompts(tiny):
+  config, params = tiny
+  with pytest.raises(ValueError, match='prompt 1 is empty'):
+    generate(config, params, [[1], []], max_new_tokens=2)
+  with pytest.raises(ValueError, match='token id 99 outside the vocabulary'):
+    generate(config, params, [[1, 99]], max_new_tokens=2)
+
+
+def test_bad_model_config():
+  with pytest.raises(ValueError, match='num_heads=6 is not a multiple of num_kv_heads=4'):
+    ModelConfig.from_name('test-tiny', num_heads=6, num_kv_heads=4)
+  with pytest.raises(ValueError, match="unknown model preset 'nope'"):
+    ModelConfig.from_name('nope')
+
+
+def test_unknown_config_field_fails_loudly(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.run', '--config=configs/speculative.py:smoke',
+       '--config.kk=3', f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert 'kk' in proc.stderr
+  assert not any(tmp_path.iterdir())                  # nothing ran, nothing written
