@@ -1,0 +1,37 @@
+"""Benchmark: autoregressive vs speculative tokens/s over K in one run, decode-step MBU, and the
+draft/target cost ratio c.
+
+    python -m experiments.run --config=configs/benchmark.py
+    python -m experiments.run --config=configs/benchmark.py:smoke
+
+One record per K (speedup, α, τ, and the speedup Leviathan et al.'s formula predicts from the
+measured α and c), then one record with the decode step's bytes, time and MBU for each model.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.experiment = 'benchmark'
+  c.target = ''
+  c.draft = ''
+  c.tokenizer = ''
+  c.workload = 'json'
+  c.ks = '1,2,4,8'
+  c.temperature = 0.0
+  c.max_new_tokens = 128
+  c.num_prompts = 8
+  c.prompt_len = 384
+  c.page_size = 16
+  c.repeats = 2          # timed passes over the prompts per decoder (best pass is reported)
+  c.seed = 0
+  if arg == 'smoke':
+    c.ks = '1,2'
+    c.num_prompts = 1
+    c.max_new_tokens = 16
+    c.prompt_len = 128
+    c.repeats = 1
+  elif arg not in (None, ''):
+    raise ValueError(f'unknown variant {arg!r} of configs/benchmark.py (known: smoke)')
+  return c

@@ -1,0 +1,25 @@
+"""Train one model (configs/train.py) and save it as a model directory with its training facts."""
+
+from __future__ import annotations
+
+from jaxspec.data import Tokenizer, train_mixture
+from jaxspec.models import ModelConfig, save_model, shipped
+from jaxspec.training import train
+
+
+def run(config, results) -> None:
+  """Train `config.model` on the train split, evaluate on val, save, write one record."""
+  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  max_docs = config.max_docs or None
+  train_tokens = train_mixture(tokenizer, 'train', max_docs=max_docs)
+  val_tokens = train_mixture(tokenizer, 'val', max_docs=max_docs)
+  model = ModelConfig.from_name(config.model, vocab_size=tokenizer.vocab_size)
+  params, info = train(model, train_tokens, val_tokens, steps=config.steps,
+                       batch_size=config.batch_size, seq_len=config.seq_len,
+                       learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+                       weight_decay=config.weight_decay, grad_clip=config.grad_clip,
+                       seed=config.seed, eval_batches=config.eval_batches)
+  out = config.out or results.dir / 'model'
+  info = dict(model=config.model, corpus_train_tokens=int(len(train_tokens)), **info)
+  save_model(out, model, params, dtype=config.store_dtype, info=info)
+  results.write(dict(info, out=str(out)))
