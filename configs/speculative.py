@@ -30,6 +30,7 @@ def get_config(arg=None):
   c.batch_size = 1
   c.page_size = 16
   c.seed = 0
+  c.exact_verify = False  # verification rounds bit-for-bit like decode (slower; see README)
   if arg == 'smoke':
     c.num_prompts = 1
     c.max_new_tokens = 16

@@ -6,6 +6,8 @@ compile-only warm-up, so the speedup is a ratio taken under the same machine con
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxspec.data import Tokenizer, make_prompts
@@ -15,7 +17,8 @@ from jaxspec.models import load_model, shipped
 
 def load_pair(config):
   """(target_config, target_params, draft_config, draft_params, tokenizer) from the config's
-  paths, the shipped ones where a path is ''. Raises CheckpointError / ValueError when missing,
+  paths, the shipped ones where a path is ''; `config.exact_verify` (if present) sets both models'
+  numerics mode. Raises CheckpointError / ValueError when missing,
   corrupt, or the vocabularies disagree."""
   target_cfg, target_params = load_model(config.target or shipped('target'))
   draft_cfg, draft_params = load_model(config.draft or shipped('draft'))
@@ -27,6 +30,9 @@ def load_pair(config):
   if draft_cfg.vocab_size != target_cfg.vocab_size:
     raise ValueError(f'draft vocabulary ({draft_cfg.vocab_size}) differs from the target '
                      f'vocabulary ({target_cfg.vocab_size})')
+  exact = bool(config.get('exact_verify', False))
+  target_cfg = dataclasses.replace(target_cfg, exact_verify=exact)
+  draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact)
   return target_cfg, target_params, draft_cfg, draft_params, tokenizer
 
 
