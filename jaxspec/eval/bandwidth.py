@@ -13,17 +13,25 @@ from jaxspec.models import ModelConfig
 
 
 def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 10) -> float:
-  """Best-of-`repeats` bytes/s of an XLA elementwise pass over a float32 array of `num_bytes`
-  (counted as one read + one write). Returns bytes per second."""
-  x = jnp.ones((num_bytes // 4,), jnp.float32)
-  f = jax.jit(lambda a: a * 1.0001)
-  jax.block_until_ready(f(x))
+  """Read bandwidth of this machine through XLA, in bytes/s.
+
+  The fastest of `repeats` runs of two read-bound kernels over a float32 array of `num_bytes`
+  (far larger than any cache): a sum reduction, and a vector-matrix product (the access pattern
+  of a batch-1 decode step). Only the bytes read are counted.
+  """
+  n = num_bytes // 4
+  cols = 8192
+  x = jnp.ones((n // cols, cols), jnp.float32)
+  v = jnp.ones((n // cols,), jnp.float32)
+  kernels = [(jax.jit(jnp.sum), (x,)), (jax.jit(lambda v, w: v @ w), (v, x))]
   best = float('inf')
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(f(x))
-    best = min(best, time.perf_counter() - start)
-  return 2 * x.nbytes / best
+  for f, args in kernels:
+    jax.block_until_ready(f(*args))
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      best = min(best, time.perf_counter() - start)
+  return x.nbytes / best
 
 
 def decode_step_bytes(config: ModelConfig, params, batch: int, kv_slots: int,
