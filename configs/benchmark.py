@@ -5,7 +5,9 @@ draft/target cost ratio c.
     python -m experiments.run --config=configs/benchmark.py:smoke
 
 One record per K (speedup, α, τ, and the speedup Leviathan et al.'s formula predicts from the
-measured α and c), then one record with the decode step's bytes, time and MBU for each model.
+measured per-position acceptance and c, with and without the measured cost v of a K+1-token
+verification pass in decode steps), then one record with the decode step's bytes, time and MBU
+for each model.
 """
 
 import ml_collections

@@ -6,8 +6,16 @@ pass of each is kept, which filters out other load on a noisy machine.
 
 from __future__ import annotations
 
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
+from jaxspec.cache import PageAllocator, pages_needed
+from jaxspec.models import Transformer, cache_for
 from jaxspec.eval import (decode_step_bytes, expected_speedup, expected_tokens_per_round, mbu,
                           measure_bandwidth)
 from experiments.speculative import load_pair
@@ -21,6 +29,26 @@ def _timed(runs_per_repeat):
     seconds = sum(r.decode_s for r in runs)
     if best is None or tokens / seconds > best[0] / best[1]:
       best = (tokens, seconds)
+  return best
+
+
+def forward_seconds(config, params, context: int, num_tokens: int, page_size: int = 16,
+                    repeats: int = 20) -> float:
+  """Best-of-`repeats` seconds of one cached target forward pass over `num_tokens` new tokens
+  (1 = a decode step, K+1 = a verification) after `context` cached tokens, batch 1."""
+  per_seq = pages_needed(context + num_tokens, page_size)
+  alloc = PageAllocator(per_seq + 1)
+  cache = cache_for(config, np.array([alloc.allocate(per_seq)]), alloc.num_pages, page_size)
+  cache = cache.replace(lengths=jnp.array([context], jnp.int32))
+  tokens = jnp.zeros((1, num_tokens), jnp.int32)
+  positions = context + jnp.arange(num_tokens, dtype=jnp.int32)[None]
+  forward = jax.jit(Transformer(config).apply)
+  jax.block_until_ready(forward(params, tokens, positions, cache))
+  best = float('inf')
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(forward(params, tokens, positions, cache))
+    best = min(best, time.perf_counter() - start)
   return best
 
 
@@ -51,18 +79,24 @@ def run(config, results) -> None:
   tps = {name: tokens / seconds for name, (tokens, seconds) in best.items()}
   step_s = {name: seconds / tokens for name, (tokens, seconds) in best.items()}
   c = step_s['draft'] / step_s['target']
+  context = max(len(p) for p in prompts) + config.max_new_tokens // 2
+  one = forward_seconds(target, tparams, context, 1, config.page_size)
   for k in ks:
+    # v = cost of verifying K+1 tokens in one pass, in decode steps: the formula assumes 1.
+    v = forward_seconds(target, tparams, context, k + 1, config.page_size) / one
     last = runs[k][-1]
-    proposed = sum(r.proposed for r in last)
-    alpha = sum(r.accepted for r in last) / proposed
+    accepted = sum(r.accepted for r in last)
+    alpha = accepted / sum(r.proposed for r in last)
+    beta = accepted / (accepted + sum(r.rejected for r in last))
     results.write(dict(
         workload=config.workload, k=k, temperature=sampling.temperature,
-        acceptance_rate=alpha,
+        acceptance_rate=alpha, acceptance_per_position=beta,
         mean_accepted_length=sum(r.emitted for r in last) / sum(r.target_calls for r in last),
-        expected_tokens_per_round=expected_tokens_per_round(alpha, k),
+        expected_tokens_per_round=expected_tokens_per_round(beta, k),
         tokens_per_s_autoregressive=tps['target'], tokens_per_s_speculative=tps[k],
-        speedup=tps[k] / tps['target'], cost_ratio_c=c,
-        expected_speedup=expected_speedup(alpha, k, c)))
+        speedup=tps[k] / tps['target'], cost_ratio_c=c, verify_cost_steps=v,
+        expected_speedup=expected_speedup(beta, k, c),
+        expected_speedup_with_verify_cost=(expected_tokens_per_round(beta, k) / (k * c + v))))
 
   bandwidth = measure_bandwidth()
   kv_slots = max(len(p) for p in prompts) + config.max_new_tokens  # slots a step attends at most

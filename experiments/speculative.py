@@ -87,6 +87,8 @@ def summarize(workload, config, ar_runs, sp_runs, sampling) -> dict:
       workload=workload, k=int(config.k), temperature=sampling.temperature,
       top_p=sampling.top_p, batch_size=int(config.batch_size), num_prompts=int(config.num_prompts),
       acceptance_rate=total(sp_runs, 'accepted') / proposed if proposed else float('nan'),
+      acceptance_per_position=(total(sp_runs, 'accepted') / max(
+          total(sp_runs, 'accepted') + total(sp_runs, 'rejected'), 1)),
       mean_accepted_length=total(sp_runs, 'emitted') / max(total(sp_runs, 'target_calls'), 1),
       tokens_per_s_autoregressive=ar_tps, tokens_per_s_speculative=sp_tps,
       speedup=sp_tps / ar_tps,

@@ -28,8 +28,8 @@ class GenerationResult:
     tokens: per prompt, the emitted token ids (stop token included when hit).
     ttft_s: seconds from the call to the first token of every row (prefill + first sample).
     decode_s: seconds of the compiled decode loop after the first token.
-    proposed, accepted, emitted, target_calls: speculative counters of the decode loop (zero for
-      autoregressive decoding); see `SpecStats`.
+    proposed, accepted, emitted, target_calls, rejected: speculative counters of the decode
+      loop (zero for autoregressive decoding); see `SpecStats`.
   """
 
   tokens: list
@@ -39,6 +39,7 @@ class GenerationResult:
   accepted: int = 0
   emitted: int = 0
   target_calls: int = 0
+  rejected: int = 0
 
   @property
   def num_tokens(self) -> int:
@@ -58,6 +59,13 @@ class GenerationResult:
   def mean_accepted_length(self) -> float:
     """τ = tokens emitted per target forward pass in the decode loop."""
     return self.emitted / self.target_calls if self.target_calls else float('nan')
+
+  @property
+  def acceptance_per_position(self) -> float:
+    """β = accepted ÷ (accepted + rejections): the probability that a draft token that is
+    reached gets accepted (the α of Leviathan et al.'s i.i.d. analysis; α above depends on K)."""
+    seen = self.accepted + self.rejected
+    return self.accepted / seen if seen else float('nan')
 
 
 def _check_prompts(prompts, configs, max_new_tokens, slack):
@@ -155,7 +163,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
         target, draft, target_params, draft_params, cache, draft_cache, first, rng_decode, stop,
         k=k, sampling=sampling, max_new_tokens=max_new_tokens)
     counters = {f: int(getattr(stats, f).sum()) for f in
-                ('proposed', 'accepted', 'emitted', 'target_calls')}
+                ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected')}
   out = jax.block_until_ready(out)
   decode_s = time.perf_counter() - start
   toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)

@@ -31,17 +31,20 @@ class SpecStats:
     accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
     emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
     target_calls: target forward passes (rounds the row was active).
+    rejected: rounds in which a draft token was rejected (n < K). accepted / (accepted +
+      rejected) estimates the per-position acceptance probability of Leviathan et al.'s analysis.
   """
 
   proposed: jax.Array
   accepted: jax.Array
   emitted: jax.Array
   target_calls: jax.Array
+  rejected: jax.Array
 
   @classmethod
   def zeros(cls, batch: int) -> 'SpecStats':
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, z, z, z)
+    return cls(z, z, z, z, z)
 
 
 def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *, k: int,
@@ -132,7 +135,8 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     stats = SpecStats(proposed=stats.proposed + k * act,
                       accepted=stats.accepted + jnp.minimum(n, emitted),
                       emitted=stats.emitted + emitted,
-                      target_calls=stats.target_calls + act)
+                      target_calls=stats.target_calls + act,
+                      rejected=stats.rejected + act * (n < k))
     return target_cache, draft_cache, out, stats, pending, rng
 
   state = (target_cache, draft_cache, out, SpecStats.zeros(b), first_token, rng)
