@@ -12,6 +12,9 @@ import math
 import pathlib
 from typing import Optional
 
+import sys
+
+from absl import flags
 import ml_collections
 
 
@@ -82,3 +85,15 @@ def read_results(path) -> list[dict]:
     except json.JSONDecodeError:
       continue
   return records
+
+
+def parse_flags(argv):
+  """absl flags parser for the experiment entry points: an unknown or malformed `--config.FIELD`
+  ends the program with one line naming the field, before anything runs."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(f'FATAL flags: {e}')
+  except (AttributeError, KeyError) as e:  # ml_collections: override of a field the config lacks
+    bad = [a for a in argv[1:] if a.startswith('--config.')]
+    sys.exit(f'FATAL: unknown config field {e} in {bad}; the config file lists every field')

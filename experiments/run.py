@@ -12,7 +12,9 @@ import importlib
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.common import Results, new_run_dir
+import shutil
+
+from experiments.common import Results, new_run_dir, parse_flags
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
@@ -28,9 +30,15 @@ def main(argv):
   module = importlib.import_module(f'experiments.{config.experiment}')
   run_dir = new_run_dir(_WORKDIR.value, config.experiment)
   print(f'results -> {run_dir}', flush=True)
-  module.run(config, Results(run_dir, config))
+  results = Results(run_dir, config)
+  try:
+    module.run(config, results)
+  except BaseException:
+    if not results.records:               # nothing measured: leave no empty run directory
+      shutil.rmtree(run_dir, ignore_errors=True)
+    raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

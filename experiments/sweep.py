@@ -27,12 +27,12 @@ import sys
 import traceback
 from typing import Iterable, Optional
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
-from experiments.common import Results, format_record, read_results
+from experiments.common import Results, format_record, parse_flags, read_results
 
 
 @dataclasses.dataclass
@@ -229,6 +229,7 @@ def main(argv) -> int:
   """absl entry point: runs the sweep the flags describe; returns the exit status."""
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  logging.set_verbosity(logging.WARNING)  # orbax logs every checkpoint read at INFO
   f = flags.FLAGS
   try:
     outcome = run_sweep(config_flags.get_config_filename(f['config']), f.workdir,
@@ -241,4 +242,4 @@ def main(argv) -> int:
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

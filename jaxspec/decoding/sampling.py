@@ -58,15 +58,35 @@ def probabilities(logits, params: SamplingParams):
     kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if params.top_p < 1.0:
-    sorted_logits = jnp.sort(logits, axis=-1)[..., ::-1]
-    sorted_probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-    # Keep a token iff the mass of the tokens strictly more likely than it is below top_p; the
-    # most likely token is always kept.
-    keep = mass_before < params.top_p
-    cutoff = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    logits = jnp.where(nucleus_mask(jax.nn.softmax(logits, axis=-1), params.top_p), logits,
+                       -jnp.inf)
   return jax.nn.softmax(logits, axis=-1)
+
+
+def nucleus_mask(probs, top_p: float, iterations: int = 32):
+  """Tokens in the top-p nucleus (Holtzman et al. 2020): token i is kept iff the mass of the
+  tokens strictly more likely than it is below top_p (so the most likely token always is).
+
+  Found by bisecting the probability threshold x* = min{x : mass(p > x) < top_p} instead of
+  sorting the vocabulary: 32 masked sums over V cost a tenth of XLA:CPU's sort of 4096 values,
+  and the draft pays this K times per round. The threshold is exact to max(p) / 2**32.
+
+  Args:
+    probs: [..., V] float32 probabilities; top_p: in (0, 1).
+  Returns:
+    [..., V] bool.
+  """
+  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # mass(p > lo) >= top_p
+  hi = jnp.max(probs, axis=-1, keepdims=True)                # mass(p > hi) <  top_p
+
+  def halve(_, bounds):
+    lo, hi = bounds
+    mid = (lo + hi) / 2
+    below = jnp.sum(jnp.where(probs > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
+    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+
+  _, hi = jax.lax.fori_loop(0, iterations, halve, (lo, hi))
+  return probs >= hi
 
 
 def sample(rng, probs):
