@@ -37,3 +37,19 @@ def test_greedy_is_one_hot_argmax():
 def test_bad_sampling_params_name_the_value(kwargs, bad):
   with pytest.raises(ValueError, match=bad.replace('.', r'\.')):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize('top_p', [0.01, 0.3, 0.9, 0.99])
+def test_nucleus_is_the_smallest_set_reaching_top_p(top_p):
+  import jax
+  from jaxspec.decoding import nucleus_mask
+  probs = jax.nn.softmax(3 * jax.random.normal(jax.random.PRNGKey(0), (200, 4096)), axis=-1)
+  keep = np.asarray(nucleus_mask(probs, top_p))
+  probs = np.asarray(probs, np.float64)
+  for row, kept in zip(probs, keep):
+    kept_mass = row[kept].sum()
+    smallest_kept = row[kept].min()
+    assert kept.any() and kept[row.argmax()]
+    assert (row[~kept] <= smallest_kept).all()                 # a top set, not any set
+    assert kept_mass >= top_p - 1e-6                           # reaches top_p ...
+    assert kept_mass - smallest_kept < top_p + 1e-6            # ... and no smaller top set does
