@@ -18,7 +18,7 @@ from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.models import Transformer, cache_for
 from jaxspec.eval import (decode_step_bytes, expected_speedup, expected_tokens_per_round, mbu,
                           measure_bandwidth)
-from experiments.speculative import load_pair
+from experiments.speculative import load_pair, ratio
 
 
 def _timed(runs_per_repeat):
@@ -76,9 +76,9 @@ def run(config, results) -> None:
       runs[name].append([decode(p) for p in prompts])
 
   best = {name: _timed(r) for name, r in runs.items()}
-  tps = {name: tokens / seconds for name, (tokens, seconds) in best.items()}
-  step_s = {name: seconds / tokens for name, (tokens, seconds) in best.items()}
-  c = step_s['draft'] / step_s['target']
+  tps = {name: ratio(tokens, seconds) for name, (tokens, seconds) in best.items()}
+  step_s = {name: ratio(seconds, tokens) for name, (tokens, seconds) in best.items()}
+  c = ratio(step_s['draft'], step_s['target'])
   context = max(len(p) for p in prompts) + config.max_new_tokens // 2
   one = forward_seconds(target, tparams, context, 1, config.page_size)
   for k in ks:
@@ -86,17 +86,17 @@ def run(config, results) -> None:
     v = forward_seconds(target, tparams, context, k + 1, config.page_size) / one
     last = runs[k][-1]
     accepted = sum(r.accepted for r in last)
-    alpha = accepted / sum(r.proposed for r in last)
-    beta = accepted / (accepted + sum(r.rejected for r in last))
+    alpha = ratio(accepted, sum(r.proposed for r in last))
+    beta = ratio(accepted, accepted + sum(r.rejected for r in last))
     results.write(dict(
         workload=config.workload, k=k, temperature=sampling.temperature,
         acceptance_rate=alpha, acceptance_per_position=beta,
-        mean_accepted_length=sum(r.emitted for r in last) / sum(r.target_calls for r in last),
+        mean_accepted_length=ratio(sum(r.emitted for r in last), sum(r.target_calls for r in last)),
         expected_tokens_per_round=expected_tokens_per_round(beta, k),
         tokens_per_s_autoregressive=tps['target'], tokens_per_s_speculative=tps[k],
-        speedup=tps[k] / tps['target'], cost_ratio_c=c, verify_cost_steps=v,
+        speedup=ratio(tps[k], tps['target']), cost_ratio_c=c, verify_cost_steps=v,
         expected_speedup=expected_speedup(beta, k, c),
-        expected_speedup_with_verify_cost=(expected_tokens_per_round(beta, k) / (k * c + v))))
+        expected_speedup_with_verify_cost=ratio(expected_tokens_per_round(beta, k), k * c + v)))
 
   bandwidth = measure_bandwidth()
   kv_slots = max(len(p) for p in prompts) + config.max_new_tokens  # slots a step attends at most

@@ -62,9 +62,10 @@ def run(config, results) -> None:
                                               config.prompt_len, split='test', seed=config.seed)]
     batches = [prompts[i:i + config.batch_size]
                for i in range(0, len(prompts), config.batch_size)]
-    # Compile both loops for this shape before timing anything.
-    generate(target, target_params, batches[0], seed=config.seed, **common)
-    generate(target, target_params, batches[0], seed=config.seed, **common, **spec)
+    # Compile both loops for every batch shape (a short last batch too) before timing anything.
+    for batch in {len(b): b for b in batches}.values():
+      generate(target, target_params, batch, seed=config.seed, **common)
+      generate(target, target_params, batch, seed=config.seed, **common, **spec)
     ar_runs, sp_runs = [], []
     for i, batch in enumerate(batches):
       ar_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common))
@@ -73,12 +74,17 @@ def run(config, results) -> None:
     results.write(summarize(workload, config, ar_runs, sp_runs, sampling))
 
 
+def ratio(num: float, den: float) -> float:
+  """num / den, NaN when den is 0 (e.g. every prompt stopped at its first token)."""
+  return num / den if den else float('nan')
+
+
 def summarize(workload, config, ar_runs, sp_runs, sampling) -> dict:
   """One record from per-batch GenerationResults of both decoders."""
   total = lambda runs, f: sum(getattr(r, f) for r in runs)
   new_tokens = lambda runs: sum(r.num_tokens - len(r.tokens) for r in runs)
-  ar_tps = new_tokens(ar_runs) / total(ar_runs, 'decode_s')
-  sp_tps = new_tokens(sp_runs) / total(sp_runs, 'decode_s')
+  ar_tps = ratio(new_tokens(ar_runs), total(ar_runs, 'decode_s'))
+  sp_tps = ratio(new_tokens(sp_runs), total(sp_runs, 'decode_s'))
   proposed = total(sp_runs, 'proposed')
   matches = None
   if sampling.greedy:
@@ -86,12 +92,12 @@ def summarize(workload, config, ar_runs, sp_runs, sampling) -> dict:
   return dict(
       workload=workload, k=int(config.k), temperature=sampling.temperature,
       top_p=sampling.top_p, batch_size=int(config.batch_size), num_prompts=int(config.num_prompts),
-      acceptance_rate=total(sp_runs, 'accepted') / proposed if proposed else float('nan'),
-      acceptance_per_position=(total(sp_runs, 'accepted') / max(
-          total(sp_runs, 'accepted') + total(sp_runs, 'rejected'), 1)),
-      mean_accepted_length=total(sp_runs, 'emitted') / max(total(sp_runs, 'target_calls'), 1),
+      acceptance_rate=ratio(total(sp_runs, 'accepted'), proposed),
+      acceptance_per_position=ratio(total(sp_runs, 'accepted'),
+                                    total(sp_runs, 'accepted') + total(sp_runs, 'rejected')),
+      mean_accepted_length=ratio(total(sp_runs, 'emitted'), total(sp_runs, 'target_calls')),
       tokens_per_s_autoregressive=ar_tps, tokens_per_s_speculative=sp_tps,
-      speedup=sp_tps / ar_tps,
+      speedup=ratio(sp_tps, ar_tps),
       ttft_s=float(np.mean([r.ttft_s for r in sp_runs])),
       ttft_s_autoregressive=float(np.mean([r.ttft_s for r in ar_runs])),
       tokens_generated=sum(r.num_tokens for r in sp_runs),

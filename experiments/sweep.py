@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import traceback
 from typing import Iterable, Optional
 
@@ -69,9 +70,25 @@ def _now() -> str:
 
 
 def _write_atomic(path: pathlib.Path, text: str) -> None:
-  tmp = path.with_name(path.name + '.tmp')
-  tmp.write_text(text)
+  """Writes through a temp file unique to this process, then renames (shards may race)."""
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + '.', suffix='.tmp')
+  with os.fdopen(fd, 'w') as f:
+    f.write(text)
   os.replace(tmp, path)
+
+
+def _check_same_base(sweep_dir: pathlib.Path, base_json: str) -> None:
+  """Refuses to resume a sweep whose done cases were measured under another base config."""
+  path = sweep_dir / 'config.json'
+  if not path.exists() or not any((sweep_dir / 'cases').glob('*/done')):
+    return
+  old, new = json.loads(path.read_text()), json.loads(base_json)
+  changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+  if changed:
+    raise ValueError(
+        f'{sweep_dir} holds cases measured with another base config (fields differ: '
+        + ', '.join(f'{k}: {old.get(k)!r} -> {new.get(k)!r}' for k in changed)
+        + '); pass --sweep_name=NEW for a new sweep, or the same --config overrides to resume')
 
 
 def _drop_lines(path: pathlib.Path, cid: Optional[str]) -> None:
@@ -172,10 +189,12 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
 
   sweep_dir = pathlib.Path(workdir) / base.experiment / sweep_name
   sweep_dir.mkdir(parents=True, exist_ok=True)
-  _write_atomic(sweep_dir / 'config.json', base.to_json_best_effort(indent=2) + '\n')
-  _write_atomic(sweep_dir / 'sweep.json', json.dumps(
-      [{'index': i, 'case_id': ids[i], 'overrides': c} for i, c in enumerate(cases)], indent=1))
+  base_json = base.to_json_best_effort(indent=2) + '\n'
   with _locked(sweep_dir):
+    _check_same_base(sweep_dir, base_json)
+    _write_atomic(sweep_dir / 'config.json', base_json)
+    _write_atomic(sweep_dir / 'sweep.json', json.dumps(
+        [{'index': i, 'case_id': ids[i], 'overrides': c} for i, c in enumerate(cases)], indent=1))
     _drop_lines(sweep_dir / 'results.jsonl', None)  # a torn last line from a killed run
   outcome = SweepOutcome(sweep_dir, [ids[i] for i in picked], [], [], [], [], [])
   outcome.skipped = [ids[i] for i in picked if (sweep_dir / 'cases' / ids[i] / 'done').exists()]
@@ -200,11 +219,15 @@ def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
   path = outcome.sweep_dir / 'results.jsonl'
   with _locked(outcome.sweep_dir):
     records = read_results(path) if path.exists() else []
+  # Only finished cases: a case interrupted (or still running in another shard) is not reported.
+  done = {cid for cid in ids if (outcome.sweep_dir / 'cases' / cid / 'done').exists()}
+  records = [r for r in records if r.get('case_id') in done]
   order = {cid: n for n, cid in enumerate(ids)}
   outcome.records = sorted(records, key=lambda r: order.get(r.get('case_id'), len(order)))
   try:
-    report.summarize(outcome.records, path.with_name('summary.md'), path.with_name('summary.csv'))
-    report.plot(outcome.records, outcome.sweep_dir / 'plots', experiment)
+    with _locked(outcome.sweep_dir):
+      report.summarize(outcome.records, path.with_name('summary.md'), path.with_name('summary.csv'))
+      report.plot(outcome.records, outcome.sweep_dir / 'plots', experiment)
   except Exception:  # pylint: disable=broad-except  (the results are safe on disk regardless)
     outcome.report_error = traceback.format_exc()
     print(f'report failed; redo with python -m experiments.report {path}\n'

@@ -13,8 +13,6 @@ def get_config(arg=None):
   c.k = 1
   c.temperature = 0.0
   c.num_prompts = 8
-  c.fail_on = ''        # case id that raises RuntimeError
-  c.interrupt_on = ''   # case id that raises KeyboardInterrupt after its first record
   c.log = ''            # file: one line per case started
   if arg == 'smoke':
     c.num_prompts = 1

@@ -1,10 +1,13 @@
 """A fake experiment for the sweep tests: deterministic speculative-like records, no model.
 
 Registered as `experiments.fake` by the tests. Config fields it reads (see fake_config.py):
-workloads, k, temperature, num_prompts; `fail_on` / `interrupt_on` name a case id that raises
-RuntimeError before writing / KeyboardInterrupt after writing its first record; `log` is a file
-that gets one line per case started, so tests can count how often each case ran.
+workloads, k, temperature, num_prompts; `log` is a file that gets one line per case started, so
+tests can count how often each case ran. The environment variables FAKE_FAIL_ON / FAKE_INTERRUPT_ON
+name a case id that raises RuntimeError before writing / KeyboardInterrupt after writing its
+first record (environment, not config: a resumed sweep must keep the same base config).
 """
+
+import os
 
 
 def run(config, results) -> None:
@@ -13,10 +16,10 @@ def run(config, results) -> None:
   if config.log:
     with open(config.log, 'a') as f:
       f.write(case + '\n')
-  if case == config.fail_on:
+  if case == os.environ.get('FAKE_FAIL_ON'):
     raise RuntimeError(f'fake failure in {case}')
   for i, workload in enumerate(config.workloads.split(',')):
-    if i == 1 and case == config.interrupt_on:
+    if i == 1 and case == os.environ.get('FAKE_INTERRUPT_ON'):
       raise KeyboardInterrupt
     alpha = 1.0 / (1.0 + 0.1 * config.k + config.temperature + i)
     results.write({

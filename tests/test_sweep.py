@@ -78,10 +78,12 @@ def test_only_and_shard_parsing():
       sweeps.parse_shard(bad)
 
 
-def test_resume_runs_only_the_rest_and_each_case_appears_once(tmp_path):
+def test_resume_runs_only_the_rest_and_each_case_appears_once(tmp_path, monkeypatch):
   partial = 'k=2,temperature=0.0'  # third case: interrupted after its first record
+  monkeypatch.setenv('FAKE_INTERRUPT_ON', partial)
   with pytest.raises(KeyboardInterrupt):
-    _sweep(tmp_path, overrides={'interrupt_on': partial})
+    _sweep(tmp_path)
+  monkeypatch.delenv('FAKE_INTERRUPT_ON')
   sweep_dir = tmp_path / 'runs' / 'fake' / 'sweep'
   assert _case_counts(read_results(sweep_dir / 'results.jsonl'))[partial] == 1
   with open(sweep_dir / 'results.jsonl', 'a') as f:  # a kill in the middle of a write
@@ -112,9 +114,11 @@ def test_unknown_field_fails_before_any_case_runs(tmp_path):
     _sweep(tmp_path, overrides={'num_promts': 2})
 
 
-def test_failing_case_is_recorded_and_the_rest_still_run(tmp_path):
+def test_failing_case_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
   bad = 'k=2,temperature=1.0'
-  outcome = _sweep(tmp_path, overrides={'fail_on': bad})
+  monkeypatch.setenv('FAKE_FAIL_ON', bad)
+  outcome = _sweep(tmp_path)
+  monkeypatch.delenv('FAKE_FAIL_ON')
   assert outcome.failed == [bad] and outcome.exit_code == 1
   assert outcome.ran == ALL_CASES
   assert _case_counts(outcome.records) == {c: 2 for c in ALL_CASES if c != bad}
@@ -198,3 +202,20 @@ def test_cli_applies_base_overrides_to_every_case_and_exits_nonzero_on_failure(t
   assert failed.returncode == 1, failed.stderr
   bad = _cli(tmp_path, '--config=tests/fake_config.py', '--only=kk=1')
   assert bad.returncode == 1 and "'kk'" in bad.stderr
+
+
+def test_resuming_with_another_base_config_is_refused(tmp_path):
+  _sweep(tmp_path, only=['k=1'])
+  with pytest.raises(ValueError, match=r'another base config .*num_prompts: 8 -> 3'):
+    _sweep(tmp_path, overrides={'num_prompts': 3})
+  assert _sweep(tmp_path, only=['k=2']).exit_code == 0       # same base: resumes
+
+
+def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
+  monkeypatch.setenv('FAKE_INTERRUPT_ON', 'k=1,temperature=0.0')
+  with pytest.raises(KeyboardInterrupt):
+    _sweep(tmp_path)
+  monkeypatch.delenv('FAKE_INTERRUPT_ON')
+  outcome = _sweep(tmp_path, only=['k=2'])
+  assert {r['case_id'] for r in outcome.records} == {'k=2,temperature=0.0', 'k=2,temperature=1.0'}
+  assert 'k=1,temperature=0.0' not in (outcome.sweep_dir / 'summary.md').read_text()

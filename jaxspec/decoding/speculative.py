@@ -31,7 +31,8 @@ class SpecStats:
     accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
     emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
     target_calls: target forward passes (rounds the row was active).
-    rejected: rounds in which a draft token was rejected (n < K). accepted / (accepted +
+    rejected: rounds in which a draft token was rejected (n < K) and the rejection was reached
+      (no stop token or max_new_tokens cut the round before it). accepted / (accepted +
       rejected) estimates the per-position acceptance probability of Leviathan et al.'s analysis.
   """
 
@@ -136,7 +137,7 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
                       accepted=stats.accepted + jnp.minimum(n, emitted),
                       emitted=stats.emitted + emitted,
                       target_calls=stats.target_calls + act,
-                      rejected=stats.rejected + act * (n < k))
+                      rejected=stats.rejected + act * ((n < k) & (emitted == n + 1)))
     return target_cache, draft_cache, out, stats, pending, rng
 
   state = (target_cache, draft_cache, out, SpecStats.zeros(b), first_token, rng)
