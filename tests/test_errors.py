@@ -42,7 +42,7 @@ def test_draft_vocabulary_must_match(tiny):
 
 
 @pytest.mark.parametrize('kwargs, match', [
-    (dict(max_new_tokens=0), 'max_new_tokens must be >= 1, got 0'),
+    (dict(max_new_tokens=0), 'max_new_tokens must be an int >= 1, got 0'),
     (dict(max_new_tokens=4, stop_tokens=[64]), 'stop token id 64 outside'),
 ])
 def test_bad_generation_arguments(tiny, kwargs, match):
@@ -73,3 +73,34 @@ def test_unknown_config_field_fails_loudly(tmp_path):
   assert proc.returncode != 0
   assert 'kk' in proc.stderr
   assert not any(tmp_path.iterdir())                  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize('kwargs, match', [
+    (dict(prompt_bucket=0), 'prompt_bucket must be an int >= 1, got 0'),
+    (dict(page_size=-8), 'page_size must be an int >= 1, got -8'),
+    (dict(max_new_tokens=3.5), r'max_new_tokens must be an int >= 1, got 3\.5'),
+    (dict(k=4), 'k=4 / draft_params given without a draft model'),
+])
+def test_more_bad_generation_arguments(tiny, kwargs, match):
+  config, params = tiny
+  kwargs = {'max_new_tokens': 4, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    generate(config, params, [[1, 2]], **kwargs)
+  with pytest.raises(ValueError, match='needs draft_params'):
+    generate(config, params, [[1, 2]], max_new_tokens=4, draft=config, k=2)
+  with pytest.raises(ValueError, match='flat sequence of int token ids'):
+    generate(config, params, [[1.5, 2.0]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize('temperature', [1e-40, float('inf'), float('nan')])
+def test_temperatures_that_overflow_are_refused(temperature):
+  from jaxspec.decoding import SamplingParams
+  with pytest.raises(ValueError, match='temperature'):
+    SamplingParams(temperature)
+
+
+@pytest.mark.parametrize('field, value', [('rope_theta', 0.0), ('norm_eps', -1.0),
+                                          ('rope_theta', float('nan'))])
+def test_model_config_rejects_non_positive_floats(field, value):
+  with pytest.raises(ValueError, match=field):
+    ModelConfig.from_name('test-tiny', **{field: value})

@@ -38,15 +38,24 @@ def test_paged_prefill_matches_uncached_forward(tiny):
   assert cache.lengths.tolist() == [21, 21]
 
 
-def test_one_token_decode_equals_verify_bit_for_bit(tiny):
-  config, params, cache = _setup(tiny, 1)
+@pytest.mark.parametrize('preset, batch', [('test-tiny', 1), ('test-tiny', 4),
+                                            ('target-12m', 1), ('target-12m', 4),
+                                            ('draft-1m', 4)])
+def test_one_token_decode_equals_verify_bit_for_bit(preset, batch):
+  """In exact_verify mode a 9-token verification rounds exactly like 9 decode steps, for the
+  shipped models' shapes too (random weights)."""
+  from jaxspec.models import ModelConfig
+  from jaxspec.training import init_params
+  config = ModelConfig.from_name(preset, exact_verify=True)
+  params = init_params(config, 0)
+  config, params, cache = _setup((config, params), batch)
   apply = jax.jit(Transformer(config).apply)
-  tokens = _tokens(1, 25)
-  _, cache = apply(params, tokens[:, :16], _positions(0, 16, 1), cache)
-  verify, _ = apply(params, tokens[:, 16:25], _positions(16, 9, 1), cache)
+  tokens = jax.random.randint(jax.random.PRNGKey(0), (batch, 25), 0, config.vocab_size)
+  _, cache = apply(params, tokens[:, :16], _positions(0, 16, batch), cache)
+  verify, _ = apply(params, tokens[:, 16:25], _positions(16, 9, batch), cache)
   step_logits = []
   for i in range(16, 25):
-    logits, cache = apply(params, tokens[:, i:i + 1], _positions(i, 1, 1), cache)
+    logits, cache = apply(params, tokens[:, i:i + 1], _positions(i, 1, batch), cache)
     step_logits.append(logits)
   np.testing.assert_array_equal(jnp.concatenate(step_logits, axis=1), verify)
 

@@ -42,8 +42,12 @@ def _pvalue(tokens, probs):
 
 
 # p and q chosen to disagree: q heavy where p is light, q zero where p is not, and the reverse.
-P_LOGITS = jnp.log(jnp.array([[0.30, 0.25, 0.15, 0.10, 0.08, 0.06, 0.04, 0.02]] * 3))
-Q_LOGITS = jnp.log(jnp.array([[0.01, 0.02, 0.05, 0.10, 0.30, 0.40, 0.12, 1e-30]] * 2))
+# Every position has its own p and q, so a sampler that mixes up positions fails too.
+P_LOGITS = jnp.log(jnp.array([[0.30, 0.25, 0.15, 0.10, 0.08, 0.06, 0.04, 0.02],
+                              [0.02, 0.04, 0.06, 0.08, 0.10, 0.15, 0.25, 0.30],
+                              [0.05, 0.30, 0.05, 0.20, 0.05, 0.20, 0.05, 0.10]]))
+Q_LOGITS = jnp.log(jnp.array([[0.01, 0.02, 0.05, 0.10, 0.30, 0.40, 0.12, 1e-30],
+                              [0.30, 0.20, 0.20, 0.10, 0.10, 0.05, 0.05, 1e-30]]))
 
 
 @pytest.mark.parametrize('sampling', [SamplingParams(1.0), SamplingParams(0.7, top_k=5),
@@ -53,7 +57,7 @@ def test_speculative_samples_follow_target(sampling):
   assert 0.05 < n.mean() < 1.95                           # both accept and reject paths taken
   assert _pvalue(first, p[0]) > PASS_P
   # Rows that accepted x_1 emit a second token: from the residual at position 2 or accepted
-  # x_2 (n = 1 or 2), both of which must follow p_2 (here equal to p_1).
+  # x_2 (n = 1 or 2), both of which must follow p_2 (p is fixed, so not conditioned on x_1).
   assert _pvalue(second[n >= 1], p[1]) > PASS_P
 
 

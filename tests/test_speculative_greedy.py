@@ -70,3 +70,26 @@ def test_decode_loops_compile_once_per_shape(tiny, tiny_draft):
   # Other prompts of other lengths in the same bucket, another seed: no recompilation.
   generate(tc, tp, _prompts([5, 33], seed=7), seed=3, **kwargs)
   assert [f._cache_size() for f in (prefill, decode_speculative)] == sizes
+
+
+def test_speculative_loop_consumes_both_donated_caches(tiny, tiny_draft):
+  import jax
+  import jax.numpy as jnp
+  from jaxspec.cache import PageAllocator
+  from jaxspec.decoding import SamplingParams, decode_speculative, prefill
+  from jaxspec.models import cache_for
+  (tc, tp), (dc, dp) = tiny, tiny_draft
+  alloc = PageAllocator(2 * 4 + 1)
+  table = np.array([alloc.allocate(4) for _ in range(2)])
+  tokens, lengths = jnp.ones((2, 8), jnp.int32), jnp.array([8, 3], jnp.int32)
+  caches = []
+  for config, params in ((tc, tp), (dc, dp)):
+    first, cache = prefill(config, params, cache_for(config, table, alloc.num_pages, 8), tokens,
+                           lengths, jax.random.PRNGKey(0), sampling=SamplingParams())
+    caches.append(cache)
+  old = [c.k_pages for c in caches]
+  out, _, target_cache, draft_cache = decode_speculative(
+      tc, dc, tp, dp, caches[0], caches[1], first, jax.random.PRNGKey(1),
+      jnp.zeros((0,), jnp.int32), k=3, sampling=SamplingParams(), max_new_tokens=10)
+  assert all(buf.is_deleted() for buf in old)             # updated in place, not copied
+  assert not target_cache.k_pages.is_deleted() and out.num_tokens.tolist() == [10, 10]

@@ -72,6 +72,10 @@ def _check_prompts(prompts, configs, max_new_tokens, slack):
   if not prompts:
     raise ValueError('no prompts given')
   for i, prompt in enumerate(prompts):
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+      raise ValueError(f'prompt {i} must be a flat sequence of int token ids, got '
+                       f'shape {ids.shape} dtype {ids.dtype}')
     if len(prompt) == 0:
       raise ValueError(f'prompt {i} is empty')
     for config in configs:
@@ -111,8 +115,15 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
     ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
       K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids.
   """
-  if max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}')
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
+  for name, value in (('page_size', page_size), ('prompt_bucket', prompt_bucket)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+  if draft is None and (k is not None or draft_params is not None):
+    raise ValueError(f'k={k} / draft_params given without a draft model')
+  if draft is not None and draft_params is None:
+    raise ValueError('a draft model needs draft_params, got None')
   configs = [target]
   slack = 1
   if draft is not None:

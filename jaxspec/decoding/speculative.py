@@ -102,6 +102,8 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
   Args:
     target_cache, draft_cache: both prefilled with the same prompts (donated); capacity at least
       prompt + max_new_tokens + k + 1 tokens.
+      The capacity is not checked inside the jitted loop (a too-small cache writes past its
+      pages); `generate` sizes and checks it.
     first_token: [B] int32 drawn from the target at prefill.
     stop_tokens: [S] int32.
     k: static speculation length K >= 1.

@@ -41,7 +41,8 @@ def decode_step_bytes(config: ModelConfig, params, batch: int, kv_slots: int,
 
   Args:
     params: the params pytree (its dtype decides weight bytes).
-    kv_slots: slots attention reads per sequence (the cache capacity for jaxspec's gather).
+    kv_slots: cached slots a step must read per sequence (the benchmark counts the prompt and
+      max_new_tokens; jaxspec's gather reads the whole page-table capacity, a little more).
   """
   leaves = jax.tree_util.tree_leaves_with_path(params)
   weights = 0

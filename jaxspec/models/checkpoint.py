@@ -71,7 +71,7 @@ def load_model(path, dtype: str = 'float32'):
     config = ModelConfig(**fields)
   except FileNotFoundError as e:
     raise CheckpointError(f'{path / "config.json"} is missing') from e
-  except (json.JSONDecodeError, TypeError, ValueError) as e:
+  except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
     raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}') from e
   expected = param_shapes(config)
   if not (path / 'params').is_dir():

@@ -47,8 +47,12 @@ class ModelConfig:
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
                  'num_kv_heads', 'head_dim', 'd_ff', 'max_seq_len'):
       value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f'ModelConfig.{name} must be a positive int, got {value!r}')
+    for name in ('rope_theta', 'norm_eps'):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float('inf'):
+        raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
