@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.data import WORKLOADS, Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import load_model, shipped
 
@@ -40,6 +40,9 @@ def _workloads(config) -> list[str]:
   names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
   if not names:
     raise ValueError(f'config.workloads names no workload: {config.workloads!r}')
+  unknown = [n for n in names if n not in WORKLOADS]
+  if unknown:
+    raise ValueError(f'unknown workload(s) {unknown} in config.workloads; known: {WORKLOADS}')
   return names
 
 
@@ -52,12 +55,13 @@ def run(config, results) -> None:
   if config.batch_size < 1 or config.num_prompts < 1:
     raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
                      'must be >= 1')
+  workloads = _workloads(config)                     # checked before any model is loaded
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling,
                 stop_tokens=(tokenizer.eos_id,), page_size=config.page_size)
   spec = dict(draft=draft, draft_params=draft_params, k=config.k, max_k=config.max_k)
 
-  for workload in _workloads(config):
+  for workload in workloads:
     prompts = [p.tokens for p in make_prompts(workload, tokenizer, config.num_prompts,
                                               config.prompt_len, split='test', seed=config.seed)]
     batches = [prompts[i:i + config.batch_size]
