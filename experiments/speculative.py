@@ -27,9 +27,6 @@ def load_pair(config):
     if cfg.vocab_size != tokenizer.vocab_size:
       raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) differs from the tokenizer '
                        f'vocabulary ({tokenizer.vocab_size})')
-  if draft_cfg.vocab_size != target_cfg.vocab_size:
-    raise ValueError(f'draft vocabulary ({draft_cfg.vocab_size}) differs from the target '
-                     f'vocabulary ({target_cfg.vocab_size})')
   exact = bool(config.get('exact_verify', False))
   target_cfg = dataclasses.replace(target_cfg, exact_verify=exact)
   draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact)

@@ -28,6 +28,7 @@ class Output:
 
   @classmethod
   def empty(cls, batch: int, capacity: int) -> 'Output':
+    """No tokens yet: [batch, capacity] buffer, nothing done."""
     return cls(tokens=jnp.zeros((batch, capacity), jnp.int32),
                num_tokens=jnp.zeros((batch,), jnp.int32),
                done=jnp.zeros((batch,), bool))
