@@ -46,17 +46,25 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
-def probabilities(logits, params: SamplingParams):
+def probabilities(logits, params: SamplingParams, mask=None):
   """The distribution a token is sampled from under `params`.
 
   Args:
     logits: [..., V] float.
     params: static sampling parameters.
+    mask: optional [..., V] bool, the tokens a constraint allows (grammar-constrained decoding,
+      see `jaxspec.decoding.constrained`). Disallowed logits become -inf *before* temperature,
+      top-k and top-p, so the result is the request's distribution conditioned on the allowed
+      set. A row with no allowed token has no distribution (NaN when sampling, token 0 when
+      greedy; nothing can be raised inside jit): callers check masks on the host first
+      (`TokenConstraint.allowed` raises `ConstraintError`).
   Returns:
     [..., V] float32 probabilities; one-hot at the argmax (lowest index on ties) when greedy.
   """
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
+  if mask is not None:
+    logits = jnp.where(mask, logits, -jnp.inf)
   if params.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
   logits = logits / params.temperature
