@@ -1,0 +1,124 @@
+"""What the agent's state keeps of each tool result, as JSON schemas.
+
+A tool result (one botocore operation record) is reduced to its *record*: the fields an agent
+needs to call the operation, in the source's own key order and nesting, documentation dropped::
+
+    {"name":"BatchGetNamedQuery","http":{"method":"POST","requestUri":"/"},
+     "input":{"shape":"BatchGetNamedQueryInput"},"output":{"shape":"BatchGetNamedQueryOutput"},
+     "errors":[{"shape":"InternalServerException"},{"shape":"InvalidRequestException"}]}
+
+The extraction task is made as feasible as we can for a small model: `record_schema` forces every
+key the result has (and the number of errors), and every string value must be one of the
+strings of *this* tool result (an enum), so the model only chooses which of the result's strings
+goes where; it cannot invent one or skip a field.
+
+The state is ``{"operations": {name: record without its name}, "last_operation": name | null}``,
+rendered with "operations" first so that successive states share a long common prefix.
+"""
+
+from __future__ import annotations
+
+import copy
+
+HTTP_METHODS = ('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD')
+SKIPPED_KEYS = frozenset({'documentation', 'documentationUrl', 'deprecatedMessage'})
+MAX_CANDIDATE_CHARS = 200
+
+
+def truth_record(result: dict) -> dict:
+  """The record of an operation, read directly from its parsed tool result (the oracle).
+
+  Raises ValueError if the result has no string "name" or no "http" method and requestUri.
+  """
+  http = result.get('http') or {}
+  if not isinstance(result.get('name'), str) or not all(
+      isinstance(http.get(k), str) for k in ('method', 'requestUri')):
+    raise ValueError(f'not an operation record (needs name, http.method, http.requestUri): '
+                     f'{sorted(result)}')
+  record = {'name': result['name'],
+            'http': {'method': http['method'], 'requestUri': http['requestUri']}}
+  for key in ('input', 'output'):
+    if isinstance(result.get(key), dict) and 'shape' in result[key]:
+      record[key] = {'shape': result[key]['shape']}
+  if isinstance(result.get('errors'), list):
+    record['errors'] = [{'shape': e['shape']} for e in result['errors']
+                        if isinstance(e, dict) and 'shape' in e]
+  return record
+
+
+def candidates(result) -> list[str]:
+  """Sorted distinct strings of a tool result (keys excluded, documentation skipped)."""
+  out = set()
+
+  def walk(x):
+    if isinstance(x, dict):
+      for k, v in x.items():
+        if k not in SKIPPED_KEYS:
+          walk(v)
+    elif isinstance(x, list):
+      for v in x:
+        walk(v)
+    elif isinstance(x, str) and len(x) <= MAX_CANDIDATE_CHARS:
+      out.add(x)
+  walk(result)
+  return sorted(out)
+
+
+def _record_schema(string: dict, methods: dict) -> dict:
+  shape = {'type': 'object', 'properties': {'shape': string}, 'required': ['shape'],
+           'additionalProperties': False}
+  errors = {'type': 'array', 'items': shape}
+  return {
+      'type': 'object',
+      'properties': {
+          'name': string,
+          'http': {'type': 'object', 'properties': {'method': methods, 'requestUri': string},
+                   'required': ['method', 'requestUri'], 'additionalProperties': False},
+          'input': shape, 'output': shape, 'errors': errors},
+      'required': ['name', 'http'],
+      'additionalProperties': False}
+
+
+def record_schema(result: dict) -> dict:
+  """The schema an extraction of `result` must satisfy.
+
+  Structure is read off the result, values are left to the extractor: the record has exactly
+  the keys the result has (input / output / errors only when present) and as many errors; every
+  string must be one of `candidates(result)`, the method one of HTTP_METHODS.
+
+  Raises:
+    ValueError: the result is not an operation record (see `truth_record`).
+  """
+  shape = truth_record(result)
+  schema = _record_schema({'enum': candidates(result)}, {'enum': list(HTTP_METHODS)})
+  props = schema['properties']
+  for key in ('input', 'output', 'errors'):
+    if key in shape:
+      schema['required'].append(key)
+    else:
+      del props[key]
+  if 'errors' in shape:
+    props['errors']['minItems'] = props['errors']['maxItems'] = len(shape['errors'])
+  return schema
+
+
+RECORD_SCHEMA = _record_schema({'type': 'string'}, {'enum': list(HTTP_METHODS)})
+_ENTRY = copy.deepcopy(RECORD_SCHEMA)
+del _ENTRY['properties']['name']
+_ENTRY['required'].remove('name')
+STATE_SCHEMA = {
+    'type': 'object',
+    'properties': {'operations': {'type': 'object', 'additionalProperties': _ENTRY},
+                   'last_operation': {'type': ['string', 'null']}},
+    'required': ['operations', 'last_operation'],
+    'additionalProperties': False}
+INITIAL_STATE = {'operations': {}, 'last_operation': None}
+
+
+def with_record(state: dict, record: dict) -> dict:
+  """A new state: `state` plus `record` (replacing an operation of the same name)."""
+  new = copy.deepcopy(state)
+  entry = {k: v for k, v in record.items() if k != 'name'}
+  new['operations'][record['name']] = entry
+  new['last_operation'] = record['name']
+  return new
