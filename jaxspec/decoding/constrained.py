@@ -142,7 +142,7 @@ def _mask(constraint: Optional[TokenConstraint], vocab: int) -> np.ndarray:
 
 def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[int],
                          constraint: Optional[TokenConstraint], *, max_new_tokens: int,
-                         stop_token: int, sampling: SamplingParams = SamplingParams(),
+                         stop_token: Optional[int], sampling: SamplingParams = SamplingParams(),
                          seed: int = 0, draft: Optional[ModelConfig] = None, draft_params=None,
                          k: Optional[int] = None, page_size: int = 16) -> ConstrainedResult:
   """Generate from one prompt, every token allowed by `constraint` (None: unconstrained, through
@@ -154,7 +154,8 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   Args:
     prompt: token ids (>= 1).
     max_new_tokens: >= 1, the first token included.
-    stop_token: ends the text (the constraint allows it once the text is complete).
+    stop_token: ends the text (the constraint allows it once the text is complete); None
+      never stops before max_new_tokens (unconstrained runs only).
     k: speculation length >= 1 (with a draft).
   Raises:
     ValueError: bad arguments or a prompt that does not fit the context.
@@ -169,6 +170,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   if draft is not None and (k < 1 or draft.vocab_size != target.vocab_size):
     raise ValueError(f'need k >= 1 (got {k}) and equal vocabularies (draft '
                      f'{draft.vocab_size}, target {target.vocab_size})')
+  if constraint is not None and stop_token != constraint.eos_id:
+    raise ValueError(f'stop_token {stop_token} differs from the constraint\'s end token '
+                     f'{constraint.eos_id}')
   if constraint is not None and constraint.vocab_size != target.vocab_size:
     raise ValueError(f'constraint masks have {constraint.vocab_size} entries, the model '
                      f'vocabulary {target.vocab_size}')
@@ -254,7 +258,7 @@ def _round(target, draft, target_params, draft_params, t_cache, d_cache, pending
                             jnp.asarray(np.stack(masks, axis=1)), rng_verify, sampling=sampling)
   n, nxt = int(n[0]), int(nxt[0])
   window = xs[:n] + [nxt]
-  if stop_token in window:
+  if stop_token is not None and stop_token in window:
     window = window[:window.index(stop_token) + 1]
   window = window[:room]
   emitted = len(window)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jsonschema
 
-from jaxspec.data.agent import Turn
+from jaxspec.data.tool_calls import ToolCall
 from jaxspec.data.tokenizer import Tokenizer
 from jaxspec.decoding.constrained import constrained_generate
 from jaxspec.decoding.constraint import TokenConstraint
@@ -48,7 +48,7 @@ class OracleExtractor:
   """Reads the record straight from the parsed result: isolates the pipeline's context savings
   from a model's extraction quality."""
 
-  def __call__(self, turn: Turn) -> Extraction:
+  def __call__(self, turn: ToolCall) -> Extraction:
     start = time.perf_counter()
     record = truth_record(turn.value)
     return Extraction(record, 1, time.perf_counter() - start)
@@ -65,11 +65,13 @@ class ModelExtractor:
     retries: extra attempts after the first (>= 0).
     constrained: False decodes without the schema (an ablation: the output must still parse and
       validate, taking the first JSON value of the text).
+    demos: tool calls shown before the result, each followed by its true record (few-shot).
   """
 
   def __init__(self, config, params, tokenizer: Tokenizer, tokenizer_path, *,
                max_new_tokens: int = 192, retries: int = 2, retry_temperature: float = 1.0,
-               constrained: bool = True, draft=None, draft_params=None, k=None, seed: int = 0):
+               constrained: bool = True, demos: Sequence[ToolCall] = (), draft=None,
+               draft_params=None, k=None, seed: int = 0):
     if retries < 0:
       raise ValueError(f'retries must be >= 0, got {retries}')
     self.config, self.params = config, params
@@ -77,15 +79,19 @@ class ModelExtractor:
     self.max_new_tokens, self.retries = max_new_tokens, retries
     self.retry_sampling = SamplingParams(retry_temperature)
     self.constrained = constrained
+    self.demo_text = ''.join(d.result + '\n' + json.dumps(truth_record(d.value),
+                                                          separators=(',', ':')) + '\n\n'
+                             for d in demos)
     self.spec = dict(draft=draft, draft_params=draft_params, k=k)
     self.seed = seed
     self.calls = 0
 
-  def prompt(self, turn: Turn) -> list[int]:
-    """The model's input: the raw tool result, then a newline; the record follows."""
-    return self.tokenizer.encode(turn.result + '\n')
+  def prompt(self, turn: ToolCall) -> list[int]:
+    """The model's input: the demonstrations, the raw tool result, a newline; the record
+    follows."""
+    return self.tokenizer.encode(self.demo_text + turn.result + '\n')
 
-  def __call__(self, turn: Turn) -> Extraction:
+  def __call__(self, turn: ToolCall) -> Extraction:
     schema = record_schema(turn.value)
     prompt = self.prompt(turn)
     start, new_tokens, text = time.perf_counter(), 0, ''

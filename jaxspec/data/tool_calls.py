@@ -1,4 +1,8 @@
-"""Multi-turn agent episodes whose tool results are real JSON records.
+"""Replayed agent tool calls whose results are real JSON records (context hydration).
+
+(`jaxspec.data.agent` builds conversations for prefix caching from windows of files; these are
+whole records with a known structure, so a ground-truth state can be read off them.)
+
 
 An episode replays an agent exploring one AWS service: at turn i it calls
 ``describe_operation(<name>)`` and the tool returns that operation's record exactly as botocore's
@@ -32,7 +36,7 @@ from jaxspec.data.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
-class Turn:
+class ToolCall:
   """One tool call: ``tool(argument)`` returned ``result`` (text) = ``value`` (parsed)."""
   tool: str
   argument: str
@@ -41,10 +45,10 @@ class Turn:
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
+class ToolEpisode:
   """An agent loop over one service: ``name`` is the service-2 file, ``turns`` in order."""
   name: str
-  turns: tuple[Turn, ...]
+  turns: tuple[ToolCall, ...]
 
 
 def operation_texts(text: str) -> dict[str, str]:
@@ -69,9 +73,9 @@ def operation_texts(text: str) -> dict[str, str]:
   return out
 
 
-def agent_episodes(tokenizer: Tokenizer, num_episodes: int, num_turns: int, *,
+def tool_episodes(tokenizer: Tokenizer, num_episodes: int, num_turns: int, *,
                    max_result_tokens: int = 512, split: str = 'test',
-                   seed: int = 0) -> list[Episode]:
+                   seed: int = 0) -> list[ToolEpisode]:
   """``num_episodes`` episodes of ``num_turns`` turns from distinct services of ``split``.
 
   Services are ordered by SHA-256 of (seed, file name); a service qualifies when it has at least
@@ -91,9 +95,9 @@ def agent_episodes(tokenizer: Tokenizer, num_episodes: int, num_turns: int, *,
     turns = []
     for name, text in texts.items():
       if len(tokenizer.encode(text)) <= max_result_tokens:
-        turns.append(Turn('describe_operation', name, text, json.loads(text)))
+        turns.append(ToolCall('describe_operation', name, text, json.loads(text)))
       if len(turns) == num_turns:
-        episodes.append(Episode(doc.name, tuple(turns)))
+        episodes.append(ToolEpisode(doc.name, tuple(turns)))
         break
     if len(episodes) == num_episodes:
       return episodes

@@ -1,0 +1,192 @@
+"""Structured context hydration vs prompt stuffing (configs/hydration.py).
+
+For every episode: the pipeline hydrates each turn (small-model extraction under the record
+schema, validation, JSON Patch), then the big model prefills each turn's context under every
+strategy, interleaved turn by turn so that all strategies see the same machine conditions. Then
+α of constrained speculative decoding (draft proposes, target verifies, same mask on both) with
+the schema constraint on and off, on the same extraction prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from experiments.speculative import load_pair, ratio
+from jaxspec.data.tool_calls import tool_episodes
+from jaxspec.decoding import SamplingParams
+from jaxspec.decoding.constrained import constrained_generate
+from jaxspec.decoding.constraint import TokenConstraint
+from jaxspec.hydration import ContextSession, ModelExtractor, OracleExtractor, hydrate
+from jaxspec.hydration.schema import record_schema
+from jaxspec.models import shipped
+
+STRATEGIES = ('stuffing', 'stuffing_prefix_cache', 'hydration', 'hydration_prefix_cache')
+EXTRACTORS = ('draft', 'target', 'oracle')
+
+
+def _names(text: str, known, what: str) -> list[str]:
+  names = [s.strip() for s in str(text).split(',') if s.strip()]
+  bad = [n for n in names if n not in known]
+  if not names or bad:
+    raise ValueError(f'config.{what}={text!r}: unknown {bad}; known {list(known)}')
+  return names
+
+
+def _check(config):
+  strategies = _names(config.strategies, STRATEGIES, 'strategies')
+  if config.extractor not in EXTRACTORS:
+    raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
+  for name in ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens'):
+    if config[name] < 1:
+      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  for name in ('retries', 'alpha_prompts', 'extractor_k', 'shots'):
+    if config[name] < 0:
+      raise ValueError(f'config.{name} must be >= 0, got {config[name]}')
+  temps = [float(t) for t in str(config.alpha_temperatures).split(',') if t.strip()]
+  return strategies, temps
+
+
+def make_extractor(config, target, target_params, draft, draft_params, tokenizer):
+  """The extractor named by config.extractor (see configs/hydration.py)."""
+  if config.extractor == 'oracle':
+    return OracleExtractor()
+  demos = []
+  if config.shots:
+    demos = list(tool_episodes(tokenizer, 1, config.shots, split='train', seed=config.seed,
+                               max_result_tokens=config.max_result_tokens)[0].turns)
+  model, params = (draft, draft_params) if config.extractor == 'draft' else (target,
+                                                                             target_params)
+  spec = {}
+  if config.extractor_k:
+    model, params = target, target_params
+    spec = dict(draft=draft, draft_params=draft_params, k=config.extractor_k)
+  return ModelExtractor(model, params, tokenizer, config.tokenizer or shipped('tokenizer.json'),
+                        max_new_tokens=config.max_extract_tokens, retries=config.retries,
+                        retry_temperature=config.retry_temperature,
+                        constrained=config.constrained, demos=demos, seed=config.seed, **spec)
+
+
+def _measure(session: ContextSession, tokens, repeats: int):
+  """Prefill `tokens` `repeats` times from the same starting state; the fastest TTFT."""
+  before = session.tokens
+  costs = []
+  for _ in range(repeats):
+    session.tokens = before
+    costs.append(session.prefill(tokens))
+  return min(costs, key=lambda c: c.ttft_s)
+
+
+def run(config, results) -> None:
+  strategies, temps = _check(config)
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  episodes = tool_episodes(tokenizer, config.num_episodes, config.num_turns,
+                           max_result_tokens=config.max_result_tokens, seed=config.seed)
+  extractor = make_extractor(config, target, target_params, draft, draft_params, tokenizer)
+
+  hydrated = [hydrate(ep, extractor) for ep in episodes]
+  # The big model only prefills: positions past its training length (max_seq_len) are allowed
+  # here, since only context costs are measured, not its replies.
+  max_tokens = max(len(tokenizer.encode(t.stuffing_prompt)) for turns, _ in hydrated
+                   for t in turns)
+  big = dataclasses.replace(target, max_seq_len=max(target.max_seq_len, max_tokens))
+  sessions = {s: ContextSession(big, target_params, max_tokens=max_tokens,
+                                page_size=config.page_size, prefix_cache=s.endswith('cache'))
+              for s in strategies}
+  for session in sessions.values():
+    session.warmup()
+
+  per = {s: [] for s in strategies}
+  for episode, (turns, store) in zip(episodes, hydrated):
+    for s in sessions.values():
+      s.tokens = []                       # a new session: nothing cached
+    for t in turns:
+      prompts = {'stuffing': tokenizer.encode(t.stuffing_prompt),
+                 'hydration': tokenizer.encode(t.hydrated_prompt)}
+      for name, session in sessions.items():
+        cost = _measure(session, prompts[name.split('_prefix')[0]], config.ttft_repeats)
+        record = dict(kind='turn', episode=episode.name, turn=t.turn, strategy=name,
+                      context_tokens=cost.context_tokens, prefill_tokens=cost.prefill_tokens,
+                      cached_tokens=cost.cached_tokens, ttft_s=cost.ttft_s,
+                      kv_bytes=cost.kv_bytes)
+        if name.startswith('hydration'):
+          record.update(extraction_s=t.extraction.seconds, attempts=t.extraction.attempts,
+                        extraction_tokens=t.extraction.new_tokens, fallback=t.fallback,
+                        fidelity=t.fidelity, record_correct=t.record_correct,
+                        fields_correct=t.fields_correct, fields_total=t.fields_total)
+        per[name].append(record)
+        results.write(record)
+  for name in strategies:
+    results.write(_summary(name, per[name], hydrated, config))
+  if config.alpha_prompts and not isinstance(extractor, OracleExtractor):
+    calls = [c for ep in episodes for c in ep.turns][:config.alpha_prompts]
+    for temperature in temps:
+      on, lengths = _alpha(config, target, target_params, draft, draft_params, tokenizer,
+                           extractor, calls, temperature, None)
+      off, _ = _alpha(config, target, target_params, draft, draft_params, tokenizer, extractor,
+                      calls, temperature, lengths)
+      results.write(on)
+      results.write(off)
+
+
+def _summary(name, records, hydrated, config) -> dict:
+  last = [r for r in records if r['turn'] == config.num_turns]
+  out = dict(kind='summary', strategy=name, extractor=config.extractor,
+             episodes=len(hydrated), turns=config.num_turns,
+             context_tokens_last_turn=float(np.mean([r['context_tokens'] for r in last])),
+             ttft_s_last_turn=float(np.mean([r['ttft_s'] for r in last])),
+             prefill_tokens_last_turn=float(np.mean([r['prefill_tokens'] for r in last])),
+             context_tokens_total=sum(r['context_tokens'] for r in records),
+             prefill_tokens_total=sum(r['prefill_tokens'] for r in records),
+             ttft_s_total=sum(r['ttft_s'] for r in records),
+             kv_bytes_peak=max(r['kv_bytes'] for r in records))
+  if name.startswith('hydration'):
+    turns = [t for ts, _ in hydrated for t in ts]
+    out.update(
+        fidelity=float(np.mean([t.fidelity for t in turns])),
+        record_accuracy=float(np.mean([t.record_correct for t in turns])),
+        field_accuracy=ratio(sum(t.fields_correct for t in turns),
+                             sum(t.fields_total for t in turns)),
+        fallbacks=sum(t.fallback for t in turns),
+        retries_used=sum(t.extraction.attempts - 1 for t in turns),
+        extraction_s_total=sum(t.extraction.seconds for t in turns),
+        replay_matches=all(store.replay() == ts[-1].state for ts, store in hydrated))
+  return out
+
+
+def _alpha(config, target, target_params, draft, draft_params, tokenizer, extractor, calls,
+           temperature, lengths):
+  """α and β of speculative decoding (draft proposes K, target verifies) on the extraction
+  prompts of `calls`: under each call's record schema when `lengths` is None, else without a
+  constraint and without stopping, for exactly lengths[i] tokens (the constrained output's
+  length, so both runs cover the same number of tokens after the same prompts).
+
+  Returns (record, the number of tokens generated per prompt)."""
+  constrained = lengths is None
+  stats = dict(proposed=0, accepted=0, rejected=0, complete=0)
+  path = config.tokenizer or shipped('tokenizer.json')
+  out_lengths = []
+  for i, call in enumerate(calls):
+    constraint = None
+    if constrained:
+      constraint = TokenConstraint.json_schema(record_schema(call.value), path,
+                                               vocab_size=target.vocab_size,
+                                               eos_id=tokenizer.eos_id)
+    out = constrained_generate(
+        target, target_params, extractor.prompt(call), constraint,
+        max_new_tokens=config.max_extract_tokens if constrained else lengths[i],
+        stop_token=tokenizer.eos_id if constrained else None,
+        sampling=SamplingParams(temperature), seed=config.seed + i,
+        draft=draft, draft_params=draft_params, k=config.alpha_k)
+    for key in ('proposed', 'accepted', 'rejected'):
+      stats[key] += getattr(out, key)
+    stats['complete'] += int(out.finished)
+    out_lengths.append(len(out.tokens))
+  record = dict(kind='alpha', constrained=constrained, temperature=temperature,
+                k=config.alpha_k, prompts=len(calls), tokens=sum(out_lengths),
+                acceptance_rate=ratio(stats['accepted'], stats['proposed']),
+                acceptance_per_position=ratio(stats['accepted'],
+                                              stats['accepted'] + stats['rejected']),
+                complete_outputs=stats['complete'] if constrained else None)
+  return record, out_lengths

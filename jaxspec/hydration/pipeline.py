@@ -1,0 +1,88 @@
+"""Hydrating an agent session turn by turn: extract -> validate -> diff -> render.
+
+For each tool call the extractor proposes a record; the store validates the new state
+(`STATE_SCHEMA`) and records the JSON Patch from the previous state. A failed extraction (no
+valid record after the extractor's retries, or a state that does not validate) leaves the state
+as it was and keeps that turn's raw tool result in the big model's context from then on:
+counted in `fallback`, never silently dropped. The ground truth is the same pipeline fed the
+oracle's records; `fidelity` is whether the validated state equals it after the turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from jaxspec.data.tool_calls import ToolCall, ToolEpisode
+from jaxspec.hydration.extract import Extraction
+from jaxspec.hydration.render import render_hydrated, render_stuffing
+from jaxspec.hydration.schema import INITIAL_STATE, STATE_SCHEMA, truth_record, with_record
+from jaxspec.hydration.state import StateError, StateStore
+
+
+@dataclasses.dataclass
+class HydratedTurn:
+  """One turn of a hydrated session (turn is 1-based).
+
+  Attributes:
+    extraction: what the extractor returned.
+    fallback: True when this turn's raw result is passed instead of a state update.
+    patch: RFC 6902 patch of this turn ([] on a fallback).
+    state: the validated state after the turn.
+    fidelity: state equals the ground-truth state after the turn.
+    record_correct: the extracted record equals the true one.
+    fields_correct, fields_total: scalar fields (name, method, uri, input, output, each error)
+      of the extracted record equal to the true record's, position by position.
+    stuffing_prompt, hydrated_prompt: the big model's context text under each strategy.
+  """
+
+  turn: int
+  extraction: Extraction
+  fallback: bool
+  patch: list
+  state: dict
+  fidelity: bool
+  record_correct: bool
+  fields_correct: int
+  fields_total: int
+  stuffing_prompt: str
+  hydrated_prompt: str
+
+
+def _fields(record: dict) -> list:
+  return ([record.get('name'), record.get('http', {}).get('method'),
+           record.get('http', {}).get('requestUri'), record.get('input'), record.get('output')]
+          + list(record.get('errors', [])))
+
+
+def hydrate(episode: ToolEpisode, extractor: Callable[[ToolCall], Extraction]):
+  """Run the pipeline over every turn of `episode`.
+
+  Returns:
+    (list of HydratedTurn, the StateStore holding every recorded patch).
+  """
+  store = StateStore(STATE_SCHEMA, INITIAL_STATE)
+  truth = INITIAL_STATE
+  fallbacks: dict[int, ToolCall] = {}
+  turns = []
+  for i, call in enumerate(episode.turns, start=1):
+    extraction = extractor(call)
+    true_record = truth_record(call.value)
+    truth = with_record(truth, true_record)
+    patch, fallback = [], extraction.record is None
+    if not fallback:
+      try:
+        patch = store.update(with_record(store.state, extraction.record))
+      except StateError:
+        fallback = True
+    if fallback:
+      fallbacks[i] = call
+    got = _fields(extraction.record or {})
+    want = _fields(true_record)
+    turns.append(HydratedTurn(
+        turn=i, extraction=extraction, fallback=fallback, patch=patch, state=store.state,
+        fidelity=store.state == truth, record_correct=extraction.record == true_record,
+        fields_correct=sum(a == b for a, b in zip(got, want)), fields_total=len(want),
+        stuffing_prompt=render_stuffing(list(episode.turns[:i])),
+        hydrated_prompt=render_hydrated(i, store.state, patch, dict(fallbacks))))
+  return turns, store
