@@ -30,7 +30,8 @@ from jaxspec.models import ModelConfig, cache_for
 @dataclasses.dataclass
 class TurnCost:
   """One turn of the big model. Tokens are counts; kv_bytes the K+V bytes of the pages that
-  hold the context (page granularity); ttft_s the seconds to prefill and draw the first token."""
+  hold the context (page granularity); ttft_s the seconds to prefill and draw the first (greedy)
+  token; logits: [V] float32 after the last context token."""
 
   context_tokens: int
   prefill_tokens: int
@@ -38,6 +39,7 @@ class TurnCost:
   ttft_s: float
   kv_bytes: int
   first_token: int
+  logits: np.ndarray
 
 
 def cached_prefix(previous: Sequence[int], tokens: Sequence[int], page_size: int) -> int:
@@ -115,4 +117,4 @@ class ContextSession:
     return TurnCost(context_tokens=len(tokens), prefill_tokens=len(tokens) - cached,
                     cached_tokens=cached, ttft_s=ttft,
                     kv_bytes=pages_needed(len(tokens), self.page_size) * self.page_bytes,
-                    first_token=first)
+                    first_token=first, logits=np.asarray(logits[0]))

@@ -1,0 +1,140 @@
+"""The hydration pipeline: schemas, state store and JSON Patch replay, fallbacks, rendering, and the
+big model's context session (prefix reuse gives the same logits as a full prefill)."""
+
+import copy
+import json
+
+import jax
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxspec.data import Tokenizer
+from jaxspec.data.tool_calls import operation_texts, tool_episodes
+from jaxspec.hydration import (INITIAL_STATE, RECORD_SCHEMA, STATE_SCHEMA, ContextSession,
+                               Extraction, ModelExtractor, OracleExtractor, StateError,
+                               StateStore, cached_prefix, hydrate, record_schema, truth_record,
+                               with_record)
+from jaxspec.models import load_model, shipped
+
+
+@pytest.fixture(scope='module')
+def tok():
+  return Tokenizer.load(shipped('tokenizer.json'))
+
+
+@pytest.fixture(scope='module')
+def episode(tok):
+  return tool_episodes(tok, 1, 6, max_result_tokens=400)[0]
+
+
+def test_tool_results_are_the_files_records(episode):
+  from jaxspec.data import corpus  # pylint: disable=import-outside-toplevel
+  doc = next(d for d in corpus.documents('json', 'test') if d.name == episode.name)
+  ops = json.loads(doc.text)['operations']
+  for call in episode.turns:
+    assert call.value == ops[call.argument] and call.result in doc.text.replace('\n    ', '\n')
+  with pytest.raises(ValueError, match='operations'):
+    operation_texts('{"shapes": {}}')
+
+
+def test_true_records_validate_against_their_schemas(episode):
+  for call in episode.turns:
+    record = truth_record(call.value)
+    jsonschema.validate(record, record_schema(call.value))
+    jsonschema.validate(record, RECORD_SCHEMA)
+    wrong = copy.deepcopy(record)
+    wrong['name'] = 'NotInTheResult'
+    with pytest.raises(jsonschema.ValidationError):
+      jsonschema.validate(wrong, record_schema(call.value))
+
+
+class _Flaky:
+  """Oracle records, except: turn 2 fails, turn 4 gets a wrong method (valid, but not true)."""
+
+  def __init__(self):
+    self.n = 0
+
+  def __call__(self, call):
+    self.n += 1
+    record = truth_record(call.value)
+    if self.n == 2:
+      return Extraction(None, 3, 0.0)
+    if self.n == 4:
+      record['http']['method'] = 'DELETE' if record['http']['method'] != 'DELETE' else 'GET'
+    return Extraction(record, 1, 0.0)
+
+
+def test_replaying_the_patches_reproduces_the_last_state(episode):
+  for extractor in (OracleExtractor(), _Flaky()):
+    turns, store = hydrate(episode, extractor)
+    assert store.replay() == turns[-1].state == store.state
+    assert len(store.patches) == sum(not t.fallback for t in turns)
+
+
+def test_oracle_pipeline_is_faithful_and_a_failed_extraction_falls_back(episode, tok):
+  turns, _ = hydrate(episode, OracleExtractor())
+  assert all(t.fidelity and t.record_correct and not t.fallback for t in turns)
+  turns, _ = hydrate(episode, _Flaky())
+  assert [t.fallback for t in turns] == [False, True, False, False, False, False]
+  assert [t.fidelity for t in turns] == [True] + [False] * 5
+  raw = episode.turns[1].result
+  # The failed turn's raw result is in the big model's context from that turn on, not dropped.
+  assert raw not in turns[0].hydrated_prompt
+  assert all(raw in t.hydrated_prompt for t in turns[1:])
+  assert episode.turns[2].argument in turns[2].state['operations']
+  # Hydrated contexts are shorter than stuffed ones by the last turn.
+  assert len(tok.encode(turns[-1].hydrated_prompt)) < len(tok.encode(turns[-1].stuffing_prompt))
+
+
+def test_state_store_validates_and_records_rfc6902_patches(episode):
+  store = StateStore(STATE_SCHEMA, INITIAL_STATE)
+  record = truth_record(episode.turns[0].value)
+  patch = store.update(with_record(store.state, record))
+  assert {'op': 'add', 'path': f'/operations/{record["name"]}',
+          'value': {k: v for k, v in record.items() if k != 'name'}} in patch
+  before = copy.deepcopy(store.state)
+  bad = copy.deepcopy(store.state)
+  bad['operations'][record['name']]['http']['method'] = 'FETCH'
+  with pytest.raises(StateError, match='method'):
+    store.update(bad)
+  assert store.state == before and len(store.patches) == 1
+  with pytest.raises(StateError):
+    StateStore(STATE_SCHEMA, {'operations': []})
+
+
+def test_model_extraction_that_cannot_finish_falls_back_and_is_counted(episode, tok):
+  draft, params = load_model(shipped('draft'))
+  extractor = ModelExtractor(draft, params, tok, shipped('tokenizer.json'), max_new_tokens=4,
+                             retries=1)
+  ex = extractor(episode.turns[0])
+  assert ex.record is None and ex.attempts == 2 and ex.new_tokens == 8
+  extractor.max_new_tokens = 256
+  ex = extractor(episode.turns[0])          # with room, the constrained output always validates
+  assert ex.record is not None and ex.attempts == 1
+  jsonschema.validate(ex.record, record_schema(episode.turns[0].value))
+
+
+def test_cached_prefix_counts_full_shared_pages_and_computes_the_last_token():
+  assert cached_prefix([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9, 9], 2) == 4
+  assert cached_prefix([1, 2, 3, 4], [1, 2, 3, 4], 2) == 2        # last token recomputed
+  assert cached_prefix([], [1, 2, 3], 2) == 0
+  assert cached_prefix([7, 2], [1, 2, 3], 1) == 0
+
+
+def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
+  config, params = tiny
+  rng = np.random.default_rng(0)
+  first = rng.integers(3, config.vocab_size, 70).tolist()
+  second = first[:53] + rng.integers(3, config.vocab_size, 20).tolist()
+  cached = ContextSession(config, params, max_tokens=128, page_size=8, prefix_cache=True,
+                          min_pages=4)
+  fresh = ContextSession(config, params, max_tokens=128, page_size=8, min_pages=4)
+  cached.prefill(first)
+  fresh.prefill(first)
+  a, b = cached.prefill(second), fresh.prefill(second)
+  assert (a.cached_tokens, a.prefill_tokens) == (48, 25) and b.prefill_tokens == 73
+  assert a.first_token == b.first_token and a.kv_bytes == b.kv_bytes
+  np.testing.assert_allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+  with pytest.raises(ValueError, match='exceeds'):
+    fresh.prefill([3] * 200)
