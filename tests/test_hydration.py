@@ -128,8 +128,8 @@ def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
   first = rng.integers(3, config.vocab_size, 70).tolist()
   second = first[:53] + rng.integers(3, config.vocab_size, 20).tolist()
   cached = ContextSession(config, params, max_tokens=128, page_size=8, prefix_cache=True,
-                          min_pages=4)
-  fresh = ContextSession(config, params, max_tokens=128, page_size=8, min_pages=4)
+                          width_step=4)
+  fresh = ContextSession(config, params, max_tokens=128, page_size=8, width_step=4)
   cached.prefill(first)
   fresh.prefill(first)
   a, b = cached.prefill(second), fresh.prefill(second)

@@ -85,9 +85,6 @@ class TokenConstraint:
     if tok.vocab_size > vocab_size:
       raise ConstraintError(f'tokenizer vocabulary ({tok.vocab_size}) exceeds the model '
                             f'vocabulary ({vocab_size})')
-    err = llguidance.LLMatcher.validate_grammar(grammar, tok)
-    if err and not err.startswith('WARNING'):
-      raise ConstraintError(f'invalid constraint: {err}')
     return cls(llguidance.LLMatcher(tok, grammar, log_level=0), vocab_size, eos_id)
 
   @property

@@ -3,8 +3,8 @@ token, measuring context tokens, tokens prefilled, TTFT and KV bytes.
 
 One session is one sequence over a fixed page pool (logical page i lives in pool page i + 1;
 page 0 is the null page), so growing contexts never copy the cache. The page table is cut to a
-power-of-two width (at least `min_pages`): attention reads the whole table, so a short context
-must not pay for the longest one, and only a few widths are ever compiled.
+multiple of `width_step` pages: attention reads the whole table, so a short context must not
+pay for the longest one, and only a few widths are ever compiled.
 
 With `prefix_cache=True` a turn prefills only what follows the full pages it shares with the
 previous turn's context, which the session still holds: the pages a prefix cache
@@ -59,16 +59,19 @@ class ContextSession:
   Args:
     config, params: the big model.
     max_tokens: the longest context any turn will have (sizes the page pool).
+    width_step: page-table widths are multiples of this many pages.
     prefix_cache: reuse the pages shared with the previous turn's context.
   Raises:
     ValueError (from `prefill`): a context longer than max_tokens or empty.
   """
 
   def __init__(self, config: ModelConfig, params, *, max_tokens: int, page_size: int = 16,
-               prefix_cache: bool = False, min_pages: int = 16):
+               prefix_cache: bool = False, width_step: int = 16):
+    if width_step < 1:
+      raise ValueError(f'width_step must be >= 1, got {width_step}')
     self.config, self.params, self.page_size = config, params, page_size
     self.prefix_cache = prefix_cache
-    self.min_pages = min_pages
+    self.width_step = width_step
     self.max_width = self._width(pages_needed(max_tokens, page_size))
     pool = cache_for(config, np.zeros((1, 1), np.int32), self.max_width + 1, page_size)
     self._k, self._v = pool.k_pages, pool.v_pages
@@ -77,7 +80,7 @@ class ContextSession:
                        * jnp.dtype(config.dtype).itemsize)
 
   def _width(self, pages: int) -> int:
-    return max(self.min_pages, 1 << max(0, (pages - 1).bit_length()))
+    return max(1, -(-pages // self.width_step)) * self.width_step
 
   def _cache(self, num_tokens: int, cached: int) -> PagedKVCache:
     width = self._width(pages_needed(num_tokens, self.page_size))
@@ -91,14 +94,11 @@ class ContextSession:
 
   def warmup(self) -> None:
     """Compile the prefill for every page-table width this session can use."""
-    width = self.min_pages
-    while width <= self.max_width:
-      n = width * self.page_size
-      cache = self._cache(n, 0)
+    for width in range(self.width_step, self.max_width + 1, self.width_step):
+      cache = self._cache(width * self.page_size, 0)
       logits, cache = prefill_chunked(self.config, self.params, cache, [0])
       jax.block_until_ready(logits)
       self._k, self._v = cache.k_pages, cache.v_pages
-      width *= 2
     self.tokens = []
 
   def prefill(self, tokens: Sequence[int]) -> TurnCost:
