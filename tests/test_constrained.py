@@ -208,3 +208,15 @@ def test_masking_only_the_draft_fails_the_test():
   first, second, n = _constrained_rounds(SamplingParams(1.0), mask_target=False)
   with pytest.raises(AssertionError, match='forbids'):
     _pvalues(first, second, n, SamplingParams(1.0))
+
+
+def test_the_device_steps_compile_once_per_shape(models_):
+  from jaxspec.decoding import constrained  # pylint: disable=import-outside-toplevel
+  _, _, draft, draft_params, tok = models_
+  run = lambda text, seed: constrained_generate(
+      draft, draft_params, tok.encode(text), _constraint(SCHEMAS[2]), max_new_tokens=40,
+      stop_token=tok.eos_id, sampling=SamplingParams(1.0), seed=seed)
+  run('{"a":', 0)
+  sizes = (constrained._step._cache_size(), constrained._prefill_chunk._cache_size())
+  run('{\n  "tags":', 1)                       # another prompt and output length, same shapes
+  assert (constrained._step._cache_size(), constrained._prefill_chunk._cache_size()) == sizes

@@ -138,3 +138,18 @@ def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
   with pytest.raises(ValueError, match='exceeds'):
     fresh.prefill([3] * 200)
+
+
+def test_bad_experiment_config_fails_before_loading_models():
+  from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
+  from experiments import hydration  # pylint: disable=import-outside-toplevel
+  config = get_config()
+  config.strategies = 'stuffing,bogus'
+  with pytest.raises(ValueError, match='bogus'):
+    hydration.run(config, None)
+  config = get_config()
+  config.extractor = 'big'
+  with pytest.raises(ValueError, match='extractor'):
+    hydration.run(config, None)
+  with pytest.raises(ValueError, match='variant'):
+    get_config('nope')
