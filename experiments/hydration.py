@@ -190,3 +190,34 @@ def _alpha(config, target, target_params, draft, draft_params, tokenizer, extrac
                                               stats['accepted'] + stats['rejected']),
                 complete_outputs=stats['complete'] if constrained else None)
   return record, out_lengths
+
+
+def plot_hydration(records: list[dict], out_dir) -> list:
+  """Context tokens, tokens prefilled and TTFT per turn, a line per strategy (mean over
+  episodes). Returns the PNG paths written (none without 'turn' records)."""
+  import collections
+  import pathlib
+  from experiments.report import plt  # matplotlib with the Agg backend
+  turns = [r for r in records if r.get('kind') == 'turn']
+  if not turns:
+    return []
+  panels = [('context_tokens', 'tokens in the big model\'s context'),
+            ('prefill_tokens', 'tokens prefilled'), ('ttft_s', 'TTFT (s)')]
+  fig, axes = plt.subplots(1, len(panels), figsize=(14, 3.8))
+  for ax, (metric, label) in zip(axes, panels):
+    for strategy in dict.fromkeys(r['strategy'] for r in turns):
+      by_turn = collections.defaultdict(list)
+      for r in turns:
+        if r['strategy'] == strategy:
+          by_turn[r['turn']].append(r[metric])
+      xs = sorted(by_turn)
+      ax.plot(xs, [np.mean(by_turn[x]) for x in xs], marker='o', label=strategy)
+    ax.set_xlabel('turn')
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize='small')
+  fig.tight_layout()
+  path = pathlib.Path(out_dir) / 'hydration_per_turn.png'
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]

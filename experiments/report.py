@@ -114,8 +114,14 @@ def plot_speculative(records: list[dict], out_dir: pathlib.Path) -> list[pathlib
   return paths
 
 
+def _plot_hydration(records, out_dir):
+  from experiments.hydration import plot_hydration  # pylint: disable=g-import-not-at-top
+  return plot_hydration(records, out_dir)
+
+
 PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'speculative': plot_speculative,
+    'hydration': _plot_hydration,
 }
 
 
