@@ -165,6 +165,10 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
     raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
   if len(prompt) == 0:
     raise ValueError('prompt is empty')
+  bad = [t for t in prompt if not 0 <= int(t) < target.vocab_size]
+  if bad:
+    raise ValueError(f'prompt has token id {bad[0]} outside the vocabulary '
+                     f'[0, {target.vocab_size})')
   if (draft is None) != (draft_params is None) or (draft is None) != (k is None):
     raise ValueError('give draft, draft_params and k together (or none of them)')
   if draft is not None and (k < 1 or draft.vocab_size != target.vocab_size):
