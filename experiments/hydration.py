@@ -85,6 +85,9 @@ def run(config, results) -> None:
                            max_result_tokens=config.max_result_tokens, seed=config.seed)
   extractor = make_extractor(config, target, target_params, draft, draft_params, tokenizer)
 
+  if isinstance(extractor, ModelExtractor):   # compile its steps before anything is timed
+    extractor(tool_episodes(tokenizer, 1, 1, split='val', seed=config.seed,
+                            max_result_tokens=config.max_result_tokens)[0].turns[0])
   hydrated = [hydrate(ep, extractor) for ep in episodes]
   # The big model only prefills: positions past its training length (max_seq_len) are allowed
   # here, since only context costs are measured, not its replies.
