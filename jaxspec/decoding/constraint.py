@@ -4,9 +4,10 @@ tokens, on the host.
 The schema/grammar -> token automaton is llguidance's (guidance-ai; the constraint engine behind
 llama.cpp's, vLLM's and SGLang's structured outputs). It was chosen over xgrammar and
 outlines-core because it is the only one of the three that installs without torch, reads our
-`tokenizers` byte-level BPE file directly, compiles a schema lazily (no index build over the
-vocabulary) and rolls back any number of tokens, which speculative decoding needs; a mask over
-our 4096 tokens takes ~20 us. Applying the mask to the logits is ours (`probabilities(...,
+`tokenizers` byte-level BPE file directly, compiles a schema lazily (~1 ms; outlines-core builds
+an index over the vocabulary, 270-470 ms per record schema here) and rolls back any number of
+tokens, which speculative decoding needs; a mask over our 4096 tokens takes ~13 us
+(scripts/constraint_libraries.py). Applying the mask to the logits is ours (`probabilities(...,
 mask=)`), inside the jitted sampling step.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+
 import llguidance
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 import numpy as np
@@ -44,13 +46,15 @@ class TokenConstraint:
     eos_id: the stop token.
   """
 
-  def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_id: int):
+  def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_id: int,
+               tokenizer_vocab: int):
     if matcher.is_error():
       raise ConstraintError(f'invalid constraint: {_first_line(matcher.get_error())}')
     self._m = matcher
+    self._tokenizer_vocab = tokenizer_vocab   # ids past it (model padding) are never allowed
     self.vocab_size = vocab_size
     self.eos_id = eos_id
-    self._bits = allocate_token_bitmask(1, vocab_size)
+    self._bits = allocate_token_bitmask(1, tokenizer_vocab)
     self._eos_consumed = 0      # EOS tokens consumed after the end (speculative padding)
 
   @classmethod
@@ -85,7 +89,8 @@ class TokenConstraint:
     if tok.vocab_size > vocab_size:
       raise ConstraintError(f'tokenizer vocabulary ({tok.vocab_size}) exceeds the model '
                             f'vocabulary ({vocab_size})')
-    return cls(llguidance.LLMatcher(tok, grammar, log_level=0), vocab_size, eos_id)
+    return cls(llguidance.LLMatcher(tok, grammar, log_level=0), vocab_size, eos_id,
+               tok.vocab_size)
 
   @property
   def done(self) -> bool:
@@ -109,8 +114,9 @@ class TokenConstraint:
     if self._m.is_error():      # a dead end: llguidance then allows only EOS, which is not valid
       raise ConstraintError('the constraint allows no token here: the schema cannot be '
                             f'continued with this vocabulary ({_first_line(self._m.get_error())})')
-    mask = np.unpackbits(self._bits[0].view(np.uint8), bitorder='little')[:self.vocab_size]
-    mask = mask.astype(bool)
+    mask = np.zeros(self.vocab_size, bool)
+    mask[:self._tokenizer_vocab] = np.unpackbits(self._bits[0].view(np.uint8),
+                                                 bitorder='little')[:self._tokenizer_vocab]
     if not mask.any():
       raise ConstraintError('the constraint allows no token here: the schema cannot be '
                             'continued with this vocabulary')
