@@ -11,6 +11,7 @@ import dataclasses
 
 import numpy as np
 
+from experiments import report
 from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
@@ -97,6 +98,8 @@ def run(config, results) -> None:
 
   for setting in settings:
     results.write(_summary(setting, turns, gens[setting], peak_host[setting], config))
+  for path in report.plot(results.records, results.dir / 'plots', 'prefix_cache'):
+    print(f'plot -> {path}', flush=True)
 
 
 def _summary(setting, turns, gen, peak_host, config) -> dict:
