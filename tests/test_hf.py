@@ -89,8 +89,14 @@ def test_loaded_configs_have_each_familys_features(loaded):
   assert loaded['qwen2'][1]['params']['layer_0']['attn']['q']['bias'].shape == (32,)
 
 
-def test_speculative_with_loaded_pair_equals_greedy_target(loaded):
-  (tc, tp, golden), (dc, dp, _) = loaded['llama'], loaded['llama-draft']
+@pytest.mark.parametrize('target, draft', [('llama', 'llama-draft'), ('mistral', 'perturbed')])
+def test_speculative_with_loaded_pair_equals_greedy_target(loaded, target, draft):
+  tc, tp, golden = loaded[target]
+  if draft == 'perturbed':                   # Mistral's window, through rollback and verification
+    from conftest import perturbed
+    dc, dp = tc, perturbed(tp, 0.3, 0)
+  else:
+    dc, dp, _ = loaded[draft]
   tc, dc = (dataclasses.replace(c, exact_verify=True) for c in (tc, dc))
   prompts = [golden['prompts'][i, :n].tolist() for i, n in enumerate(golden['prompt_lengths'])]
   ar = generate(tc, tp, prompts, max_new_tokens=24, page_size=8)
@@ -201,6 +207,37 @@ def test_hugging_face_tokenizer_special_ids():
   assert 297 not in llama.encode('<|end_of_text|>')         # literal text is not special
 
 
+def test_tokenizer_without_our_specials_or_a_model_config_is_an_error(tmp_path):
+  shutil.copy(FIXTURES / 'llama' / 'tokenizer.json', tmp_path / 'tokenizer.json')
+  with pytest.raises(ValueError, match=r"tokenizer .*tokenizer.json: special token '<\|pad\|>' "
+                                       r'has id None.*no Hugging Face config beside it'):
+    Tokenizer.load(tmp_path)
+
+
+def test_rope_scaling_forms_and_errors():
+  from jaxspec.models import rope
+  base = rope.inverse_frequencies(8, 10000.0)
+  linear = rope.inverse_frequencies(8, 10000.0, rope.normalize_scaling({'type': 'linear',
+                                                                        'factor': 4.0}))
+  np.testing.assert_allclose(linear, base / 4.0, rtol=1e-6)
+  assert rope.normalize_scaling({'rope_type': 'default', 'rope_theta': 1e4}) == ()
+  llama3 = dict(rope_type='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64)
+  config = ModelConfig.from_name('test-tiny', rope_scaling=llama3)
+  assert hash(config) == hash(ModelConfig(**json.loads(json.dumps(dataclasses.asdict(config)))))
+  scaled = np.asarray(rope.inverse_frequencies(8, 10000.0, config.rope_scaling))
+  # wavelengths 6.3 (< 64/4: kept), 63 (between: interpolated), 628 and 6283 (> 64: / 8)
+  np.testing.assert_allclose(scaled[[0, 2, 3]], np.asarray(base)[[0, 2, 3]] / [1, 8, 8], rtol=1e-6)
+  assert base[1] / 8 < scaled[1] < base[1]
+  for bad, match in [({'rope_type': 'dynamic', 'factor': 2.0}, "type 'dynamic' is not supported"),
+                     ({'type': 'linear', 'factor': 0.5}, 'factor must be >= 1'),
+                     ({**llama3, 'high_freq_factor': 1.0}, 'must exceed low_freq_factor')]:
+    with pytest.raises(ValueError, match=match):
+      ModelConfig.from_name('test-tiny', rope_scaling=bad)
+  with pytest.raises(ValueError, match='sliding_window must be None or a positive int, got 0'):
+    ModelConfig.from_name('test-tiny', sliding_window=0)
+
+
 def test_tensor_names_cover_every_param():
   for change in ({}, dict(tie_embeddings=True), dict(qkv_bias=True)):
     config = ModelConfig.from_name('test-tiny', **change)
@@ -257,6 +294,9 @@ def test_real_checkpoint_configs_map_to_their_parameter_counts(name):
   assert config.num_params == count
   assert config.sliding_window == (4096 if name.startswith('Mistral') else None)
   assert hf.config_from_hf(hf.config_to_hf(config)) == config
+  no_arch = {k: v for k, v in fields.items() if k != 'architectures'}
+  no_arch['model_type'] = fields['architectures'][0][:-len('ForCausalLM')].lower()
+  assert hf.config_from_hf(no_arch) == config
 
 
 # --- bad input -------------------------------------------------------------------------------

@@ -87,6 +87,8 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
     raise CheckpointError(f'{where} is not a JSON object')
   archs = fields.get('architectures') or []
   arch = next((a for a in archs if a in ARCHITECTURES), None)
+  if not archs:                                    # some configs name only the model_type
+    arch = {a[:-len('ForCausalLM')].lower(): a for a in ARCHITECTURES}.get(fields.get('model_type'))
   if arch is None:
     raise CheckpointError(f'{where}: unsupported architecture {archs or fields.get("model_type")!r}'
                           f'; supported: {", ".join(ARCHITECTURES)}')
