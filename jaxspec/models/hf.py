@@ -119,7 +119,7 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
         tie_embeddings=bool(fields.get('tie_word_embeddings', False)),
         qkv_bias=arch == 'Qwen2ForCausalLM', rope_scaling=scaling,
         sliding_window=_sliding_window(fields, arch, where), dtype=dtype)
-  except (TypeError, ValueError) as e:
+  except (TypeError, ValueError, ZeroDivisionError) as e:
     raise CheckpointError(f'{where}: {e}') from e
 
 
