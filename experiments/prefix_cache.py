@@ -68,7 +68,7 @@ def run(config, results) -> None:
   for gen in gens.values():
     gen.warm_up(longest, config.reply_tokens)
 
-  stop = (tokenizer.eos_id,)
+  stop = tokenizer.eos_ids
   replies = {s: [[] for _ in convs] for s in settings}
   peak_host = dict.fromkeys(settings, 0)
   turns = {s: [] for s in settings}
