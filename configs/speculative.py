@@ -3,6 +3,7 @@
     python -m experiments.run                                   # this config, shipped models
     python -m experiments.run --config=configs/speculative.py --config.k=8 --workdir=/tmp/run
     python -m experiments.run --config=configs/speculative.py:smoke
+    python -m experiments.run --config.target=/models/llama-8b --config.draft=/models/llama-1b
     python -m experiments.sweep --config=configs/speculative.py  # K x temperature x workload
 
 One results line per workload: acceptance_rate, mean_accepted_length, tokens/s of both decoders,
@@ -15,9 +16,10 @@ import ml_collections
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.experiment = 'speculative'
-  c.target = ''          # model directory; '' = the shipped target (jaxspec/assets/target)
-  c.draft = ''           # model directory; '' = the shipped draft (jaxspec/assets/draft)
-  c.tokenizer = ''       # tokenizer.json; '' = the shipped one
+  c.target = ''          # model directory (ours or Hugging Face); '' = the shipped target
+  c.draft = ''           # model directory (ours or Hugging Face); '' = the shipped draft
+  c.tokenizer = ''       # tokenizer.json; '' = the target's own (Hugging Face dir) or the shipped one
+  c.dtype = 'float32'    # params and activations of both models ('bfloat16' halves the memory)
   c.workloads = 'json,code,retrieval'
   c.k = 4                # speculation length K
   c.max_k = 16           # largest K accepted

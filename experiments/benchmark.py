@@ -62,7 +62,7 @@ def run(config, results) -> None:
   prompts = [p.tokens for p in make_prompts(config.workload, tokenizer, config.num_prompts,
                                             config.prompt_len, split='test', seed=config.seed)]
   common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling,
-                stop_tokens=(tokenizer.eos_id,), page_size=config.page_size, seed=config.seed)
+                stop_tokens=tokenizer.eos_ids, page_size=config.page_size, seed=config.seed)
   decoders = {'target': lambda p: generate(target, tparams, [p], **common),
               'draft': lambda p: generate(draft, dparams, [p], **common)}
   for k in ks:

@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import matplotlib
 
 matplotlib.use('Agg')
+import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
@@ -114,6 +115,35 @@ def plot_speculative(records: list[dict], out_dir: pathlib.Path) -> list[pathlib
   return paths
 
 
+def plot_prefix_cache(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """TTFT vs turn and tokens prefilled vs turn, a line per setting (means over conversations of
+  the per-turn records). Returns the PNG path written (none without per-turn records)."""
+  rows = [r for r in records if r.get('record') == 'turn']
+  if not rows:
+    return []
+  fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+  for ax, metric, ylabel in ((axes[0], 'ttft_s', 'TTFT (ms)'),
+                             (axes[1], 'prefill_tokens', 'tokens prefilled')):
+    means = _mean_by(rows, ('setting', 'turn'), metric)
+    for setting in dict.fromkeys(r['setting'] for r in rows):
+      pts = sorted((t, v) for (s, t), v in means.items() if s == setting)
+      scale = 1000.0 if metric == 'ttft_s' else 1.0
+      ax.plot([t for t, _ in pts], [v * scale for _, v in pts], marker='o', label=setting)
+    ax.set_xlabel('turn')
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel(ylabel)
+    ax.set_yscale('log')
+    ax.grid(alpha=0.3)
+  axes[0].set_title('time to first token')
+  axes[1].set_title('prompt tokens computed by prefill')
+  axes[1].legend(title='setting', fontsize='small')
+  fig.tight_layout()
+  path = out_dir / 'ttft_vs_turn.png'
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]
+
+
 def _plot_hydration(records, out_dir):
   from experiments.hydration import plot_hydration  # pylint: disable=g-import-not-at-top
   return plot_hydration(records, out_dir)
@@ -122,6 +152,7 @@ def _plot_hydration(records, out_dir):
 PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'speculative': plot_speculative,
     'hydration': _plot_hydration,
+    'prefix_cache': plot_prefix_cache,
 }
 
 

@@ -7,30 +7,70 @@ compile-only warm-up, so the speedup is a ratio taken under the same machine con
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
 
 from jaxspec.data import WORKLOADS, Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams, generate
-from jaxspec.models import load_model, shipped
+from jaxspec.models import is_pretrained, load_model, shipped, truncate_vocab
 
 
 def load_pair(config):
   """(target_config, target_params, draft_config, draft_params, tokenizer) from the config's
-  paths, the shipped ones where a path is ''; `config.exact_verify` (if present) sets both models'
-  numerics mode. Raises CheckpointError / ValueError when missing,
-  corrupt, or the vocabularies disagree."""
-  target_cfg, target_params = load_model(config.target or shipped('target'))
-  draft_cfg, draft_params = load_model(config.draft or shipped('draft'))
-  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  paths, the shipped ones where a path is ''. A path may be one of our model directories or a
+  Hugging Face checkpoint directory (config.json + *.safetensors). `config.exact_verify` and
+  `config.dtype` (if present) set both models' numerics mode and dtype.
+
+  The tokenizer is `config.tokenizer` if given, else the target's tokenizer.json when the target
+  is a Hugging Face directory, else the shipped one. Draft and target must share one vocabulary:
+  a model directory holding a tokenizer.json that differs from the one in use is an error. When
+  the two embedding matrices are padded to different sizes past the tokenizer (Qwen2.5-0.5B vs
+  7B), the larger is cut to the smaller (`jaxspec.models.truncate_vocab`).
+
+  Raises CheckpointError / ValueError when missing, corrupt, or the vocabularies disagree."""
+  target_path = config.target or shipped('target')
+  draft_path = config.draft or shipped('draft')
+  dtype = str(config.get('dtype', 'float32'))
+  target_cfg, target_params = load_model(target_path, dtype)
+  draft_cfg, draft_params = load_model(draft_path, dtype)
+  tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)
   for name, cfg in (('target', target_cfg), ('draft', draft_cfg)):
-    if cfg.vocab_size != tokenizer.vocab_size:
-      raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) differs from the tokenizer '
+    if cfg.vocab_size < tokenizer.vocab_size:
+      raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) is smaller than the tokenizer '
                        f'vocabulary ({tokenizer.vocab_size})')
+  if target_cfg.vocab_size > draft_cfg.vocab_size:
+    target_cfg, target_params = truncate_vocab(target_cfg, target_params, draft_cfg.vocab_size)
+  elif draft_cfg.vocab_size > target_cfg.vocab_size:
+    draft_cfg, draft_params = truncate_vocab(draft_cfg, draft_params, target_cfg.vocab_size)
   exact = bool(config.get('exact_verify', False))
-  target_cfg = dataclasses.replace(target_cfg, exact_verify=exact)
-  draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact)
+  target_cfg = dataclasses.replace(target_cfg, exact_verify=exact, dtype=dtype)
+  draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact, dtype=dtype)
   return target_cfg, target_params, draft_cfg, draft_params, tokenizer
+
+
+def load_tokenizer(tokenizer_path, target_path, draft_path) -> Tokenizer:
+  """The tokenizer for a target/draft pair (see `load_pair`). Raises ValueError naming the file
+  when a Hugging Face target has no tokenizer.json and none is given, or when a model
+  directory's own tokenizer.json differs from the one in use."""
+  if tokenizer_path:
+    source = pathlib.Path(tokenizer_path)
+  elif is_pretrained(target_path):
+    source = pathlib.Path(target_path) / 'tokenizer.json'
+    if not source.is_file():
+      raise ValueError(f'{source} is missing: give the tokenizer with --config.tokenizer')
+  else:
+    source = shipped('tokenizer.json')
+  tokenizer = Tokenizer.load(source)
+  for name, path in (('target', target_path), ('draft', draft_path)):
+    own = pathlib.Path(path) / 'tokenizer.json'
+    if own.is_file() and own.resolve() != source.resolve():
+      diff = tokenizer.vocabulary_difference(Tokenizer.load(path))
+      if diff:
+        raise ValueError(f'the {name} tokenizer {own} differs from the tokenizer in use '
+                         f'({source}): {diff}. Draft and target must share one vocabulary '
+                         '(the draft proposes token ids that the target verifies)')
+  return tokenizer
 
 
 def _workloads(config) -> list[str]:
@@ -55,7 +95,7 @@ def run(config, results) -> None:
   workloads = _workloads(config)                     # checked before any model is loaded
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling,
-                stop_tokens=(tokenizer.eos_id,), page_size=config.page_size)
+                stop_tokens=tokenizer.eos_ids, page_size=config.page_size)
   spec = dict(draft=draft, draft_params=draft_params, k=config.k, max_k=config.max_k)
 
   for workload in workloads:

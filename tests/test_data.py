@@ -199,3 +199,30 @@ def test_random_windows_shape_dtype_and_contiguity():
   np.testing.assert_array_equal(edge, np.tile(tokens[:33], (4, 1)))
   with pytest.raises(ValueError, match='32'):
     random_windows(tokens[:32], batch=1, seq_len=32, rng=np.random.default_rng(0))
+
+
+def test_agent_conversations_share_an_exact_prefix_and_use_real_distinct_files(tok):
+  from jaxspec.data import make_conversations, turn_prompt
+  convs = make_conversations(tok, num_conversations=3, num_turns=4, prefix_tokens=200,
+                             tool_tokens=24, seed=1)
+  again = make_conversations(tok, num_conversations=3, num_turns=4, prefix_tokens=200,
+                             tool_tokens=24, seed=1)
+  assert convs == again                                        # deterministic
+  assert all(len(c.prefix) == 200 and c.prefix == convs[0].prefix for c in convs)
+  sources = [s for c in convs for s in c.sources]
+  assert len(set(s.split('@')[0] for s in sources)) == len(sources)  # distinct files
+  name, off = sources[0].rsplit('@', 1)
+  doc = next(d for d in documents('json', 'test') if d.name == name)
+  window = tok.encode(doc.text)[int(off):int(off) + 24]
+  result = list(convs[0].tool_results[0])
+  assert any(result[i:i + 24] == window for i in range(len(result)))  # a real slice
+  replies = [[7, 8], [9]]
+  prompt = turn_prompt(convs[0], 2, replies)
+  assert prompt == (list(convs[0].prefix) + list(convs[0].tool_results[0]) + [7, 8]
+                    + list(convs[0].tool_results[1]) + [9] + list(convs[0].tool_results[2]))
+  with pytest.raises(ValueError, match='needs 2 earlier replies'):
+    turn_prompt(convs[0], 2, [[7]])
+  with pytest.raises(ValueError, match='turn 4 outside'):
+    turn_prompt(convs[0], 4, replies * 2)
+  with pytest.raises(ValueError, match='prefix_tokens=10'):
+    make_conversations(tok, num_conversations=1, num_turns=1, prefix_tokens=10, tool_tokens=8)

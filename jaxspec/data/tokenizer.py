@@ -1,16 +1,20 @@
 """Byte-level BPE tokenizer: a thin wrapper over Hugging Face ``tokenizers``.
 
 Byte-level means every string maps to tokens and back exactly (spaces, tabs, newlines, any
-Unicode), which code and JSON need: their whitespace is content. Special tokens are fixed:
-``<|pad|>`` = 0, ``<|bos|>`` = 1, ``<|eos|>`` = 2. ``encode`` never adds them, and never produces
-them either: the literal text ``<|eos|>`` inside a document is encoded as ordinary bytes.
+Unicode), which code and JSON need: their whitespace is content. Our own tokenizers fix the
+special tokens: ``<|pad|>`` = 0, ``<|bos|>`` = 1, ``<|eos|>`` = 2. A Hugging Face model
+directory's ``tokenizer.json`` is loaded too (``Tokenizer.load(model_dir)``); its special ids
+come from the directory's ``generation_config.json``, ``config.json`` and
+``tokenizer_config.json``. ``encode`` never adds special tokens, and never produces them either:
+the literal text ``<|eos|>`` inside a document is encoded as ordinary text.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -20,16 +24,23 @@ SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
 
 
 class Tokenizer:
-  """Byte-level BPE tokenizer with pad/bos/eos at ids 0/1/2."""
+  """BPE tokenizer: ours (pad/bos/eos at ids 0/1/2) or a Hugging Face model's."""
 
-  def __init__(self, tok: tokenizers.Tokenizer):
-    """Wraps a trained ``tokenizers.Tokenizer``; raises ValueError if its specials are not 0/1/2."""
-    for want, token in enumerate(SPECIAL_TOKENS):
-      got = tok.token_to_id(token)
-      if got != want:
-        raise ValueError(f'special token {token!r} has id {got}, expected {want}')
+  def __init__(self, tok: tokenizers.Tokenizer, *, special_ids: Optional[dict] = None):
+    """Wraps a ``tokenizers.Tokenizer``.
+
+    special_ids: None for our convention (raises ValueError if the specials are not at 0/1/2),
+      or {'pad': id | None, 'bos': id | None, 'eos': tuple of ids} for another model's.
+    """
+    if special_ids is None:
+      for want, token in enumerate(SPECIAL_TOKENS):
+        got = tok.token_to_id(token)
+        if got != want:
+          raise ValueError(f'special token {token!r} has id {got}, expected {want}')
+      special_ids = {'pad': 0, 'bos': 1, 'eos': (2,)}
     tok.encode_special_tokens = True  # Treat '<|eos|>' written in a document as plain text.
     self._tok = tok
+    self._special = special_ids
 
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -60,18 +71,32 @@ class Tokenizer:
 
   @classmethod
   def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
-    """Reads a file written by ``save``.
+    """Reads a file written by ``save``, or a Hugging Face model directory's tokenizer.
+
+    path: a tokenizer.json, or a directory holding one. A file whose specials are not ours at
+    0/1/2 is read as a Hugging Face tokenizer when its directory has a config.json,
+    generation_config.json or tokenizer_config.json naming the special tokens.
 
     Raises FileNotFoundError (missing) or ValueError (unreadable / not a tokenizer / wrong special
     ids), each naming ``path``.
     """
     path = pathlib.Path(path)
+    if path.is_dir():
+      path = path / 'tokenizer.json'
     if not path.is_file():
       raise FileNotFoundError(f'tokenizer file not found: {path}')
     try:
-      return cls(tokenizers.Tokenizer.from_file(str(path)))
+      tok = tokenizers.Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON.
       raise ValueError(f'corrupt tokenizer file {path}: {e}') from e
+    ours = all(tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS))
+    if not ours and any((path.parent / f).is_file() for f in _HF_CONFIG_FILES):
+      return cls(tok, special_ids=_hf_special_ids(path.parent, tok))
+    try:
+      return cls(tok)
+    except ValueError as e:
+      raise ValueError(f'tokenizer {path}: {e} (and no Hugging Face config beside it names '
+                       'its special tokens)') from e
 
   def encode(self, text: str) -> list[int]:
     """Token ids of ``text`` (no specials added); ``decode(encode(text)) == text`` always."""
@@ -95,16 +120,70 @@ class Tokenizer:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
   @property
-  def pad_id(self) -> int:
-    return 0
+  def pad_id(self) -> Optional[int]:
+    return self._special['pad']
 
   @property
-  def bos_id(self) -> int:
-    return 1
+  def bos_id(self) -> Optional[int]:
+    return self._special['bos']
 
   @property
-  def eos_id(self) -> int:
-    return 2
+  def eos_id(self) -> Optional[int]:
+    """The first end-of-sequence id (None when the model names none)."""
+    return self._special['eos'][0] if self._special['eos'] else None
+
+  @property
+  def eos_ids(self) -> tuple[int, ...]:
+    """Every id that ends a sequence (Llama 3.1 instruct has three); use as stop tokens."""
+    return tuple(self._special['eos'])
+
+  def vocabulary_difference(self, other: Tokenizer) -> Optional[str]:
+    """None when ``other`` maps every token string to the same id as this tokenizer (so a
+    draft's token ids mean the target's tokens), else a sentence naming the first difference."""
+    mine = self._tok.get_vocab(with_added_tokens=True)
+    theirs = other._tok.get_vocab(with_added_tokens=True)
+    if mine == theirs:
+      return None
+    if len(mine) != len(theirs):
+      return f'vocabularies of {len(mine)} and {len(theirs)} tokens'
+    for token, i in sorted(mine.items(), key=lambda kv: kv[1]):
+      if theirs.get(token) != i:
+        return f'token {token!r} has id {i} in one and {theirs.get(token)} in the other'
+    return 'vocabularies differ'
 
   def __repr__(self) -> str:
     return f'Tokenizer(vocab_size={self.vocab_size})'
+
+
+_HF_CONFIG_FILES = ('generation_config.json', 'config.json', 'tokenizer_config.json')
+
+
+def _hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
+  """Special ids of a Hugging Face model directory: ``*_token_id`` from generation_config.json,
+  then config.json (eos may be a list: every id is a stop token), else the ``*_token`` strings of
+  tokenizer_config.json. Raises ValueError naming a file that is not valid JSON or a special
+  token the tokenizer does not know."""
+  found = {'pad': None, 'bos': None, 'eos': ()}
+  for name in _HF_CONFIG_FILES:
+    file = directory / name
+    if not file.is_file():
+      continue
+    try:
+      fields = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+      raise ValueError(f'{file} is not valid JSON: {e}') from e
+    for key in found:
+      if found[key] not in (None, ()):
+        continue
+      value = fields.get(f'{key}_token_id')
+      if value is None and isinstance(fields.get(f'{key}_token'), (str, dict)):
+        token = fields[f'{key}_token']
+        token = token.get('content') if isinstance(token, dict) else token
+        value = tok.token_to_id(token)
+        if value is None:
+          raise ValueError(f'{file}: {key}_token {token!r} is not in the tokenizer')
+      if value is not None:
+        found[key] = tuple(value) if key == 'eos' and isinstance(value, list) else value
+  if isinstance(found['eos'], int):
+    found['eos'] = (found['eos'],)
+  return found

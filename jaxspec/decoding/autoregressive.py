@@ -23,18 +23,22 @@ def prompt_positions(prompt_lengths, width: int):
 @functools.partial(jax.jit, static_argnames=('config', 'sampling'), donate_argnames=('cache',))
 def prefill(config: ModelConfig, params, cache, tokens, prompt_lengths, rng, *,
             sampling: SamplingParams):
-  """Run the prompts through the model and draw the first new token.
+  """Run the prompts (or the uncached rest of them) through the model and draw the first token.
 
   Args:
     config: static model config.
     params: model params.
-    cache: an empty `PagedKVCache` (donated).
-    tokens: [B, P] int32 right-padded prompts; prompt_lengths: [B] int32 (>= 1).
+    cache: a `PagedKVCache` (donated) already holding cache.lengths[b] tokens of row b: 0 for an
+      empty cache, the cached prefix after a prefix-cache hit. The new tokens go at positions
+      cache.lengths[b] + t.
+    tokens: [B, P] int32 right-padded new tokens; prompt_lengths: [B] int32 (>= 1) real new
+      tokens per row.
     rng: PRNG key.
   Returns:
     (first_token [B] int32, cache holding the prompts).
   """
-  positions = prompt_positions(prompt_lengths, tokens.shape[1])
+  positions = cache.lengths[:, None] + prompt_positions(prompt_lengths, tokens.shape[1])
+  positions = jnp.where(positions >= cache.lengths[:, None], positions, -1)
   logits, cache = Transformer(config).apply(params, tokens, positions, cache)
   last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
   return sample(rng, probabilities(last, sampling)), cache

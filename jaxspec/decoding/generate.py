@@ -28,6 +28,9 @@ class GenerationResult:
     tokens: per prompt, the emitted token ids (stop token included when hit).
     ttft_s: seconds from the call to the first token of every row (prefill + first sample).
     decode_s: seconds of the compiled decode loop after the first token.
+    prompt_tokens: prompt tokens of the batch; prefill_tokens: of those, the ones prefill
+      computed (the rest came from the prefix cache: cached_tokens, promoted_tokens of them from
+      its host tier).
     proposed, accepted, emitted, target_calls, rejected: speculative counters of the decode
       loop (zero for autoregressive decoding); see `SpecStats`.
   """
@@ -35,6 +38,10 @@ class GenerationResult:
   tokens: list
   ttft_s: float
   decode_s: float
+  prompt_tokens: int = 0
+  prefill_tokens: int = 0
+  cached_tokens: int = 0
+  promoted_tokens: int = 0
   proposed: int = 0
   accepted: int = 0
   emitted: int = 0
@@ -90,6 +97,59 @@ def _check_prompts(prompts, configs, max_new_tokens, slack):
             f'tokens of decoding slack = {need} exceeds the context of {config.max_seq_len}')
 
 
+def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,
+                  draft_params=None, k=None, max_k: int = MAX_K):
+  """Validate a generation request (shared by `generate` and `PrefixCachedGenerator`).
+
+  Returns:
+    (configs: the models involved, slack: tokens of decoding slack past max_new_tokens (1, or
+    K + 1 when speculating), stop: [S] int32 sorted stop ids).
+  Raises:
+    ValueError: naming the bad value (see `generate`).
+  """
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
+  if draft is None and (k is not None or draft_params is not None):
+    raise ValueError(f'k={k} / draft_params given without a draft model')
+  if draft is not None and draft_params is None:
+    raise ValueError('a draft model needs draft_params, got None')
+  configs = [target]
+  slack = 1
+  if draft is not None:
+    if draft.vocab_size != target.vocab_size:
+      raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
+                       f'vocabulary ({target.vocab_size})')
+    if k is None or not 1 <= k <= max_k:
+      raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
+    configs.append(draft)
+    slack = k + 1
+  _check_prompts(prompts, configs, max_new_tokens, slack)
+  stop = jnp.asarray(sorted(set(int(t) for t in stop_tokens)), jnp.int32)
+  for t in stop.tolist():
+    if not 0 <= t < target.vocab_size:
+      raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
+  return configs, slack, stop
+
+
+def decode(target, target_params, cache, first, rng, stop, *, sampling, max_new_tokens,
+           draft=None, draft_params=None, draft_cache=None, k=None):
+  """The compiled decode loop after prefill: autoregressive, or speculative with a draft.
+
+  Returns:
+    (Output, counters: dict of the SpecStats sums (empty for autoregressive), cache, draft_cache).
+  """
+  if draft is None:
+    out, cache = decode_autoregressive(target, target_params, cache, first, rng, stop,
+                                       sampling=sampling, max_new_tokens=max_new_tokens)
+    return out, {}, cache, None
+  out, stats, cache, draft_cache = decode_speculative(
+      target, draft, target_params, draft_params, cache, draft_cache, first, rng, stop,
+      k=k, sampling=sampling, max_new_tokens=max_new_tokens)
+  counters = {f: int(getattr(stats, f).sum()) for f in
+              ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected')}
+  return out, counters, cache, draft_cache
+
+
 def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]], *,
              max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_tokens: Sequence[int] = (), seed: int = 0,
@@ -115,30 +175,12 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
     ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
       K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids.
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
+  configs, slack, stop = check_request(target, prompts, max_new_tokens=max_new_tokens,
+                                       stop_tokens=stop_tokens, draft=draft,
+                                       draft_params=draft_params, k=k, max_k=max_k)
   for name, value in (('page_size', page_size), ('prompt_bucket', prompt_bucket)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f'{name} must be an int >= 1, got {value!r}')
-  if draft is None and (k is not None or draft_params is not None):
-    raise ValueError(f'k={k} / draft_params given without a draft model')
-  if draft is not None and draft_params is None:
-    raise ValueError('a draft model needs draft_params, got None')
-  configs = [target]
-  slack = 1
-  if draft is not None:
-    if draft.vocab_size != target.vocab_size:
-      raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
-                       f'vocabulary ({target.vocab_size})')
-    if k is None or not 1 <= k <= max_k:
-      raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
-    configs.append(draft)
-    slack = k + 1
-  _check_prompts(prompts, configs, max_new_tokens, slack)
-  stop = jnp.asarray(sorted(set(int(t) for t in stop_tokens)), jnp.int32)
-  for t in stop.tolist():
-    if not 0 <= t < target.vocab_size:
-      raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
 
   b = len(prompts)
   lengths = np.array([len(p) for p in prompts], np.int32)
@@ -156,6 +198,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   cache = cache_for(target, page_table, allocator.num_pages, page_size)
   first, cache = prefill(target, target_params, cache, tokens, lengths, rng_prefill,
                          sampling=sampling)
+  draft_cache = None
   if draft is not None:
     draft_cache = cache_for(draft, page_table, allocator.num_pages, page_size)
     _, draft_cache = prefill(draft, draft_params, draft_cache, tokens, lengths, rng_prefill,
@@ -165,18 +208,12 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   ttft = time.perf_counter() - start
 
   start = time.perf_counter()
-  counters = {}
-  if draft is None:
-    out, _ = decode_autoregressive(target, target_params, cache, first, rng_decode, stop,
-                                   sampling=sampling, max_new_tokens=max_new_tokens)
-  else:
-    out, stats, _, _ = decode_speculative(
-        target, draft, target_params, draft_params, cache, draft_cache, first, rng_decode, stop,
-        k=k, sampling=sampling, max_new_tokens=max_new_tokens)
-    counters = {f: int(getattr(stats, f).sum()) for f in
-                ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected')}
+  out, counters, _, _ = decode(target, target_params, cache, first, rng_decode, stop,
+                              sampling=sampling, max_new_tokens=max_new_tokens, draft=draft,
+                              draft_params=draft_params, draft_cache=draft_cache, k=k)
   out = jax.block_until_ready(out)
   decode_s = time.perf_counter() - start
   toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
   return GenerationResult(tokens=[toks[i, :nums[i]].tolist() for i in range(b)], ttft_s=ttft,
-                          decode_s=decode_s, **counters)
+                          decode_s=decode_s, prompt_tokens=int(lengths.sum()),
+                          prefill_tokens=int(lengths.sum()), **counters)

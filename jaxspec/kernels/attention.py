@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives a harmless uniform softmax
 
 
-def slot_causal_mask(q_slots, num_keys: int):
+def slot_causal_mask(q_slots, num_keys: int, window: Optional[int] = None):
   """Which cached slots each query may attend to: key slot j is visible to a query at slot s iff
-  0 <= j <= s (every slot below s holds an earlier token of the same sequence).
+  0 <= j <= s (every slot below s holds an earlier token of the same sequence), and, with a
+  sliding `window` (Mistral; Beltagy et al. 2020), s - window < j: the query and the window - 1
+  tokens before it.
 
   Args:
     q_slots: [B, T] int32 slot of each query token, -1 for padding (sees nothing).
     num_keys: S, number of key slots.
+    window: static int >= 1 or None (no window).
   Returns:
     [B, T, S] bool.
   """
-  key_slots = jnp.arange(num_keys, dtype=jnp.int32)
-  return key_slots[None, None, :] <= q_slots[:, :, None]
+  key_slots = jnp.arange(num_keys, dtype=jnp.int32)[None, None, :]
+  visible = key_slots <= q_slots[:, :, None]
+  if window is not None:
+    visible &= key_slots > q_slots[:, :, None] - window
+  return visible
 
 
 def gqa_attention(q, k, v, mask):

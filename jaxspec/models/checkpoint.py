@@ -52,11 +52,12 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
 
 
 def load_model(path, dtype: str = 'float32'):
-  """Read a model directory written by `save_model`.
+  """Read a model directory written by `save_model`, or a Hugging Face checkpoint directory
+  (config.json + *.safetensors; see `jaxspec.models.hf.load_pretrained`).
 
   Args:
     path: the directory.
-    dtype: dtype of the returned params.
+    dtype: dtype of the returned params (for a Hugging Face checkpoint also the compute dtype).
   Returns:
     (ModelConfig, params pytree).
   Raises:
@@ -66,6 +67,9 @@ def load_model(path, dtype: str = 'float32'):
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise CheckpointError(f'no model directory at {path}')
+  from jaxspec.models import hf  # imports this module
+  if hf.is_pretrained(path):
+    return hf.load_pretrained(path, dtype)
   try:
     fields = json.loads((path / 'config.json').read_text())
     config = ModelConfig(**fields)

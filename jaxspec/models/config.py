@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
+
+from jaxspec.models import rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +25,11 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon.
     tie_embeddings: use the embedding matrix as the output projection.
     qkv_bias: biases on the q/k/v projections (Qwen2 family).
+    rope_scaling: () or sorted (key, value) pairs, e.g. Llama 3.1's
+      (('factor', 8.0), ..., ('rope_type', 'llama3')); a dict is accepted and normalized (see
+      `jaxspec.models.rope`; types: 'linear', 'llama3').
+    sliding_window: None, or each token attends only to itself and the sliding_window - 1
+      tokens before it (Mistral).
     dtype: compute dtype of activations, e.g. 'float32' or 'bfloat16'.
     exact_verify: numerics policy, not a weight property: (K+1)-token verification rounds
       exactly like K+1 single-token decode steps, at some cost in speed (see
@@ -40,6 +48,8 @@ class ModelConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  rope_scaling: tuple = ()
+  sliding_window: Optional[int] = None
   dtype: str = 'float32'
   exact_verify: bool = False
 
@@ -53,6 +63,11 @@ class ModelConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float('inf'):
         raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
+    object.__setattr__(self, 'rope_scaling', rope.normalize_scaling(self.rope_scaling))
+    if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
+        self.sliding_window, int) or self.sliding_window < 1):
+      raise ValueError(f'ModelConfig.sliding_window must be None or a positive int, '
+                       f'got {self.sliding_window!r}')
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import paged
 from jaxspec.kernels import attention
+from jaxspec.models import rope
 from jaxspec.models.config import ModelConfig
 
 
@@ -109,16 +110,16 @@ class RMSNorm(nn.Module):
     return norm(x)
 
 
-def apply_rope(x, positions, theta: float):
+def apply_rope(x, positions, theta: float, scaling: tuple = ()):
   """Rotary position embedding, half-split convention (as Hugging Face Llama, Su et al. 2021).
 
   Args:
     x: [B, T, heads, H]; positions: [B, T] int32 absolute positions.
+    theta: base; scaling: () or a normalized rope_scaling (see `jaxspec.models.rope`).
   Returns:
     [B, T, heads, H] rotated, in x's dtype.
   """
-  h = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+  inv_freq = rope.inverse_frequencies(x.shape[-1], theta, scaling)    # [H/2]
   angles = positions.astype(jnp.float32)[..., None] * inv_freq        # [B, T, H/2]
   cos = jnp.cos(angles)[:, :, None, :]
   sin = jnp.sin(angles)[:, :, None, :]
@@ -138,8 +139,10 @@ class Attention(nn.Module):
     q = Linear(c.num_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='q')(x)
     k = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='k')(x)
     v = Linear(c.num_kv_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='v')(x)
-    q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta)
-    k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+    q = apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c.rope_theta,
+                   c.rope_scaling)
+    k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta,
+                   c.rope_scaling)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if cache is None:
       keys, values = k, v
@@ -150,7 +153,7 @@ class Attention(nn.Module):
           v_pages=paged.write_kv(cache.v_pages, self.layer, pages, offsets, v))
       keys = paged.gather_kv(cache.k_pages, self.layer, cache.page_table)
       values = paged.gather_kv(cache.v_pages, self.layer, cache.page_table)
-    mask = attention.slot_causal_mask(slots, keys.shape[1])
+    mask = attention.slot_causal_mask(slots, keys.shape[1], c.sliding_window)
     if exact_per_token(c, x, cache):
       # Verification: attend one query at a time with the very computation of a decode step, so
       # both round identically (see matmul_rows).

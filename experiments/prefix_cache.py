@@ -1,0 +1,126 @@
+"""Prefix caching off / on / on with a small pool / on with a host tier, on multi-turn agent loops.
+
+Every setting has its own generator (pool, prefix index, host tier) over the same model; turns are
+interleaved setting by setting, so TTFT ratios are taken under the same machine conditions. All
+prefill shapes and copies are compiled before anything is timed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from experiments import report
+from experiments.speculative import load_pair, ratio
+from jaxspec.cache import pages_needed
+from jaxspec.data import make_conversations, turn_prompt
+from jaxspec.decoding import PrefixCachedGenerator
+
+SETTINGS = ('off', 'on', 'on_small', 'on_host')
+REPORT_TURNS = (2, 5, 10)  # 1-based turns whose TTFT ratio the summary states
+
+
+def _settings(config) -> list[str]:
+  names = [s.strip() for s in str(config.settings).split(',') if s.strip()]
+  unknown = [s for s in names if s not in SETTINGS]
+  if not names or unknown:
+    raise ValueError(f'config.settings={config.settings!r}: unknown {unknown}; known: {SETTINGS}')
+  return names
+
+
+def _generator(setting, config, models, pool_pages):
+  target, target_params, draft, draft_params = models
+  spec = dict(draft=draft, draft_params=draft_params, k=config.k) if config.k else {}
+  small = setting in ('on_small', 'on_host')
+  return PrefixCachedGenerator(
+      target, target_params, page_size=config.page_size, prefix_caching=setting != 'off',
+      num_pages=(config.small_pool_pages if small else pool_pages) + 1,
+      host_pages=config.host_pages if setting == 'on_host' else 0, **spec)
+
+
+def run(config, results) -> None:
+  """Replay the conversations under every setting; write per-turn and per-setting records."""
+  settings = _settings(config)
+  if config.k < 0:
+    raise ValueError(f'speculation length K must be >= 0 (0 = off), got {config.k}')
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  if not config.k:
+    draft = draft_params = None
+  convs = make_conversations(tokenizer, num_conversations=config.num_conversations,
+                             num_turns=config.num_turns, prefix_tokens=config.prefix_tokens,
+                             tool_tokens=config.tool_tokens, seed=config.seed)
+  slack = config.k + 1 if config.k else 1
+  longest = (config.prefix_tokens + max(len(r) for c in convs for r in c.tool_results)
+             * config.num_turns + config.reply_tokens * (config.num_turns - 1))
+  context = min(m.max_seq_len for m in (target, draft) if m is not None)
+  if longest + config.reply_tokens + slack > context:
+    raise ValueError(
+        f'the last turn can reach {longest} prompt tokens + {config.reply_tokens} reply + {slack} '
+        f'slack > the context of {context}: lower num_turns, tool_tokens or prefix_tokens')
+  per_request = pages_needed(longest + config.reply_tokens + slack, config.page_size)
+  pool_pages = config.pool_pages or per_request * config.num_conversations
+  if {'on_small', 'on_host'} & set(settings) and config.small_pool_pages < per_request:
+    raise ValueError(f'small_pool_pages={config.small_pool_pages} cannot hold one request of '
+                     f'{per_request} pages')
+  models = (target, target_params, draft, draft_params)
+  gens = {s: _generator(s, config, models, pool_pages) for s in settings}
+  for gen in gens.values():
+    gen.warm_up(longest, config.reply_tokens)
+
+  stop = tokenizer.eos_ids
+  replies = {s: [[] for _ in convs] for s in settings}
+  peak_host = dict.fromkeys(settings, 0)
+  turns = {s: [] for s in settings}
+  for turn in range(config.num_turns):
+    for c, conv in enumerate(convs):
+      outputs = {}
+      for setting in settings:
+        gen = gens[setting]
+        prompt = turn_prompt(conv, turn, replies[setting][c])
+        out = gen.generate(prompt, max_new_tokens=config.reply_tokens, stop_tokens=stop,
+                           seed=config.seed + turn)
+        replies[setting][c].append(out.tokens[0])
+        outputs[setting] = out.tokens[0]
+        peak_host[setting] = max(peak_host[setting], gen.host_pages_used)
+        record = dict(
+            record='turn', setting=setting, conversation=c, turn=turn + 1,
+            prompt_tokens=out.prompt_tokens, prefill_tokens=out.prefill_tokens,
+            cached_tokens=out.cached_tokens, promoted_tokens=out.promoted_tokens,
+            prefix_hit_rate=out.cached_tokens / out.prompt_tokens, ttft_s=out.ttft_s,
+            device_pages_used=gen.device_pages_used, host_pages_used=gen.host_pages_used,
+            matches_off=(out.tokens[0] == outputs['off']) if 'off' in outputs else None)
+        if out.proposed:
+          record.update(acceptance_rate=out.acceptance_rate,
+                        mean_accepted_length=out.mean_accepted_length)
+        turns[setting].append(record)
+        results.write(record)
+
+  for setting in settings:
+    results.write(_summary(setting, turns, gens[setting], peak_host[setting], config))
+  for path in report.plot(results.records, results.dir / 'plots', 'prefix_cache'):
+    print(f'plot -> {path}', flush=True)
+
+
+def _summary(setting, turns, gen, peak_host, config) -> dict:
+  rows = turns[setting]
+  ttft = lambda s, t: float(np.mean([r['ttft_s'] for r in turns[s] if r['turn'] == t]))
+  prompt = sum(r['prompt_tokens'] for r in rows)
+  prefilled = sum(r['prefill_tokens'] for r in rows)
+  record = dict(
+      record='summary', setting=setting, turns=config.num_turns,
+      conversations=config.num_conversations, prompt_tokens=prompt, prefill_tokens=prefilled,
+      prefill_tokens_saved=prompt - prefilled, prefix_hit_rate=ratio(prompt - prefilled, prompt),
+      promoted_tokens=sum(r['promoted_tokens'] for r in rows),
+      ttft_s_mean=float(np.mean([r['ttft_s'] for r in rows])),
+      device_pool_pages=gen.prefix.num_pages - 1, device_pages_peak=gen.peak_device_pages,
+      host_pages_peak=peak_host, demoted_pages=gen.prefix.stats['demoted_pages'],
+      reclaimed_pages=gen.prefix.stats['reclaimed_pages'])
+  for t in REPORT_TURNS:
+    if t <= config.num_turns:
+      record[f'ttft_s_turn{t}'] = ttft(setting, t)
+      if 'off' in turns:
+        record[f'ttft_ratio_off_turn{t}'] = ratio(ttft('off', t), ttft(setting, t))
+  if 'off' in turns and setting != 'off':
+    record['matches_off'] = all(r['matches_off'] for r in rows)
+  return record

@@ -1,0 +1,162 @@
+"""Host-memory tier for cached prefix pages: pages reclaimed from the device pool are demoted to
+host RAM and promoted back into fresh device pages on a later prefix hit, instead of being
+recomputed (the CPU-offload tier of vLLM's KV connector / SGLang's HiCache, in brief).
+
+`HostTier` is the bookkeeping (an LRU of keys with a page capacity); `read_pages` and
+`write_pages` move one page set between the device pools and host numpy arrays.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache.paged import NULL_PAGE
+
+
+class HostTier:
+  """Cached pages in host memory, keyed by their prefix key, least recently used evicted first.
+
+  Each entry holds, per model sharing the page table (target, draft), the page's keys and
+  values: a list of (k, v) numpy arrays [layers, K, L, H].
+
+  Args:
+    capacity: pages the tier holds at most (>= 1).
+  """
+
+  def __init__(self, capacity: int):
+    if capacity < 1:
+      raise ValueError(f'host tier capacity must be >= 1 page, got {capacity}')
+    self.capacity = capacity
+    self._entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+    self.evicted = 0
+
+  def __contains__(self, key: bytes) -> bool:
+    return key in self._entries
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def keys(self) -> list[bytes]:
+    """Keys held, least recently used first."""
+    return list(self._entries)
+
+  def touch(self, key: bytes) -> None:
+    """Mark `key` most recently used."""
+    self._entries.move_to_end(key)
+
+  def reserve(self, key: bytes, pinned: Iterable[bytes] = ()) -> bool:
+    """Make room for `key` (its data arrives through `put`), evicting least recently used
+    entries not in `pinned`. Returns False (nothing changes) when everything left is pinned."""
+    pinned = set(pinned)
+    while len(self._entries) >= self.capacity:
+      victim = next((k for k in self._entries if k not in pinned), None)
+      if victim is None:
+        return False
+      del self._entries[victim]
+      self.evicted += 1
+    self._entries[key] = None
+    return True
+
+  def put(self, key: bytes, data) -> None:
+    """Store a reserved page's data: list of (k, v) [layers, K, L, H] per model."""
+    if key not in self._entries:
+      raise KeyError('host tier: put() of a key that was not reserved')
+    self._entries[key] = data
+
+  def get(self, key: bytes):
+    """The stored page data of `key` (see `put`).
+
+    Raises:
+      KeyError: the key is absent or its data never arrived.
+    """
+    data = self._entries[key]
+    if data is None:
+      raise KeyError('host tier: page reserved but its data never arrived (apply the plan)')
+    return data
+
+  def clear(self) -> None:
+    """Drop every entry."""
+    self._entries.clear()
+
+  @property
+  def num_bytes(self) -> int:
+    """Bytes of page data held."""
+    return sum(a.nbytes for data in self._entries.values() if data for kv in data for a in kv)
+
+
+def _bucket(n: int) -> int:
+  """Copies are padded to a power of two of pages (null-page entries), so a run compiles a
+  handful of copy shapes instead of one per page count."""
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _padded(pages: Sequence[int]):
+  idx = np.full((_bucket(len(pages)),), NULL_PAGE, np.int32)
+  idx[:len(pages)] = pages
+  return jnp.asarray(idx)
+
+
+@jax.jit
+def _read(pool, idx):
+  return pool[:, :, idx]
+
+
+def read_pages(caches: Sequence, pages: Sequence[int]) -> list:
+  """Copy pool pages to host memory.
+
+  Args:
+    caches: PagedKVCache per model.
+    pages: device page ids.
+  Returns:
+    Per cache, (k, v) numpy arrays [layers, K, n, L, H] (n = len(pages)), bit-identical copies.
+  """
+  idx, n = _padded(pages), len(pages)
+  out = jax.device_get([(_read(c.k_pages, idx), _read(c.v_pages, idx)) for c in caches])
+  return [(np.asarray(k)[:, :, :n], np.asarray(v)[:, :, :n]) for k, v in out]
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write(pool, idx, values):
+  return pool.at[:, :, idx].set(values)
+
+
+def write_pages(caches: Sequence, pages: Sequence[int], data: Sequence) -> list:
+  """Write host copies into pool pages (caches donated).
+
+  Args:
+    caches: PagedKVCache per model.
+    pages: device page ids (n), none of them the null page.
+    data: per page, per cache, (k, v) [layers, K, L, H] as `HostTier.get` returns.
+  Returns:
+    The updated caches.
+  """
+  idx = _padded(pages)
+  pad = int(idx.shape[0]) - len(pages)  # padding writes zeros into the null page, never read
+  out = []
+  for m, cache in enumerate(caches):
+    k = np.stack([d[m][0] for d in data], axis=2)
+    v = np.stack([d[m][1] for d in data], axis=2)
+    widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+    out.append(cache.replace(k_pages=_write(cache.k_pages, idx, jnp.asarray(np.pad(k, widths))),
+                             v_pages=_write(cache.v_pages, idx, jnp.asarray(np.pad(v, widths)))))
+  return out
+
+
+def warm_up_copies(caches: Sequence, max_pages: int) -> list:
+  """Compile the copy shapes of up to `max_pages` pages (a read and a write of the null page
+  for each power-of-two bucket), so a timed run does not compile. Returns the caches (donated)."""
+  caches = list(caches)
+  n = 1
+  while True:
+    data = read_pages(caches, [NULL_PAGE] * n)
+    per_page = [[(k[:, :, i], v[:, :, i]) for k, v in data] for i in range(n)]
+    caches = write_pages(caches, [NULL_PAGE] * n, per_page)
+    if n >= max_pages:
+      return caches
+    n *= 2

@@ -1,0 +1,165 @@
+"""Generation over a persistent paged pool with automatic prefix caching (and an optional host
+tier): each request prefills only the tokens after its longest cached prefix.
+
+One request at a time, as an agent loop issues them; the pool, the prefix index and the host tier
+live across calls. Device steps are the ones `generate` uses (`prefill` from a starting length,
+then the compiled autoregressive or speculative loop), so outputs match recomputing everything.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import NULL_PAGE, pages_needed
+from jaxspec.cache import host as host_lib
+from jaxspec.cache.prefix import PrefixCache
+from jaxspec.decoding.autoregressive import prefill
+from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.models import ModelConfig, cache_for
+
+
+class PrefixCachedGenerator:
+  """Generates one request at a time; requests share cached prefix pages.
+
+  Target and draft (when speculating) use one page table over two pools of the same size, so a
+  prefix page holds both models' keys/values and hits for both.
+
+  Args:
+    target, target_params: the target model.
+    num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page).
+    page_size: L.
+    host_pages: host-tier capacity in pages (0: none).
+    prefix_caching: False recomputes every prompt (the baseline), through the same code.
+    draft, draft_params, k: optional draft model and speculation length K.
+    sampling: sampling parameters of every request.
+    prompt_bucket: new-token counts are padded to a multiple of this (one compile per bucket).
+  Raises:
+    ValueError: a pool too small for one full-context request, bad K, mismatched vocabularies.
+  """
+
+  def __init__(self, target: ModelConfig, target_params, *, num_pages: int, page_size: int = 16,
+               host_pages: int = 0, prefix_caching: bool = True,
+               draft: Optional[ModelConfig] = None, draft_params=None, k: Optional[int] = None,
+               max_k: int = MAX_K, sampling: SamplingParams = SamplingParams(),
+               prompt_bucket: int = 64):
+    check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params, k=k,
+                  max_k=max_k)
+    if prompt_bucket < 1:
+      raise ValueError(f'prompt_bucket must be >= 1, got {prompt_bucket}')
+    self.target, self.target_params = target, target_params
+    self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
+    self.sampling, self.prompt_bucket = sampling, prompt_bucket
+    self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
+    self.pages_per_seq = pages_needed(target.max_seq_len, page_size)
+    table = np.zeros((1, self.pages_per_seq), np.int32)
+    self.caches = [cache_for(target, table, num_pages, page_size)]
+    if draft is not None:
+      self.caches.append(cache_for(draft, table, num_pages, page_size))
+    self.peak_device_pages = 0
+
+  @property
+  def page_size(self) -> int:
+    return self.prefix.page_size
+
+  @property
+  def device_pages_used(self) -> int:
+    """Pool pages not on the free list (held by a request or cached)."""
+    return self.prefix.num_pages - 1 - self.prefix.num_free
+
+  @property
+  def host_pages_used(self) -> int:
+    return len(self.prefix.host) if self.prefix.host is not None else 0
+
+  def warm_up(self, max_prompt_len: int, max_new_tokens: int) -> None:
+    """Compile everything a run up to `max_prompt_len` prompt tokens can meet: prefill at every
+    prompt bucket, the decode loop, and the host-tier copies; then forget the dummy prompts.
+
+    Raises:
+      ValueError / OutOfPagesError: as `generate` for the longest dummy prompt.
+    """
+    for width in range(self.prompt_bucket, max_prompt_len + self.prompt_bucket,
+                       self.prompt_bucket):
+      n = min(width, max_prompt_len)
+      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens)
+      self.reset_prefix_cache()
+    if self.prefix.host is not None:
+      self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
+    self.peak_device_pages = 0
+    self.prefix.stats.clear()
+
+  def reset_prefix_cache(self) -> None:
+    """Invalidate every cached prefix, on the device and in the host tier."""
+    self.prefix.reset()
+
+  def generate(self, prompt: Sequence[int], *, max_new_tokens: int, stop_tokens=(),
+               salt: bytes | str = b'', seed: int = 0) -> GenerationResult:
+    """Continue one prompt, reusing any cached prefix of it.
+
+    Args:
+      prompt: token ids (>= 1).
+      max_new_tokens: tokens to emit at most, the first included.
+      stop_tokens: ids that end the request (emitted).
+      salt: cache salt; requests of different salts never share pages.
+      seed: PRNG seed (same seed, same prompt: same tokens, hit or not).
+    Returns:
+      GenerationResult with one row; ttft_s includes matching, host-tier copies and prefill.
+    Raises:
+      ValueError: as `generate`; OutOfPagesError when the pool cannot hold the request even
+        after reclaiming every cached page (the pool is unchanged then).
+    """
+    _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
+                                   stop_tokens=stop_tokens, draft=self.draft,
+                                   draft_params=self.draft_params, k=self.k, max_k=self.max_k)
+    prompt = [int(t) for t in prompt]
+    rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
+    start = time.perf_counter()
+    request, plan = self.prefix.admit(prompt, reserve=len(prompt) + max_new_tokens + slack,
+                                      salt=salt)
+    try:
+      self.caches = self.prefix.apply(plan, self.caches)
+      self.peak_device_pages = max(self.peak_device_pages, self.device_pages_used)
+      table = np.full((1, self.pages_per_seq), NULL_PAGE, np.int32)
+      table[0, :len(request.pages)] = request.pages
+      start_len = np.full((1,), request.num_cached, np.int32)
+      # One device copy per cache: the prefill of one donates its page table and lengths.
+      self.caches = [c.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(start_len))
+                     for c in self.caches]
+      new = prompt[request.num_cached:]
+      width = -(-len(new) // self.prompt_bucket) * self.prompt_bucket
+      tokens = np.zeros((1, width), np.int32)
+      tokens[0, :len(new)] = new
+      tokens, lengths = jnp.asarray(tokens), jnp.full((1,), len(new), jnp.int32)
+      first, cache = prefill(self.target, self.target_params, self.caches[0], tokens, lengths,
+                             rng_prefill, sampling=self.sampling)
+      draft_cache = None
+      if self.draft is not None:
+        _, draft_cache = prefill(self.draft, self.draft_params, self.caches[1], tokens, lengths,
+                                 rng_prefill, sampling=self.sampling)
+        jax.block_until_ready(draft_cache)
+      self.caches = [cache] if draft_cache is None else [cache, draft_cache]  # donated above
+      first = jax.block_until_ready(first)
+      ttft = time.perf_counter() - start
+
+      start = time.perf_counter()
+      out, counters, cache, draft_cache = decode(
+          self.target, self.target_params, cache, first, rng_decode, stop,
+          sampling=self.sampling, max_new_tokens=max_new_tokens, draft=self.draft,
+          draft_params=self.draft_params, draft_cache=draft_cache, k=self.k)
+      out = jax.block_until_ready(out)
+      decode_s = time.perf_counter() - start
+      self.caches = [cache] if draft_cache is None else [cache, draft_cache]
+      emitted = np.asarray(out.tokens)[0, :int(out.num_tokens[0])].tolist()
+      in_cache = min(int(c.lengths[0]) for c in self.caches)
+      self.prefix.commit(request, (prompt + emitted)[:in_cache])
+    finally:
+      self.prefix.finish(request)
+    return GenerationResult(tokens=[emitted], ttft_s=ttft, decode_s=decode_s,
+                            prompt_tokens=len(prompt), prefill_tokens=len(new),
+                            cached_tokens=request.num_cached,
+                            promoted_tokens=request.num_promoted, **counters)

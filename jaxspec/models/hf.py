@@ -1,0 +1,394 @@
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2 families): load and save the standard layout.
+
+A model directory holds
+
+    config.json                     architecture and shapes (transformers' format)
+    model.safetensors               the weights, or sharded as
+    model-0000N-of-0000M.safetensors + model.safetensors.index.json ("weight_map": name -> file)
+    tokenizer.json                  optional here (see `jaxspec.data.Tokenizer.load`)
+
+Names map one to one onto our params tree; nn.Linear weights are [out, in] and ours [in, out]:
+
+    model.embed_tokens.weight                       params/embed/embedding           [V, D]
+    model.layers.{i}.input_layernorm.weight         params/layer_{i}/attn_norm/scale [D]
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight  params/layer_{i}/attn/{q,k,v,o}/kernel (T)
+    model.layers.{i}.self_attn.{q,k,v}_proj.bias    params/layer_{i}/attn/{q,k,v}/bias  (Qwen2)
+    model.layers.{i}.post_attention_layernorm.weight  params/layer_{i}/mlp_norm/scale
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight params/layer_{i}/mlp/{gate,up,down}/kernel (T)
+    model.norm.weight                               params/final_norm/scale
+    lm_head.weight                                  params/lm_head/kernel (T; absent when tied)
+
+No permutation of q/k is needed: `apply_rope` rotates the two halves of each head
+(transformers' `rotate_half`), the convention these checkpoints are stored in. The golden-logits
+tests (tests/test_hf.py) are the proof.
+
+Reading is lazy: one tensor at a time is read from its file, transposed and cast, so a checkpoint
+is never held twice in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxspec.models.checkpoint import CheckpointError, param_shapes
+from jaxspec.models.config import ModelConfig
+
+ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM')
+INDEX = 'model.safetensors.index.json'
+SINGLE = 'model.safetensors'
+DEFAULT_SHARD_BYTES = 5 * 2**30          # transformers' default max_shard_size ("5GB")
+# Keys a config.json must have; the rest have the defaults transformers gives them.
+REQUIRED_KEYS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers',
+                 'num_attention_heads', 'rms_norm_eps', 'max_position_embeddings')
+_IGNORED_SUFFIXES = ('.rotary_emb.inv_freq',)   # buffers some old checkpoints stored
+_DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.float16}
+
+
+def is_pretrained(path) -> bool:
+  """Whether `path` is a directory in the Hugging Face layout (config.json naming an
+  architecture or model_type, next to *.safetensors or an index)."""
+  path = pathlib.Path(path)
+  if not (path / 'config.json').is_file():
+    return False
+  try:
+    fields = json.loads((path / 'config.json').read_text())
+  except (OSError, json.JSONDecodeError):
+    return False
+  return (isinstance(fields, dict) and ('architectures' in fields or 'model_type' in fields)
+          and ((path / INDEX).is_file() or any(path.glob('*.safetensors'))))
+
+
+def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config.json'
+                   ) -> ModelConfig:
+  """Our ModelConfig from the fields of a transformers config.json.
+
+  Reads both the transformers 4 layout (`rope_theta`, `rope_scaling`) and the 5 layout
+  (`rope_parameters`). Qwen2 gets q/k/v biases; `tie_word_embeddings` ties the output head;
+  `max_position_embeddings` becomes max_seq_len; Mistral's `sliding_window` is honoured, as is
+  Qwen2's when it covers every layer.
+
+  Raises:
+    CheckpointError: naming an unsupported architecture, a missing key, or a feature we do not
+      implement (o_proj/MLP biases, an activation other than SiLU, a rope_scaling type other than
+      linear/llama3, a sliding window on only some layers).
+  """
+  if not isinstance(fields, dict):
+    raise CheckpointError(f'{where} is not a JSON object')
+  archs = fields.get('architectures') or []
+  arch = next((a for a in archs if a in ARCHITECTURES), None)
+  if not archs:                                    # some configs name only the model_type
+    arch = {a[:-len('ForCausalLM')].lower(): a for a in ARCHITECTURES}.get(fields.get('model_type'))
+  if arch is None:
+    raise CheckpointError(f'{where}: unsupported architecture {archs or fields.get("model_type")!r}'
+                          f'; supported: {", ".join(ARCHITECTURES)}')
+  missing = [k for k in REQUIRED_KEYS if fields.get(k) is None]
+  if missing:
+    raise CheckpointError(f'{where} is missing key {missing[0]!r} (needed: {list(REQUIRED_KEYS)})')
+
+  def reject_if(key, bad, why):
+    if fields.get(key, False) not in (None, False) and bad(fields[key]):
+      raise CheckpointError(f'{where}: {key}={fields[key]!r} is not supported ({why})')
+
+  reject_if('hidden_act', lambda v: v != 'silu', 'only SiLU / SwiGLU MLPs')
+  reject_if('attention_bias', bool, 'biases on all attention projections, o_proj included')
+  reject_if('mlp_bias', bool, 'biases on the MLP projections')
+
+  heads = fields['num_attention_heads']
+  rope_params = fields.get('rope_parameters') or {}
+  scaling = fields.get('rope_scaling') or rope_params
+  theta = fields.get('rope_theta', rope_params.get('rope_theta', 10000.0))
+  try:
+    return ModelConfig(
+        vocab_size=fields['vocab_size'], d_model=fields['hidden_size'],
+        num_layers=fields['num_hidden_layers'], num_heads=heads,
+        num_kv_heads=fields.get('num_key_value_heads') or heads,
+        head_dim=fields.get('head_dim') or fields['hidden_size'] // heads,
+        d_ff=fields['intermediate_size'], max_seq_len=fields['max_position_embeddings'],
+        rope_theta=theta, norm_eps=fields['rms_norm_eps'],
+        tie_embeddings=bool(fields.get('tie_word_embeddings', False)),
+        qkv_bias=arch == 'Qwen2ForCausalLM', rope_scaling=scaling,
+        sliding_window=_sliding_window(fields, arch, where), dtype=dtype)
+  except (TypeError, ValueError, ZeroDivisionError) as e:
+    raise CheckpointError(f'{where}: {e}') from e
+
+
+def _sliding_window(fields: dict, arch: str, where: str) -> Optional[int]:
+  """The window every layer uses, or None; CheckpointError when only some layers use one."""
+  window = fields.get('sliding_window')
+  if arch == 'Qwen2ForCausalLM' and not fields.get('use_sliding_window', False):
+    window = None
+  layer_types = fields.get('layer_types')
+  if window is not None and layer_types is None and arch == 'Qwen2ForCausalLM':
+    first = fields.get('max_window_layers', 0)        # Qwen2 windows layers >= max_window_layers
+    layer_types = ['full_attention' if i < first else 'sliding_attention'
+                   for i in range(fields['num_hidden_layers'])]
+  if window is not None and layer_types is not None:
+    kinds = set(layer_types)
+    if kinds == {'full_attention'}:
+      return None
+    if kinds != {'sliding_attention'}:
+      raise CheckpointError(f'{where}: a sliding window on only some layers (layer_types / '
+                            'max_window_layers) is not supported')
+  return window
+
+
+def config_to_hf(config: ModelConfig, architecture: Optional[str] = None) -> dict:
+  """The config.json fields of `config` (transformers 4 layout, which 4.x and 5.x both read).
+
+  architecture: one of ARCHITECTURES; by default Qwen2 when the config has q/k/v biases, Mistral
+  when it has a sliding window, else Llama. Raises ValueError when the architecture cannot
+  express the config (biases outside Qwen2, a window on Llama).
+  """
+  if architecture is None:
+    architecture = ('Qwen2ForCausalLM' if config.qkv_bias else
+                    'MistralForCausalLM' if config.sliding_window else 'LlamaForCausalLM')
+  if architecture not in ARCHITECTURES:
+    raise ValueError(f'unknown architecture {architecture!r}; supported: {ARCHITECTURES}')
+  if config.qkv_bias != (architecture == 'Qwen2ForCausalLM'):
+    raise ValueError(f'{architecture} cannot hold a config with qkv_bias={config.qkv_bias}')
+  if config.sliding_window and architecture == 'LlamaForCausalLM':
+    raise ValueError('LlamaForCausalLM has no sliding window; use MistralForCausalLM')
+  fields = {
+      'architectures': [architecture],
+      'model_type': architecture[:-len('ForCausalLM')].lower(),
+      'vocab_size': config.vocab_size, 'hidden_size': config.d_model,
+      'intermediate_size': config.d_ff, 'num_hidden_layers': config.num_layers,
+      'num_attention_heads': config.num_heads, 'num_key_value_heads': config.num_kv_heads,
+      'head_dim': config.head_dim, 'hidden_act': 'silu',
+      'max_position_embeddings': config.max_seq_len, 'rms_norm_eps': config.norm_eps,
+      'rope_theta': config.rope_theta,
+      'rope_scaling': dict(config.rope_scaling) if config.rope_scaling else None,
+      'tie_word_embeddings': config.tie_embeddings, 'torch_dtype': config.dtype,
+  }
+  if architecture == 'LlamaForCausalLM':
+    fields.update(attention_bias=False, mlp_bias=False)
+  elif architecture == 'MistralForCausalLM':
+    fields['sliding_window'] = config.sliding_window
+  else:
+    fields.update(use_sliding_window=config.sliding_window is not None,
+                  sliding_window=config.sliding_window, max_window_layers=0)
+  return fields
+
+
+def tensor_names(config: ModelConfig) -> dict:
+  """{Hugging Face tensor name: (path of our param as a tuple of keys, transposed?)} for every
+  param of `config` (lm_head absent when embeddings are tied)."""
+  names = {'model.embed_tokens.weight': (('embed', 'embedding'), False),
+           'model.norm.weight': (('final_norm', 'scale'), False)}
+  if not config.tie_embeddings:
+    names['lm_head.weight'] = (('lm_head', 'kernel'), True)
+  for i in range(config.num_layers):
+    hf, ours = f'model.layers.{i}', f'layer_{i}'
+    names[f'{hf}.input_layernorm.weight'] = ((ours, 'attn_norm', 'scale'), False)
+    names[f'{hf}.post_attention_layernorm.weight'] = ((ours, 'mlp_norm', 'scale'), False)
+    for p in 'qkvo':
+      names[f'{hf}.self_attn.{p}_proj.weight'] = ((ours, 'attn', p, 'kernel'), True)
+      if config.qkv_bias and p != 'o':
+        names[f'{hf}.self_attn.{p}_proj.bias'] = ((ours, 'attn', p, 'bias'), False)
+    for p in ('gate', 'up', 'down'):
+      names[f'{hf}.mlp.{p}_proj.weight'] = ((ours, 'mlp', p, 'kernel'), True)
+  return {k: (('params',) + path, t) for k, (path, t) in names.items()}
+
+
+def _weight_files(path: pathlib.Path) -> dict:
+  """{file: [tensor names it should hold] or None (= every tensor in it)}."""
+  if (path / INDEX).is_file():
+    try:
+      weight_map = json.loads((path / INDEX).read_text())['weight_map']
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+      raise CheckpointError(f'{path / INDEX} is not a valid index (needs "weight_map"): {e}') from e
+    files: dict = {}
+    for name, file in weight_map.items():
+      files.setdefault(path / file, []).append(name)
+    for file in files:
+      if not file.is_file():
+        raise CheckpointError(f'shard {file.name} named in {path / INDEX} is missing')
+    return files
+  if (path / SINGLE).is_file():
+    return {path / SINGLE: None}
+  shards = sorted(path.glob('*.safetensors'))
+  if shards:
+    raise CheckpointError(f'{path} has {len(shards)} .safetensors files but no {INDEX}')
+  other = sorted(p.name for p in path.glob('*.bin')) + sorted(p.name for p in path.glob('*.pth'))
+  hint = f' (found {other}: convert them to safetensors)' if other else ''
+  raise CheckpointError(f'{path} has no {SINGLE} or {INDEX}{hint}')
+
+
+def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] = None):
+  """Read a Hugging Face Llama / Mistral / Qwen2 checkpoint directory.
+
+  Args:
+    path: the directory (config.json + model.safetensors, or shards + index).
+    dtype: 'float32', 'bfloat16' or 'float16': the dtype of the returned params and the
+      config's compute dtype (activations, KV cache).
+    max_seq_len: context to use instead of config.json's max_position_embeddings (a smaller one
+      only tightens the prompt-length checks; nothing is allocated by it).
+  Returns:
+    (ModelConfig, params) with params = {'params': {...}} as `Transformer(config).apply` takes.
+  Raises:
+    CheckpointError: no directory / config.json / weights, unsupported architecture or feature,
+      a missing config key, or a tensor missing, of the wrong shape or unexpected (each named).
+  """
+  path = pathlib.Path(path).absolute()
+  if not (path / 'config.json').is_file():
+    raise CheckpointError(f'no config.json in {path}')
+  try:
+    fields = json.loads((path / 'config.json').read_text())
+  except (OSError, json.JSONDecodeError) as e:
+    raise CheckpointError(f'{path / "config.json"} is not valid JSON: {e}') from e
+  if max_seq_len is not None:
+    fields = {**fields, 'max_position_embeddings': max_seq_len}
+  config = config_from_hf(fields, dtype=dtype, where=str(path / 'config.json'))
+  expected = dict((tuple(k.key for k in p), leaf.shape) for p, leaf in
+                  jax.tree_util.tree_flatten_with_path(param_shapes(config))[0])
+  names = tensor_names(config)
+  flat, unexpected = {}, []
+  for file, listed in _weight_files(path).items():
+    try:
+      with safe_open(str(file), framework='numpy') as f:
+        keys = set(f.keys())
+        for name in listed or []:
+          if name not in keys:
+            raise CheckpointError(f'tensor {name} is listed in {INDEX} but not in {file.name}')
+        for name in sorted(keys):
+          if name not in names:
+            if not (name.endswith(_IGNORED_SUFFIXES) or (name == 'lm_head.weight' and
+                                                         config.tie_embeddings)):
+              unexpected.append(name)
+            continue
+          ours, transpose = names[name]
+          shape = tuple(f.get_slice(name).get_shape())
+          want = expected[ours][::-1] if transpose else expected[ours]
+          if shape != tuple(want):
+            raise CheckpointError(f'{file.name}: tensor {name} has shape {shape}, '
+                                  f'config.json implies {tuple(want)}')
+          x = f.get_tensor(name)
+          flat[ours] = jnp.asarray(x.T if transpose else x, dtype)
+          del x
+    except CheckpointError:
+      raise
+    except Exception as e:  # safetensors raises its own error types for damaged files
+      raise CheckpointError(f'cannot read {file}: {e}') from e
+  missing = [n for n, (ours, _) in names.items() if ours not in flat]
+  if missing:
+    raise CheckpointError(f'checkpoint {path} is missing tensor {missing[0]}'
+                          + (f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''))
+  if unexpected:
+    raise CheckpointError(f'checkpoint {path} has unexpected tensors {unexpected[:5]}, not part '
+                          f'of {fields["architectures"]} with this config.json')
+  params: dict = {}
+  for keys, value in flat.items():
+    node = params
+    for k in keys[:-1]:
+      node = node.setdefault(k, {})
+    node[keys[-1]] = value
+  return config, params
+
+
+def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
+                    architecture: Optional[str] = None, dtype: str = 'bfloat16',
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+  """Write `params` as a Hugging Face checkpoint directory that `load_pretrained` and
+  transformers' `AutoModelForCausalLM.from_pretrained` read.
+
+  Args:
+    path: directory (created; files of the same names are overwritten).
+    config, params: the model ({'params': {...}}).
+    tokenizer: optional `jaxspec.data.Tokenizer`, written as tokenizer.json; its bos/eos/pad ids
+      go into config.json.
+    architecture: see `config_to_hf`.
+    dtype: storage dtype ('bfloat16', 'float32' or 'float16').
+    max_shard_bytes: files above this size are split into model-0000N-of-0000M.safetensors with
+      model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
+  Raises:
+    ValueError: unknown dtype or architecture, max_shard_bytes < 1, or params that do not match
+      `config` (tensor named).
+  """
+  if dtype not in _DTYPES:
+    raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
+  if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
+      max_shard_bytes < 1):
+    raise ValueError(f'max_shard_bytes must be a positive int, got {max_shard_bytes!r}')
+  fields = config_to_hf(config, architecture)
+  if tokenizer is not None:
+    fields.update(bos_token_id=tokenizer.bos_id, pad_token_id=tokenizer.pad_id,
+                  eos_token_id=(list(tokenizer.eos_ids) if len(tokenizer.eos_ids) > 1
+                                else tokenizer.eos_id))
+  fields['torch_dtype'] = dtype
+  leaves = {tuple(k.key for k in p): leaf
+            for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  expected = {tuple(k.key for k in p): leaf.shape
+              for p, leaf in jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]}
+  for keys, shape in expected.items():
+    if keys not in leaves or tuple(leaves[keys].shape) != tuple(shape):
+      got = tuple(leaves[keys].shape) if keys in leaves else 'missing'
+      raise ValueError(f'param {"/".join(keys)} is {got}, config implies {tuple(shape)}')
+  names = tensor_names(config)
+  itemsize = np.dtype(_DTYPES[dtype]).itemsize
+  shards, size = [[]], 0
+  for name, (ours, _) in names.items():
+    nbytes = math.prod(expected[ours]) * itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(name)
+    size += nbytes
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  for stale in [path / INDEX, path / SINGLE, *path.glob('model-*-of-*.safetensors')]:
+    stale.unlink(missing_ok=True)
+  weight_map = {}
+  for n, shard in enumerate(shards):
+    file = SINGLE if len(shards) == 1 else f'model-{n + 1:05d}-of-{len(shards):05d}.safetensors'
+    tensors = {}
+    for name in shard:
+      ours, transpose = names[name]
+      x = np.asarray(jax.device_get(leaves[ours])).astype(_DTYPES[dtype])
+      tensors[name] = np.ascontiguousarray(x.T if transpose else x)
+      weight_map[name] = file
+    save_file(tensors, str(path / file), metadata={'format': 'pt'})
+    del tensors
+  if len(shards) > 1:
+    total = sum(math.prod(expected[ours]) * itemsize for ours, _ in names.values())
+    (path / INDEX).write_text(json.dumps(
+        {'metadata': {'total_size': total}, 'weight_map': weight_map}, indent=2) + '\n')
+  (path / 'config.json').write_text(json.dumps(fields, indent=2) + '\n')
+  if tokenizer is not None:
+    tokenizer.save(path / 'tokenizer.json')
+
+
+def truncate_vocab(config: ModelConfig, params, vocab_size: int):
+  """Keep the first `vocab_size` rows of the embedding and output head.
+
+  For a draft and target whose tokenizers agree but whose embedding matrices are padded to
+  different sizes (Qwen2.5-0.5B: 151,936; Qwen2.5-7B: 152,064; the tokenizer has 151,665 ids):
+  ids at or above the tokenizer's size never stand for a token, so dropping them changes nothing
+  but the padding's (tiny, never-trained) share of the softmax.
+
+  Returns:
+    (config with vocab_size, params); the arrays are slices of the originals.
+  Raises:
+    ValueError: vocab_size larger than config.vocab_size or < 1.
+  """
+  if not 1 <= vocab_size <= config.vocab_size:
+    raise ValueError(f'cannot truncate a vocabulary of {config.vocab_size} to {vocab_size}')
+  p = dict(params['params'])
+  p['embed'] = {'embedding': p['embed']['embedding'][:vocab_size]}
+  if 'lm_head' in p:
+    p['lm_head'] = {'kernel': p['lm_head']['kernel'][:, :vocab_size]}
+  return dataclasses.replace(config, vocab_size=vocab_size), {**params, 'params': p}
+
+
+__all__ = ['ARCHITECTURES', 'config_from_hf', 'config_to_hf', 'is_pretrained', 'load_pretrained',
+           'save_pretrained', 'tensor_names', 'truncate_vocab']

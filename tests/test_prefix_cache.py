@@ -1,0 +1,302 @@
+"""Prefix caching and the host tier: hits equal recomputation, accounting never leaks, salts
+isolate, demote/promote is lossless, reset forgets, out-of-pages leaves the pool untouched."""
+
+import copy
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache import (NULL_PAGE, OutOfPagesError, PrefixCache, init_cache, page_keys,
+                           read_pages)
+from jaxspec.decoding import PrefixCachedGenerator, generate
+from jaxspec.models import Transformer, cache_for
+
+L = 8  # page size of these tests
+
+
+def run_prompt(config, params, prefix, request, caches, pages_per_seq=8):
+  """Prefill request's uncached tokens through the model; returns (logits [n_new, V], cache)."""
+  table = np.full((1, pages_per_seq), NULL_PAGE, np.int32)
+  table[0, :len(request.pages)] = request.pages
+  cache = caches[0].replace(page_table=jnp.asarray(table),
+                            lengths=jnp.full((1,), request.num_cached, jnp.int32))
+  new = request.tokens[request.num_cached:]
+  positions = jnp.arange(request.num_cached, len(request.tokens), dtype=jnp.int32)[None]
+  logits, cache = Transformer(config).apply(params, jnp.asarray([new], jnp.int32), positions,
+                                            cache)
+  return np.asarray(logits[0]), cache
+
+
+def test_page_keys_chain_full_pages_and_salt():
+  tokens = list(range(3 * L + 3))
+  keys = page_keys(tokens, L)
+  assert len(keys) == 3                                  # the partial page has no key
+  assert page_keys(tokens[:2 * L], L) == keys[:2]        # a key names its page and its prefix
+  assert len(set(keys)) == 3
+  changed = tokens.copy()
+  changed[0] = 99                                        # an early change reaches every key
+  assert not set(page_keys(changed, L)) & set(keys)
+  assert page_keys(tokens, L, salt='a') == page_keys(tokens, L, salt=b'a')
+  assert not set(page_keys(tokens, L, salt='a')) & set(keys)
+  assert not set(page_keys(tokens, L, salt='a')) & set(page_keys(tokens, L, salt='b'))
+
+
+@pytest.mark.parametrize('length', [2 * L - 1, 2 * L, 2 * L + 1, 3 * L])
+def test_hit_gives_recomputed_logits(tiny, length):
+  config, params = tiny
+  rng = np.random.default_rng(length)
+  prompt = rng.integers(3, config.vocab_size, length).tolist()
+  prefix = PrefixCache(num_pages=24, page_size=L)
+  caches = [cache_for(config, np.zeros((1, 8), np.int32), 24, L)]
+
+  first, plan = prefix.admit(prompt, reserve=length + 4)
+  assert first.num_cached == 0 and not plan
+  full, cache = run_prompt(config, params, prefix, first, caches)
+  prefix.commit(first, prompt)
+  prefix.finish(first)
+
+  again, _ = prefix.admit(prompt, reserve=length + 4)
+  # Every full page but the one holding the last token is a hit (its logits are needed).
+  assert again.num_cached == (length - 1) // L * L
+  assert again.pages[:again.num_cached // L] == first.pages[:again.num_cached // L]
+  hit, _ = run_prompt(config, params, prefix, again, [cache])
+  np.testing.assert_allclose(hit, full[again.num_cached:], rtol=1e-5, atol=1e-5)
+  assert (hit.argmax(-1) == full[again.num_cached:].argmax(-1)).all()
+
+
+@pytest.mark.parametrize('length', [2 * L - 1, 2 * L, 2 * L + 1])
+def test_generator_hit_equals_recompute_greedy(tiny, length):
+  config, params = tiny
+  prompt = np.random.default_rng(length).integers(3, config.vocab_size, length).tolist()
+  gen = PrefixCachedGenerator(config, params, num_pages=64, page_size=L)
+  cold = gen.generate(prompt, max_new_tokens=12)
+  warm = gen.generate(prompt, max_new_tokens=12)
+  assert cold.cached_tokens == 0 and cold.prefill_tokens == length
+  assert warm.cached_tokens == (length - 1) // L * L
+  assert warm.prefill_tokens == length - warm.cached_tokens
+  ref = generate(config, params, [prompt], max_new_tokens=12, page_size=L)
+  assert cold.tokens == warm.tokens == ref.tokens
+  # The reply is cached too: the next turn (history + reply + more) hits past the old prompt.
+  turn2 = prompt + warm.tokens[0] + [5, 6, 7]
+  nxt = gen.generate(turn2, max_new_tokens=4)
+  assert nxt.cached_tokens > warm.cached_tokens
+  assert nxt.tokens == generate(config, params, [turn2], max_new_tokens=4, page_size=L).tokens
+
+
+def test_speculative_hit_same_tokens_and_acceptance(tiny, tiny_draft):
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  prompt = np.random.default_rng(7).integers(3, config.vocab_size, 3 * L + 2).tolist()
+  gen = PrefixCachedGenerator(config, params, num_pages=64, page_size=L, draft=draft,
+                              draft_params=draft_params, k=3)
+  cold = gen.generate(prompt, max_new_tokens=16)
+  warm = gen.generate(prompt, max_new_tokens=16)
+  assert warm.cached_tokens == 3 * L
+  ref = generate(config, params, [prompt], max_new_tokens=16, page_size=L, draft=draft,
+                 draft_params=draft_params, k=3)
+  plain = generate(config, params, [prompt], max_new_tokens=16, page_size=L)
+  assert cold.tokens == warm.tokens == ref.tokens == plain.tokens
+  for field in ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected'):
+    assert getattr(cold, field) == getattr(warm, field) == getattr(ref, field), field
+  assert 0 < warm.accepted < warm.proposed
+
+
+def test_salts_isolate_tenants():
+  prefix = PrefixCache(num_pages=16, page_size=L)
+  prompt = list(range(3 * L))
+  req, _ = prefix.admit(prompt, salt='tenant-a')
+  prefix.commit(req, prompt)
+  prefix.finish(req)
+  other, _ = prefix.admit(prompt, salt='tenant-b')
+  assert other.num_cached == 0
+  assert not set(other.pages) & set(req.pages)
+  prefix.finish(other)
+  same, _ = prefix.admit(prompt, salt='tenant-a')
+  assert same.num_cached == 2 * L and same.pages[:2] == req.pages[:2]
+
+
+def _snapshot(prefix):
+  return copy.deepcopy((prefix.allocator._free, prefix.allocator._refs, prefix._holders,
+                        list(prefix._lru), prefix._page_of_key, prefix._requests))
+
+
+def test_request_that_cannot_fit_errors_and_leaves_pool_unchanged():
+  prefix = PrefixCache(num_pages=9, page_size=L)            # 8 usable pages
+  held, _ = prefix.admit(list(range(3 * L)))                # 3 held
+  cached, _ = prefix.admit(list(range(100, 100 + 2 * L)), reserve=3 * L)
+  prefix.commit(cached, list(range(100, 100 + 2 * L)))
+  prefix.finish(cached)                                     # 2 cached, 1 freed
+  before = _snapshot(prefix)
+  with pytest.raises(OutOfPagesError, match=r'needs 6 new pages.*3 free \+ 2 reclaimable'):
+    prefix.admit(list(range(200, 200 + 5 * L)), reserve=6 * L)
+  assert _snapshot(prefix) == before
+  ok, _ = prefix.admit(list(range(200, 200 + 5 * L)))       # 5 pages: fits by reclaiming
+  assert prefix.num_cached == 0 and prefix.num_free == 0
+  del held, ok
+
+
+def test_generator_out_of_pages_is_clear(tiny):
+  config, params = tiny
+  gen = PrefixCachedGenerator(config, params, num_pages=4, page_size=L)
+  with pytest.raises(OutOfPagesError, match='cache out of pages'):
+    gen.generate(list(range(3, 3 + 4 * L)), max_new_tokens=4)
+  assert gen.device_pages_used == 0
+  assert gen.generate([3, 4, 5], max_new_tokens=4).tokens  # still usable
+
+
+def test_unapplied_plan_is_refused():
+  prefix = PrefixCache(num_pages=4, page_size=L, host_pages=4)
+  first = list(range(2 * L + 1))
+  req, _ = prefix.admit(first)
+  prefix.commit(req, first)
+  prefix.finish(req)
+  _, plan = prefix.admit(list(range(50, 50 + 2 * L + 1)))   # reclaims -> demotions pending
+  assert plan.demote
+  with pytest.raises(ValueError, match='plan is pending'):
+    prefix.admit([1, 2, 3])
+
+
+def _filled_caches(config, params, num_pages):
+  return [cache_for(config, np.zeros((1, 8), np.int32), num_pages, L)]
+
+
+def test_demote_promote_bit_identical_and_reset_forgets(tiny):
+  config, params = tiny
+  prefix = PrefixCache(num_pages=5, page_size=L, host_pages=8)   # 4 usable device pages
+  caches = _filled_caches(config, params, 5)
+  prompt = np.random.default_rng(3).integers(3, config.vocab_size, 3 * L + 1).tolist()
+  first, plan = prefix.admit(prompt)
+  caches = prefix.apply(plan, caches)
+  logits, cache = run_prompt(config, params, prefix, first, caches)
+  caches = [cache]
+  prefix.commit(first, prompt)
+  prefix.finish(first)
+  original = read_pages(caches, first.pages[:3])[0]
+
+  other = np.random.default_rng(4).integers(3, config.vocab_size, 3 * L + 1).tolist()
+  second, plan = prefix.admit(other)                 # needs all 4 pages: reclaims the 3 cached
+  assert sorted(p for p, _ in plan.demote) == sorted(first.pages[:3])
+  caches = prefix.apply(plan, caches)
+  _, cache = run_prompt(config, params, prefix, second, caches)
+  caches = [cache]
+  prefix.commit(second, other)
+  prefix.finish(second)
+  assert len(prefix.host) == 3
+
+  third, plan = prefix.admit(prompt)                 # host hit: promoted into fresh pages
+  assert third.num_cached == 3 * L and third.num_promoted == 3 * L
+  assert [k for k, _ in plan.promote] == page_keys(prompt, L)[:3]
+  caches = prefix.apply(plan, caches)
+  promoted = read_pages(caches, third.pages[:3])[0]
+  for a, b in zip(original, promoted):
+    np.testing.assert_array_equal(a, b)              # bit-identical round trip
+  hit, _ = run_prompt(config, params, prefix, third, caches)
+  np.testing.assert_allclose(hit, logits[3 * L:], rtol=1e-5, atol=1e-5)
+  prefix.commit(third, prompt)
+  prefix.finish(third)
+
+  prefix.reset()
+  assert len(prefix.host) == 0 and prefix.num_cached == 0
+  assert prefix.num_free == prefix.num_pages - 1
+  assert prefix.match(prompt) == ([], []) and prefix.match(other) == ([], [])
+  again, _ = prefix.admit(prompt)
+  assert again.num_cached == 0
+
+
+def test_generator_host_tier_turns_match_device_only(tiny):
+  config, params = tiny
+  rng = np.random.default_rng(5)
+  convs = [rng.integers(3, config.vocab_size, 3 * L + 3).tolist() for _ in range(3)]
+  small = PrefixCachedGenerator(config, params, num_pages=9, page_size=L, host_pages=32)
+  big = PrefixCachedGenerator(config, params, num_pages=64, page_size=L)
+  promoted = []
+  for turn in range(2):
+    for c, conv in enumerate(convs):
+      a = small.generate(conv, max_new_tokens=4)
+      b = big.generate(conv, max_new_tokens=4)
+      assert a.tokens == b.tokens
+      assert a.cached_tokens == b.cached_tokens == (0 if turn == 0 else 3 * L)
+      assert b.promoted_tokens == 0
+      promoted.append(a.promoted_tokens)
+      convs[c] = conv + a.tokens[0] + [c + 3]
+  # The 8-page pool holds under two conversations: turn 2 finds what it lost in the host tier.
+  assert promoted[:3] == [0, 0, 0] and promoted[3] > 0 and sum(promoted) >= 3 * L
+  assert small.peak_device_pages <= 8 and small.host_pages_used > 0
+
+
+# ------------------------------------------------------------- accounting, property-based
+
+def check_accounting(prefix, live):
+  alloc = prefix.allocator
+  free = alloc._free
+  assert len(free) == len(set(free)) and NULL_PAGE not in free
+  holders = [0] * prefix.num_pages
+  for req in live:
+    for p in req.pages:
+      holders[p] += 1
+  assert holders == prefix._holders
+  lru = set(prefix._lru)
+  registered = set(prefix._key_of_page)
+  for page in range(1, prefix.num_pages):
+    states = [page in free, holders[page] > 0, page in lru]
+    assert sum(states) == 1, (page, states)
+    assert alloc.ref_count(page) == holders[page] + (page in registered)
+    if page in lru:
+      assert page in registered and holders[page] == 0
+    if page in registered and holders[page] == 0:
+      assert page in lru
+  assert {p: k for k, p in prefix._page_of_key.items()} == prefix._key_of_page
+  if prefix.host is not None:
+    assert len(prefix.host) <= prefix.host.capacity
+    for key in prefix.host.keys():
+      prefix.host.get(key)  # every host entry holds data
+
+
+ops = st.lists(st.tuples(st.sampled_from(['admit', 'admit', 'extend', 'commit', 'finish',
+                                          'finish', 'reset', 'reclaim']),
+                         st.integers(0, 10 ** 6)), max_size=30)
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(ops=ops, host=st.sampled_from([0, 3]))
+def test_accounting_invariant_under_any_sequence(ops, host):
+  prefix = PrefixCache(num_pages=10, page_size=2, host_pages=host)
+  caches = [init_cache(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=10, page_size=2,
+                       page_table=np.zeros((1, 1), np.int32))]
+  live = []
+  for op, seed in ops:
+    r = np.random.default_rng(seed)
+    plan = None
+    try:
+      if op == 'admit':
+        prompt = r.integers(0, 2, r.integers(1, 8)).tolist()
+        req, plan = prefix.admit(prompt, reserve=len(prompt) + int(r.integers(0, 4)),
+                                 salt=str(r.integers(0, 2)))
+        live.append(req)
+      elif op == 'extend' and live:
+        req = live[r.integers(len(live))]
+        plan = prefix.extend(req, len(req.pages) * 2 + int(r.integers(0, 4)))
+      elif op == 'commit' and live:
+        req = live[r.integers(len(live))]
+        room = len(req.pages) * 2 - len(req.tokens)
+        prefix.commit(req, req.tokens + r.integers(0, 2, r.integers(0, room + 1)).tolist())
+      elif op == 'finish' and live:
+        prefix.finish(live.pop(r.integers(len(live))))
+      elif op == 'reset':
+        prefix.reset()
+      elif op == 'reclaim':
+        plan = prefix.reclaim(int(r.integers(0, 8)))
+    except OutOfPagesError:
+      pass
+    if plan is not None:
+      caches = prefix.apply(plan, caches)
+    check_accounting(prefix, live)
+  for req in live:
+    prefix.finish(req)
+  prefix.reset()
+  check_accounting(prefix, [])
+  assert prefix.num_free == prefix.num_pages - 1     # nothing leaked
