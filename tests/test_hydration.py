@@ -13,7 +13,7 @@ from jaxspec.data import Tokenizer
 from jaxspec.data.tool_calls import operation_texts, tool_episodes
 from jaxspec.hydration import (INITIAL_STATE, RECORD_SCHEMA, STATE_SCHEMA, ContextSession,
                                Extraction, ModelExtractor, OracleExtractor, StateError,
-                               StateStore, cached_prefix, hydrate, record_schema, truth_record,
+                               StateStore, hydrate, record_schema, truth_record,
                                with_record)
 from jaxspec.models import load_model, shipped
 
@@ -115,13 +115,6 @@ def test_model_extraction_that_cannot_finish_falls_back_and_is_counted(episode, 
   jsonschema.validate(ex.record, record_schema(episode.turns[0].value))
 
 
-def test_cached_prefix_counts_full_shared_pages_and_computes_the_last_token():
-  assert cached_prefix([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 9, 9], 2) == 4
-  assert cached_prefix([1, 2, 3, 4], [1, 2, 3, 4], 2) == 2        # last token recomputed
-  assert cached_prefix([], [1, 2, 3], 2) == 0
-  assert cached_prefix([7, 2], [1, 2, 3], 1) == 0
-
-
 def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
   config, params = tiny
   rng = np.random.default_rng(0)
@@ -132,8 +125,14 @@ def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
   fresh = ContextSession(config, params, max_tokens=128, page_size=8, width_step=4)
   cached.prefill(first)
   fresh.prefill(first)
+  trial = cached.prefill(second, commit=False)       # a timing repeat: the cache is unchanged
   a, b = cached.prefill(second), fresh.prefill(second)
-  assert (a.cached_tokens, a.prefill_tokens) == (48, 25) and b.prefill_tokens == 73
+  # The full pages of the common prefix of 53 tokens are hit; everything else is computed.
+  assert (a.cached_tokens, a.prefill_tokens) == (48, 25) == (trial.cached_tokens,
+                                                              trial.prefill_tokens)
+  assert (b.cached_tokens, b.prefill_tokens) == (0, 73)
+  # A context that is wholly cached still computes its last token (its logits are needed).
+  assert cached.prefill(second).prefill_tokens == 73 - 72
   assert a.first_token == b.first_token and a.kv_bytes == b.kv_bytes
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
   with pytest.raises(ValueError, match='exceeds'):

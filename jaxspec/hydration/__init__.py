@@ -4,7 +4,7 @@ validated state, diffs as JSON Patch (RFC 6902), and the big model's context und
     from jaxspec.hydration import hydrate, ModelExtractor, OracleExtractor, StateStore, ContextSession
 """
 
-from jaxspec.hydration.context import ContextSession, TurnCost, cached_prefix
+from jaxspec.hydration.context import ContextSession, TurnCost
 from jaxspec.hydration.extract import Extraction, ModelExtractor, OracleExtractor
 from jaxspec.hydration.pipeline import HydratedTurn, hydrate
 from jaxspec.hydration.render import render_hydrated, render_stuffing
@@ -14,5 +14,5 @@ from jaxspec.hydration.state import StateError, StateStore
 
 __all__ = ['ContextSession', 'Extraction', 'HydratedTurn', 'INITIAL_STATE', 'ModelExtractor',
            'OracleExtractor', 'RECORD_SCHEMA', 'STATE_SCHEMA', 'StateError', 'StateStore',
-           'TurnCost', 'cached_prefix', 'candidates', 'hydrate', 'record_schema',
+           'TurnCost', 'candidates', 'hydrate', 'record_schema',
            'render_hydrated', 'render_stuffing', 'truth_record', 'with_record']

@@ -1,15 +1,13 @@
 """The big model's side of an agent session: prefill each turn's context and draw the first
 token, measuring context tokens, tokens prefilled, TTFT and KV bytes.
 
-One session is one sequence over a fixed page pool (logical page i lives in pool page i + 1;
-page 0 is the null page), so growing contexts never copy the cache. The page table is cut to a
-multiple of `width_step` pages: attention reads the whole table, so a short context must not
+Pages come from a `jaxspec.cache.PrefixCache` over a fixed pool (vLLM's automatic prefix
+caching: SHA-256-chained full pages, LRU of finished requests' pages). With `prefix_cache=True`
+a turn prefills only what follows the longest cached prefix: the full pages it shares with the
+previous turn's context, or with any earlier context on the same pool (the stable prompt prefix
+of every session); with False the same code path recomputes everything. The page table is cut to
+a multiple of `width_step` pages: attention reads the whole table, so a short context must not
 pay for the longest one, and only a few widths are ever compiled.
-
-With `prefix_cache=True` a turn prefills only what follows the full pages it shares with the
-previous turn's context, which the session still holds: the pages a prefix cache
-(`jaxspec.cache.prefix.PrefixCache`, vLLM / SGLang) would hit for this one session, computed by
-`cached_prefix`.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import PagedKVCache, pages_needed
+from jaxspec.cache import NULL_PAGE, PagedKVCache, PrefixCache, pages_needed
 from jaxspec.decoding.constrained import prefill_chunked
 from jaxspec.models import ModelConfig, cache_for
 
@@ -42,17 +40,6 @@ class TurnCost:
   logits: np.ndarray
 
 
-def cached_prefix(previous: Sequence[int], tokens: Sequence[int], page_size: int) -> int:
-  """Tokens of `tokens` a prefix cache holding `previous` serves: the full pages of their common
-  prefix, at most (len(tokens) - 1) // page_size pages (the last token is always computed)."""
-  n = 0
-  for a, b in zip(previous, tokens):
-    if a != b:
-      break
-    n += 1
-  return min(n // page_size, (len(tokens) - 1) // page_size) * page_size
-
-
 class ContextSession:
   """The big model's KV cache across the turns of one agent session.
 
@@ -60,7 +47,7 @@ class ContextSession:
     config, params: the big model.
     max_tokens: the longest context any turn will have (sizes the page pool).
     width_step: page-table widths are multiples of this many pages.
-    prefix_cache: reuse the pages shared with the previous turn's context.
+    prefix_cache: reuse cached pages (a prefix cache's hits); False recomputes every context.
   Raises:
     ValueError (from `prefill`): a context longer than max_tokens or empty.
   """
@@ -73,48 +60,54 @@ class ContextSession:
     self.prefix_cache = prefix_cache
     self.width_step = width_step
     self.max_width = self._width(pages_needed(max_tokens, page_size))
+    self.prefix = PrefixCache(self.max_width + 1, page_size, enabled=prefix_cache)
     pool = cache_for(config, np.zeros((1, 1), np.int32), self.max_width + 1, page_size)
     self._k, self._v = pool.k_pages, pool.v_pages
-    self.tokens: list[int] = []
     self.page_bytes = (2 * config.num_layers * config.num_kv_heads * page_size * config.head_dim
                        * jnp.dtype(config.dtype).itemsize)
 
   def _width(self, pages: int) -> int:
     return max(1, -(-pages // self.width_step)) * self.width_step
 
-  def _cache(self, num_tokens: int, cached: int) -> PagedKVCache:
-    width = self._width(pages_needed(num_tokens, self.page_size))
-    if width > self.max_width:
-      raise ValueError(f'context of {num_tokens} tokens exceeds the session pool '
-                       f'({self.max_width * self.page_size} tokens)')
-    table = np.zeros((1, width), np.int32)
-    used = pages_needed(num_tokens, self.page_size)
-    table[0, :used] = np.arange(1, used + 1)
+  def _cache(self, pages: list, cached: int) -> PagedKVCache:
+    table = np.zeros((1, self._width(len(pages))), np.int32)      # NULL_PAGE past the context
+    table[0, :len(pages)] = pages
     return PagedKVCache(self._k, self._v, jnp.asarray(table), jnp.array([cached], jnp.int32))
 
   def warmup(self) -> None:
     """Compile the prefill for every page-table width this session can use."""
     for width in range(self.width_step, self.max_width + 1, self.width_step):
-      cache = self._cache(width * self.page_size, 0)
+      cache = self._cache([NULL_PAGE] * width, 0)    # writes only the null page
       logits, cache = prefill_chunked(self.config, self.params, cache, [0])
       jax.block_until_ready(logits)
       self._k, self._v = cache.k_pages, cache.v_pages
-    self.tokens = []
 
-  def prefill(self, tokens: Sequence[int]) -> TurnCost:
-    """Make `tokens` the session's context (greedy first token), reusing cached pages if on."""
+  def prefill(self, tokens: Sequence[int], commit: bool = True) -> TurnCost:
+    """Make `tokens` a context of the session (greedy first token), prefilling what the prefix
+    cache does not hold. commit=False leaves the cache as it was (for repeated timings).
+
+    Raises:
+      ValueError: an empty context, or one longer than the session's max_tokens.
+    """
     tokens = [int(t) for t in tokens]
     if not tokens:
       raise ValueError('empty context')
-    cached = cached_prefix(self.tokens, tokens, self.page_size) if self.prefix_cache else 0
-    cache = self._cache(len(tokens), cached)
+    if self._width(pages_needed(len(tokens), self.page_size)) > self.max_width:
+      raise ValueError(f'context of {len(tokens)} tokens exceeds the session pool '
+                       f'({self.max_width * self.page_size} tokens)')
     start = time.perf_counter()
-    logits, cache = prefill_chunked(self.config, self.params, cache, tokens[cached:])
+    request, plan = self.prefix.admit(tokens)
+    self.prefix.apply(plan, [])                       # no host tier: nothing to move
+    cached = request.num_cached
+    logits, cache = prefill_chunked(self.config, self.params, self._cache(request.pages, cached),
+                                    tokens[cached:])
     first = int(jnp.argmax(logits[0]))
     ttft = time.perf_counter() - start
     self._k, self._v = cache.k_pages, cache.v_pages
-    self.tokens = tokens
+    if commit:
+      self.prefix.commit(request, tokens)
+    self.prefix.finish(request)
     return TurnCost(context_tokens=len(tokens), prefill_tokens=len(tokens) - cached,
                     cached_tokens=cached, ttft_s=ttft,
-                    kv_bytes=pages_needed(len(tokens), self.page_size) * self.page_bytes,
+                    kv_bytes=len(request.pages) * self.page_bytes,
                     first_token=first, logits=np.asarray(logits[0]))
