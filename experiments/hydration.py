@@ -158,35 +158,53 @@ def _alpha(config, target, target_params, draft, draft_params, tokenizer, extrac
   """α and β of speculative decoding (draft proposes K, target verifies) on the extraction
   prompts of `calls`: under each call's record schema when `lengths` is None, else without a
   constraint and without stopping, for exactly lengths[i] tokens (the constrained output's
-  length, so both runs cover the same number of tokens after the same prompts).
+  length, so both runs cover the same number of tokens after the same prompts). Each prompt is
+  also decoded autoregressively by the target alone (same constraint, interleaved), for the
+  speedup of the host-stepped speculative loop over the host-stepped autoregressive one.
 
   Returns (record, the number of tokens generated per prompt)."""
   constrained = lengths is None
   stats = dict(proposed=0, accepted=0, rejected=0, complete=0)
   path = config.tokenizer or shipped('tokenizer.json')
-  out_lengths = []
-  for i, call in enumerate(calls):
+  sampling = SamplingParams(temperature)
+  spec = dict(draft=draft, draft_params=draft_params, k=config.alpha_k)
+
+  def decode(i, call, **kw):
     constraint = None
     if constrained:
       constraint = TokenConstraint.json_schema(record_schema(call.value), path,
                                                vocab_size=target.vocab_size,
                                                eos_id=tokenizer.eos_id)
-    out = constrained_generate(
+    return constrained_generate(
         target, target_params, extractor.prompt(call), constraint,
         max_new_tokens=config.max_extract_tokens if constrained else lengths[i],
-        stop_token=tokenizer.eos_id if constrained else None,
-        sampling=SamplingParams(temperature), seed=config.seed + i,
-        draft=draft, draft_params=draft_params, k=config.alpha_k)
+        stop_token=tokenizer.eos_id if constrained else None, sampling=sampling,
+        seed=config.seed + i, **kw)
+
+  decode(0, calls[0], **spec)                    # compile both loops before timing
+  decode(0, calls[0])
+  out_lengths, timing = [], dict(spec_s=0.0, spec_tokens=0, ar_s=0.0, ar_tokens=0)
+  for i, call in enumerate(calls):
+    out = decode(i, call, **spec)
+    ar = decode(i, call)
     for key in ('proposed', 'accepted', 'rejected'):
       stats[key] += getattr(out, key)
     stats['complete'] += int(out.finished)
     out_lengths.append(len(out.tokens))
+    timing['spec_s'] += out.decode_s
+    timing['spec_tokens'] += len(out.tokens) - 1
+    timing['ar_s'] += ar.decode_s
+    timing['ar_tokens'] += len(ar.tokens) - 1
+  spec_tps = ratio(timing['spec_tokens'], timing['spec_s'])
+  ar_tps = ratio(timing['ar_tokens'], timing['ar_s'])
   record = dict(kind='alpha', constrained=constrained, temperature=temperature,
                 k=config.alpha_k, prompts=len(calls), tokens=sum(out_lengths),
                 acceptance_rate=ratio(stats['accepted'], stats['proposed']),
                 acceptance_per_position=ratio(stats['accepted'],
                                               stats['accepted'] + stats['rejected']),
-                complete_outputs=stats['complete'] if constrained else None)
+                complete_outputs=stats['complete'] if constrained else None,
+                tokens_per_s_speculative=spec_tps, tokens_per_s_autoregressive=ar_tps,
+                speedup=ratio(spec_tps, ar_tps))
   return record, out_lengths
 
 
