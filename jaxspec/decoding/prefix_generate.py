@@ -40,7 +40,8 @@ class PrefixCachedGenerator:
     sampling: sampling parameters of every request.
     prompt_bucket: new-token counts are padded to a multiple of this (one compile per bucket).
   Raises:
-    ValueError: a pool too small for one full-context request, bad K, mismatched vocabularies.
+    ValueError: bad K, mismatched vocabularies, a bad size. A pool too small for a request is
+      reported by `generate` (OutOfPagesError), for that request.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_pages: int, page_size: int = 16,
@@ -76,9 +77,10 @@ class PrefixCachedGenerator:
   def host_pages_used(self) -> int:
     return len(self.prefix.host) if self.prefix.host is not None else 0
 
-  def warm_up(self, max_prompt_len: int, max_new_tokens: int) -> None:
+  def warm_up(self, max_prompt_len: int, max_new_tokens: int, stop_tokens=()) -> None:
     """Compile everything a run up to `max_prompt_len` prompt tokens can meet: prefill at every
-    prompt bucket, the decode loop, and the host-tier copies; then forget the dummy prompts.
+    prompt bucket, the decode loop (for `max_new_tokens` and as many stop tokens as
+    `stop_tokens`: pass the run's own), and the host-tier copies; then forget the dummy prompts.
 
     Raises:
       ValueError / OutOfPagesError: as `generate` for the longest dummy prompt.
@@ -86,7 +88,8 @@ class PrefixCachedGenerator:
     for width in range(self.prompt_bucket, max_prompt_len + self.prompt_bucket,
                        self.prompt_bucket):
       n = min(width, max_prompt_len)
-      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens)
+      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens)
       self.reset_prefix_cache()
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
@@ -106,9 +109,11 @@ class PrefixCachedGenerator:
       max_new_tokens: tokens to emit at most, the first included.
       stop_tokens: ids that end the request (emitted).
       salt: cache salt; requests of different salts never share pages.
-      seed: PRNG seed (same seed, same prompt: same tokens, hit or not).
+      seed: PRNG seed (same seed, same prompt: the same tokens hit or not, up to floating-point
+        near-ties: cached keys/values equal recomputed ones to ~1e-5).
     Returns:
-      GenerationResult with one row; ttft_s includes matching, host-tier copies and prefill.
+      GenerationResult with one row; ttft_s runs from after validation to the first token:
+      hashing and matching, host-tier copies, prefill (target and draft) and the first sample.
     Raises:
       ValueError: as `generate`; OutOfPagesError when the pool cannot hold the request even
         after reclaiming every cached page (the pool is unchanged then).
