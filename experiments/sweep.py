@@ -185,7 +185,7 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
   if shard == 'process':
-    s = distributed.settings()
+    s = distributed.settings(need_coordinator=False)
     shard = f'{s.process_id}/{s.num_processes}'
   base, cases = sweeps.load_sweep(config_path)
   base = sweeps.apply_overrides(base, dict(overrides or {}))

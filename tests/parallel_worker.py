@@ -20,7 +20,7 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxspec.cache import PageAllocator  # pylint: disable=wrong-import-position
 from jaxspec.decoding import SamplingParams, generate  # pylint: disable=wrong-import-position
-from jaxspec.models import ModelConfig, Transformer, cache_for  # pylint: disable=wrong-import-position
+from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes  # pylint: disable=wrong-import-position
 from jaxspec.parallel import (ShardedSteps, make_mesh, shard_params,  # pylint: disable=wrong-import-position
                               specs)
 from jaxspec.training import init_params  # pylint: disable=wrong-import-position
@@ -138,13 +138,13 @@ def main():
   out['error_mesh_size'] = error(lambda: make_mesh(3, 3))
   shipped_shape = ModelConfig.from_name('target-12m')
   mesh8 = make_mesh(1, 8)
-  out['error_heads_params'] = error(lambda: shard_params(
-      init_params(ModelConfig.from_name('test-tiny'), 0), shipped_shape, mesh8))
+  out['error_heads_params'] = error(lambda: shard_params(param_shapes(shipped_shape),
+                                                        shipped_shape, mesh8))
   out['error_heads_cache'] = error(lambda: ShardedSteps(mesh8).new_cache(
       shipped_shape, table, alloc.num_pages, PAGE))
   out['error_batch'] = error(lambda: generate(CONFIG, sharded, prompts[:1], steps=steps, **kw))
   # The shipped target's shape fits a model axis of 2 (6 query / 2 KV heads, d_ff 1024).
-  out['shipped_model_2'] = error(lambda: ShardedSteps(make_mesh(4, 2)).new_cache(
+  out['shipped_model_2'] = error(lambda: ShardedSteps(make_mesh(1, 2, jax.devices()[:2])).new_cache(
       shipped_shape, table, alloc.num_pages, PAGE))
   print('RESULT ' + json.dumps(out))
 

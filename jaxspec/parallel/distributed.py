@@ -49,7 +49,8 @@ def _int(value, name: str) -> int:
     raise ValueError(f'distributed.{name} must be an int, got {value!r}') from None
 
 
-def settings(config=None, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
+def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
+             need_coordinator: bool = True) -> DistributedSettings:
   """The settings of this process.
 
   Args:
@@ -57,6 +58,8 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None) -> Distri
       num_processes (0 = from the environment, else 1) and process_id (-1 = from the
       environment, else 0); None reads the environment only.
     environ: the environment (default os.environ).
+    need_coordinator: False when only the process index and count matter (sweeps that split
+      independent cases without starting the distributed runtime).
   Raises:
     ValueError: a non-integer count or id, num_processes < 1, a process id outside
       [0, num_processes), or several processes without a coordinator address.
@@ -72,7 +75,7 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None) -> Distri
     raise ValueError(f'distributed.num_processes must be >= 1, got {n}')
   if not 0 <= pid < n:
     raise ValueError(f'distributed.process_id={pid} outside [0, num_processes={n})')
-  if n > 1 and not address:
+  if n > 1 and not address and need_coordinator:
     raise ValueError(f'distributed.num_processes={n} needs a coordinator_address (host:port of '
                      f'process 0), as a config field or ${ENV["coordinator_address"]}')
   return DistributedSettings(address, n, pid)
