@@ -8,8 +8,10 @@ Prints one JSON object of measurements; the tests assert on them.
 
 import json
 import os
+import pathlib
 import re
 import sys
+import tempfile
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,9 +22,9 @@ import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxspec.cache import PageAllocator  # pylint: disable=wrong-import-position
 from jaxspec.decoding import SamplingParams, generate  # pylint: disable=wrong-import-position
-from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes  # pylint: disable=wrong-import-position
-from jaxspec.parallel import (ShardedSteps, make_mesh, shard_params,  # pylint: disable=wrong-import-position
-                              specs)
+from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes, save_model  # pylint: disable=wrong-import-position
+from jaxspec.parallel import (ShardedSteps, load_sharded, make_mesh,  # pylint: disable=wrong-import-position
+                              shard_params, specs)
 from jaxspec.training import init_params  # pylint: disable=wrong-import-position
 
 # 8 query / 4 KV heads so that a model axis of 4 splits them; exact-verify numerics as in the
@@ -133,6 +135,17 @@ def main():
            if s != specs.REPLICATED]
   pool = target_cache.k_pages.shape
   out['split_sizes'] = split + [int(np.prod(pool)), int(np.prod(pool[1:]))]
+
+  # A checkpoint restored straight into its shardings equals the params sharded after loading.
+  with tempfile.TemporaryDirectory() as tmp:
+    save_model(f'{tmp}/m', CONFIG, params, dtype='float32')
+    _, restored = load_sharded(f'{tmp}/m', mesh)
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
+                        and a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, sharded)
+    out['load_sharded_equal'] = all(jax.tree.leaves(same))
+    fields = json.loads(pathlib.Path(f'{tmp}/m/config.json').read_text())
+    pathlib.Path(f'{tmp}/m/config.json').write_text(json.dumps({**fields, 'd_ff': 128}))
+    out['error_load_sharded'] = error(lambda: load_sharded(f'{tmp}/m', mesh))
 
   # Errors naming the sizes.
   out['error_mesh_size'] = error(lambda: make_mesh(3, 3))

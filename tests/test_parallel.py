@@ -169,6 +169,12 @@ def test_no_collective_moves_a_whole_weight_or_kv_pool(worker):
   assert max(sizes) < min(split), (sorted(set(sizes)), sorted(set(split)))
 
 
+def test_checkpoint_loads_straight_into_its_shardings(worker):
+  assert worker['load_sharded_equal']
+  assert ("tensor ['params']['layer_0']['mlp']['down']['kernel'] has shape (64, 32), config "
+          "implies (128, 32)") in worker['error_load_sharded']
+
+
 def test_mesh_errors_name_the_sizes(worker):
   assert 'data=3 x model=3 = 9 devices does not match the 8 devices' in worker['error_mesh_size']
   for key in ('error_heads_params', 'error_heads_cache'):
