@@ -126,7 +126,7 @@ def test_sweep_shard_process_takes_the_cases_of_this_process(tmp_path, monkeypat
 # ---- 8 simulated CPU devices, mesh data=2 x model=4 (tests/parallel_worker.py) ----
 
 @pytest.fixture(scope='module')
-def worker():
+def worker(smoke_runs):  # pylint: disable=unused-argument  (started first: both run at once)
   env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
          'PYTHONPATH': str(ROOT)}
   proc = subprocess.run([sys.executable, str(TESTS / 'parallel_worker.py')], env=env,
@@ -191,27 +191,40 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.fixture(scope='module')
+def smoke_runs(tmp_path_factory):
+  """The smoke experiment (json only) as one process and as two processes splitting the shipped
+  target model=2 across them; started here, awaited by the test, so they overlap the worker."""
+  tmp = tmp_path_factory.mktemp('smoke')
+  smoke = [sys.executable, '-m', 'experiments.run', '--config=configs/speculative.py:smoke',
+           '--config.workloads=json']
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_', 'XLA_FLAGS'))}
+  env['PYTHONPATH'] = str(ROOT)
+  launch = lambda args, env: subprocess.Popen(smoke + args, env=env, cwd=ROOT, text=True,
+                                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  procs = [launch([f'--workdir={tmp / "one"}'], env)]
+  dist = dict(env, JAX_COORDINATOR_ADDRESS=f'localhost:{_free_port()}', JAX_NUM_PROCESSES='2')
+  for pid in (0, 1):
+    procs.append(launch(['--config.mesh.model=2', f'--workdir={tmp / "two"}'],
+                        dict(dist, JAX_PROCESS_ID=str(pid))))
+  yield tmp, procs
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+      p.wait()
+
+
 DETERMINISTIC = ('workload', 'k', 'acceptance_rate', 'acceptance_per_position',
                  'mean_accepted_length', 'tokens_generated', 'matches_autoregressive')
 
 
 @pytest.mark.slow
-def test_two_processes_run_the_smoke_experiment_like_one(tmp_path):
-  smoke = [sys.executable, '-m', 'experiments.run', '--config=configs/speculative.py:smoke',
-           '--config.workloads=json']
-  env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_', 'XLA_FLAGS'))}
-  env['PYTHONPATH'] = str(ROOT)
-  procs = [subprocess.Popen(smoke + [f'--workdir={tmp_path / "one"}'], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-  dist = dict(env, JAX_COORDINATOR_ADDRESS=f'localhost:{_free_port()}', JAX_NUM_PROCESSES='2')
-  for pid in (0, 1):
-    procs.append(subprocess.Popen(smoke + ['--config.mesh.model=2', f'--workdir={tmp_path / "two"}'],
-                                  env=dict(dist, JAX_PROCESS_ID=str(pid)), cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-  logs = [p.communicate(timeout=400)[0] for p in procs]
+def test_two_processes_run_the_smoke_experiment_like_one(smoke_runs):
+  tmp, procs = smoke_runs
+  logs = [p.communicate(timeout=600)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0, 0], '\n'.join(l[-2000:] for l in logs)
-  one = list((tmp_path / 'one' / 'speculative').glob('*/results.jsonl'))
-  two = list((tmp_path / 'two' / 'speculative').glob('*/results.jsonl'))
+  one = list((tmp / 'one' / 'speculative').glob('*/results.jsonl'))
+  two = list((tmp / 'two' / 'speculative').glob('*/results.jsonl'))
   assert len(one) == 1 and len(two) == 1           # process 1 wrote nothing
   (a,), (b,) = read_results(one[0]), read_results(two[0])
   assert {f: a[f] for f in DETERMINISTIC} == {f: b[f] for f in DETERMINISTIC}
