@@ -155,6 +155,9 @@ def main():
                                                         shipped_shape, mesh8))
   out['error_heads_cache'] = error(lambda: ShardedSteps(mesh8).new_cache(
       shipped_shape, table, alloc.num_pages, PAGE))
+  out['error_unplaced_target'] = error(lambda: generate(CONFIG, params, prompts, steps=steps, **kw))
+  out['error_unplaced_draft'] = error(lambda: generate(
+      CONFIG, sharded, prompts, draft_params=draft_params, steps=steps, **spec, **kw))
   out['error_batch'] = error(lambda: generate(CONFIG, sharded, prompts[:1], steps=steps, **kw))
   # The shipped target's shape fits a model axis of 2 (6 query / 2 KV heads, d_ff 1024).
   out['shipped_model_2'] = error(lambda: ShardedSteps(make_mesh(1, 2, jax.devices()[:2])).new_cache(

@@ -183,6 +183,12 @@ def test_mesh_errors_name_the_sizes(worker):
   assert worker['shipped_model_2'] is None         # the shipped target splits 2 ways
 
 
+def test_params_not_placed_on_the_mesh_are_refused(worker):
+  assert ("target tensor ['params']['embed']['embedding'] is not placed on the mesh"
+          in worker['error_unplaced_target'])
+  assert 'shard_params(params, config, mesh, replicate=True)' in worker['error_unplaced_draft']
+
+
 # ---- two processes on localhost through jax.distributed ----
 
 def _free_port() -> int:

@@ -3,8 +3,8 @@
 The decoding functions of `jaxspec.decoding` are used as they are: this module re-jits their
 Python bodies with `out_shardings` and places every input on the mesh before the call, so each
 jitted step sees fixed input shardings and returns the same ones (donated caches are updated in
-place, and a step compiles once per shape). An input that was not placed on the mesh is
-refused by jit (incompatible devices) rather than silently gathered onto one device.
+place, and a step compiles once per shape). Params that are not placed as expected are refused
+with a ValueError (`check_params`) rather than copied whole onto every device by jit.
 
     steps = ShardedSteps(mesh)
     params = shard_params(target_params, target, mesh)
@@ -129,14 +129,39 @@ class ShardedSteps:
   def _is_draft_cache(self, cache: PagedKVCache) -> bool:
     return cache.k_pages.sharding.is_equivalent_to(self._cache[True].k_pages, cache.k_pages.ndim)
 
+  def check_params(self, params, *, draft: bool = False) -> None:
+    """Refuse params that are not where the steps expect them, instead of letting jit copy a
+    whole target onto every device: the target's leaves must carry their `specs.PARAM_RULES`
+    sharding on this mesh (`shard_params`), the draft's must live on this mesh's devices.
+
+    Raises:
+      ValueError: naming the first misplaced tensor and its sharding.
+    """
+    want = None if draft else self._named(specs.param_specs(params))
+    devices = set(self.mesh.devices.flat)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    wanted = [None] * len(leaves) if draft else jax.tree.leaves(want)
+    for (path, leaf), sharding in zip(leaves, wanted):
+      have = getattr(leaf, 'sharding', None)
+      ok = have is not None and (
+          have.device_set == devices if draft else have.is_equivalent_to(sharding, leaf.ndim))
+      if not ok:
+        role, how = ('draft', ', replicate=True') if draft else ('target', '')
+        raise ValueError(f'{role} tensor {jax.tree_util.keystr(path)} is not placed on the mesh '
+                         f'as expected (has {have}); place the params with '
+                         f'jaxspec.parallel.shard_params(params, config, mesh{how})')
+
   def prefill(self, config, params, cache, tokens, prompt_lengths, rng, *, sampling):
     """`jaxspec.decoding.prefill` on the mesh; the cache keeps its sharding (target or draft)."""
-    return self._prefill[self._is_draft_cache(cache)](config, params, cache, tokens,
-                                                      prompt_lengths, rng, sampling=sampling)
+    draft = self._is_draft_cache(cache)
+    self.check_params(params, draft=draft)
+    return self._prefill[draft](config, params, cache, tokens, prompt_lengths, rng,
+                                sampling=sampling)
 
   def decode_autoregressive(self, config, params, cache, first_token, rng, stop_tokens, *,
                             sampling, max_new_tokens):
     """`jaxspec.decoding.decode_autoregressive` on the mesh (target cache)."""
+    self.check_params(params)
     return self._decode(config, params, cache, first_token, rng, stop_tokens, sampling=sampling,
                         max_new_tokens=max_new_tokens)
 
@@ -144,6 +169,8 @@ class ShardedSteps:
                          draft_cache, first_token, rng, stop_tokens, *, k, sampling,
                          max_new_tokens):
     """`jaxspec.decoding.decode_speculative` on the mesh: sharded target, replicated draft."""
+    self.check_params(target_params)
+    self.check_params(draft_params, draft=True)
     return self._speculative(target, draft, target_params, draft_params, target_cache,
                              draft_cache, first_token, rng, stop_tokens, k=k, sampling=sampling,
                              max_new_tokens=max_new_tokens)
