@@ -151,29 +151,24 @@ class ShardedSteps:
                          f'as expected (has {have}); place the params with '
                          f'jaxspec.parallel.shard_params(params, config, mesh{how})')
 
-  def prefill(self, config, params, cache, tokens, prompt_lengths, rng, *, sampling):
+  # Same arguments as the functions they wrap; only the ones whose placement matters are named.
+
+  def prefill(self, config, params, cache, *args, **kwargs):
     """`jaxspec.decoding.prefill` on the mesh; the cache keeps its sharding (target or draft)."""
     draft = self._is_draft_cache(cache)
     self.check_params(params, draft=draft)
-    return self._prefill[draft](config, params, cache, tokens, prompt_lengths, rng,
-                                sampling=sampling)
+    return self._prefill[draft](config, params, cache, *args, **kwargs)
 
-  def decode_autoregressive(self, config, params, cache, first_token, rng, stop_tokens, *,
-                            sampling, max_new_tokens):
+  def decode_autoregressive(self, config, params, *args, **kwargs):
     """`jaxspec.decoding.decode_autoregressive` on the mesh (target cache)."""
     self.check_params(params)
-    return self._decode(config, params, cache, first_token, rng, stop_tokens, sampling=sampling,
-                        max_new_tokens=max_new_tokens)
+    return self._decode(config, params, *args, **kwargs)
 
-  def decode_speculative(self, target, draft, target_params, draft_params, target_cache,
-                         draft_cache, first_token, rng, stop_tokens, *, k, sampling,
-                         max_new_tokens):
+  def decode_speculative(self, target, draft, target_params, draft_params, *args, **kwargs):
     """`jaxspec.decoding.decode_speculative` on the mesh: sharded target, replicated draft."""
     self.check_params(target_params)
     self.check_params(draft_params, draft=True)
-    return self._speculative(target, draft, target_params, draft_params, target_cache,
-                             draft_cache, first_token, rng, stop_tokens, k=k, sampling=sampling,
-                             max_new_tokens=max_new_tokens)
+    return self._speculative(target, draft, target_params, draft_params, *args, **kwargs)
 
   def compilations(self) -> int:
     """Executables compiled so far by this object's jitted steps (for compile-once checks)."""
