@@ -21,7 +21,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
 from jaxspec.cache import PageAllocator  # pylint: disable=wrong-import-position
-from jaxspec.decoding import SamplingParams, generate  # pylint: disable=wrong-import-position
+from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, generate  # pylint: disable=wrong-import-position
 from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes, save_model  # pylint: disable=wrong-import-position
 from jaxspec.parallel import (ShardedSteps, load_sharded, make_mesh,  # pylint: disable=wrong-import-position
                               shard_params, specs)
@@ -110,6 +110,26 @@ def main():
   out['ar_local'], out['ar_mesh'] = ar_local.tokens, ar_mesh.tokens
   out['sp_local'], out['sp_mesh'] = sp_local.tokens, sp_mesh.tokens
   out['alpha_local'], out['alpha_mesh'] = sp_local.acceptance_rate, sp_mesh.acceptance_rate
+
+  # Prefix caching (with a host tier, in a pool small enough to demote) on a data=1 mesh.
+  mesh1 = make_mesh(1, MODEL, jax.devices()[:MODEL])
+  steps1 = ShardedSteps(mesh1)
+  turns = {}
+  for name, kw1 in (('local', {}), ('mesh', dict(steps=steps1))):
+    p1 = shard_params(params, CONFIG, mesh1) if kw1 else params
+    d1 = shard_params(draft_params, CONFIG, mesh1, replicate=True) if kw1 else draft_params
+    gen = PrefixCachedGenerator(CONFIG, p1, num_pages=9, page_size=PAGE, host_pages=16,
+                                draft=CONFIG, draft_params=d1, k=K, **kw1)
+    convs = [rng_p.integers(3, 64, size=2 * PAGE + 3).tolist()
+             for rng_p in (np.random.default_rng(s) for s in (7, 8, 9))]
+    got = []
+    for _ in range(2):
+      for c, conv in enumerate(convs):
+        r = gen.generate(conv, max_new_tokens=6)
+        got.append((r.tokens[0], r.cached_tokens, r.promoted_tokens, r.accepted))
+        convs[c] = conv + r.tokens[0] + [c + 3]
+    turns[name] = got
+  out['prefix_local'], out['prefix_mesh'] = turns['local'], turns['mesh']
 
   # Compile once: other prompts in the same bucket, another seed, no new executable.
   out['compilations_first'] = steps.compilations()

@@ -156,6 +156,13 @@ def test_sharded_greedy_decoding_gives_the_single_device_tokens(worker):
   assert worker['alpha_mesh'] == worker['alpha_local'] and 0 < worker['alpha_mesh'] < 1
 
 
+def test_prefix_cache_with_host_tier_on_a_sharded_target(worker):
+  """Two turns of three conversations in a pool that demotes: same tokens, hits, promotions and
+  acceptance as on one device."""
+  assert worker['prefix_mesh'] == worker['prefix_local']
+  assert sum(turn[2] for turn in worker['prefix_mesh']) > 0   # host-tier promotions happened
+
+
 def test_sharded_steps_compile_once(worker):
   # Two prefills (target, draft), the two decode loops and the empty caches, once per shape;
   # further prompts of other lengths and seeds reuse them.
