@@ -66,6 +66,18 @@ class Results:
       print(format_record(record), flush=True)
 
 
+class DiscardedResults(Results):
+  """Results of a process other than 0 in a multi-process run: records are kept in memory (the
+  experiment may read them) but nothing is written or printed; process 0 writes the results."""
+
+  def __init__(self, tags: Optional[dict] = None):  # pylint: disable=super-init-not-called
+    self.dir, self.path, self.tags, self.verbose = None, None, dict(tags or {}), False
+    self.records = []
+
+  def write(self, record: dict) -> None:
+    self.records.append({**self.tags, **{k: _clean(v) for k, v in record.items()}})
+
+
 def format_record(record: dict) -> str:
   """One readable line: key=value with floats at 4 significant digits."""
   parts = []

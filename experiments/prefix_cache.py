@@ -60,39 +60,45 @@ def run(config, results) -> None:
         f'slack > the context of {context}: lower num_turns, tool_tokens or prefix_tokens')
   per_request = pages_needed(longest + config.reply_tokens + slack, config.page_size)
   pool_pages = config.pool_pages or per_request * config.num_conversations
-  if {'on_small', 'on_host'} & set(settings) and config.small_pool_pages < per_request:
-    raise ValueError(f'small_pool_pages={config.small_pool_pages} cannot hold one request of '
-                     f'{per_request} pages')
+  checks = [('pool_pages', pool_pages, per_request, {'off', 'on'}),
+            ('small_pool_pages', config.small_pool_pages, per_request, {'on_small', 'on_host'}),
+            ('host_pages', config.host_pages, 1, {'on_host'})]
+  for name, value, least, users in checks:
+    if users & set(settings) and value < least:
+      raise ValueError(f'{name}={value} is too small for settings {sorted(users & set(settings))}'
+                       f': need >= {least} (one request can take {per_request} pages)')
   models = (target, target_params, draft, draft_params)
   gens = {s: _generator(s, config, models, pool_pages) for s in settings}
-  for gen in gens.values():
-    gen.warm_up(longest, config.reply_tokens)
-
   stop = tokenizer.eos_ids
+  for gen in gens.values():
+    gen.warm_up(longest, config.reply_tokens, stop_tokens=stop)
+
   replies = {s: [[] for _ in convs] for s in settings}
   peak_host = dict.fromkeys(settings, 0)
   turns = {s: [] for s in settings}
   for turn in range(config.num_turns):
     for c, conv in enumerate(convs):
-      outputs = {}
+      records = []
       for setting in settings:
         gen = gens[setting]
         prompt = turn_prompt(conv, turn, replies[setting][c])
         out = gen.generate(prompt, max_new_tokens=config.reply_tokens, stop_tokens=stop,
                            seed=config.seed + turn)
         replies[setting][c].append(out.tokens[0])
-        outputs[setting] = out.tokens[0]
         peak_host[setting] = max(peak_host[setting], gen.host_pages_used)
         record = dict(
             record='turn', setting=setting, conversation=c, turn=turn + 1,
             prompt_tokens=out.prompt_tokens, prefill_tokens=out.prefill_tokens,
             cached_tokens=out.cached_tokens, promoted_tokens=out.promoted_tokens,
             prefix_hit_rate=out.cached_tokens / out.prompt_tokens, ttft_s=out.ttft_s,
-            device_pages_used=gen.device_pages_used, host_pages_used=gen.host_pages_used,
-            matches_off=(out.tokens[0] == outputs['off']) if 'off' in outputs else None)
+            device_pages_used=gen.device_pages_used, host_pages_used=gen.host_pages_used)
         if out.proposed:
           record.update(acceptance_rate=out.acceptance_rate,
                         mean_accepted_length=out.mean_accepted_length)
+        records.append(record)
+      for setting, record in zip(settings, records):  # compared once every setting has run
+        if 'off' in settings and setting != 'off':
+          record['matches_off'] = replies[setting][c][-1] == replies['off'][c][-1]
         turns[setting].append(record)
         results.write(record)
 

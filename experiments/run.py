@@ -4,7 +4,9 @@
     python -m experiments.run --config=configs/speculative.py --config.k=8 --workdir=/tmp/run
     python -m experiments.run --config=configs/speculative.py:smoke
 
-Results land in WORKDIR/EXPERIMENT/RUN_ID/ (config.json, results.jsonl).
+Results land in WORKDIR/EXPERIMENT/RUN_ID/ (config.json, results.jsonl). In a multi-process run
+(config.distributed or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) every process
+runs the experiment as one program and process 0 alone writes the results.
 """
 
 import importlib
@@ -14,7 +16,8 @@ from ml_collections import config_flags
 
 import shutil
 
-from experiments.common import Results, new_run_dir, parse_flags
+from experiments.common import DiscardedResults, Results, new_run_dir, parse_flags
+from jaxspec.parallel import distributed
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
@@ -27,7 +30,11 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   config = _CONFIG.value
+  distributed.initialize(config.get('distributed'))  # before any device is touched; 1 process: no-op
   module = importlib.import_module(f'experiments.{config.experiment}')
+  if not distributed.is_primary():
+    module.run(config, DiscardedResults())
+    return
   run_dir = new_run_dir(_WORKDIR.value, config.experiment)
   print(f'results -> {run_dir}', flush=True)
   results = Results(run_dir, config)

@@ -14,6 +14,7 @@ import numpy as np
 from jaxspec.data import WORKLOADS, Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import is_pretrained, load_model, shipped, truncate_vocab
+from jaxspec.parallel import place_pair
 
 
 def load_pair(config):
@@ -93,9 +94,17 @@ def run(config, results) -> None:
     raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
                      'must be >= 1')
   workloads = _workloads(config)                     # checked before any model is loaded
+  data = int(config.get('mesh', {}).get('data', 1))
+  for rows in {config.batch_size, config.num_prompts % config.batch_size} - {0}:
+    if rows % data:
+      raise ValueError(f'a batch of {rows} prompts (batch_size={config.batch_size}, num_prompts='
+                       f'{config.num_prompts}) does not split over mesh.data={data}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  # Sharded target and replicated draft on a mesh, or the default device for a 1 x 1 mesh.
+  steps, target_params, draft_params = place_pair(config.get('mesh'), target, target_params,
+                                                  draft_params)
   common = dict(max_new_tokens=config.max_new_tokens, sampling=sampling,
-                stop_tokens=tokenizer.eos_ids, page_size=config.page_size)
+                stop_tokens=tokenizer.eos_ids, page_size=config.page_size, steps=steps)
   spec = dict(draft=draft, draft_params=draft_params, k=config.k, max_k=config.max_k)
 
   for workload in workloads:

@@ -4,6 +4,7 @@
     python -m experiments.sweep --config=configs/speculative.py:smoke --config.num_prompts=2
     python -m experiments.sweep --config=configs/speculative.py --only=k=4 --only=temperature=0.0
     python -m experiments.sweep --config=configs/speculative.py --shard=0/2   # and 1/2 elsewhere
+    JAX_PROCESS_ID=0 JAX_NUM_PROCESSES=2 python -m experiments.sweep --shard=process  # and id 1
 
 Everything lands in WORKDIR/EXPERIMENT/SWEEP_NAME/: config.json (base), sweep.json (all cases),
 results.jsonl (every record, tagged with case_id and the overrides), failures.jsonl,
@@ -34,6 +35,7 @@ from tqdm import tqdm
 
 from experiments import report, sweeps
 from experiments.common import Results, format_record, parse_flags, read_results
+from jaxspec.parallel import distributed
 
 
 @dataclasses.dataclass
@@ -170,7 +172,9 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
     workdir: results go to WORKDIR/EXPERIMENT/SWEEP_NAME.
     overrides: {dotted.field: value} applied to the base config of every case (--config.x=).
     only: 'field=value' filters (see sweeps.parse_only); only matching cases run.
-    shard: 'i/n': only cases whose index in the sweep is i modulo n.
+    shard: 'i/n': only cases whose index in the sweep is i modulo n; 'process': i/n from this
+      process's JAX_PROCESS_ID / JAX_NUM_PROCESSES (independent cases, each process on its own
+      devices; the distributed runtime is not started).
     sweep_name: the sweep directory's name; the same name resumes the same sweep.
     progress: show a progress bar and echo records.
   Returns:
@@ -180,6 +184,9 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
       --shard is invalid (the message names the bad field or value).
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
+  if shard == 'process':
+    s = distributed.settings(need_coordinator=False)
+    shard = f'{s.process_id}/{s.num_processes}'
   base, cases = sweeps.load_sweep(config_path)
   base = sweeps.apply_overrides(base, dict(overrides or {}))
   configs = sweeps.validate_sweep(base, cases)
@@ -245,7 +252,8 @@ def define_flags() -> None:
   flags.DEFINE_string('workdir', 'runs', 'Root directory; the sweep goes to WORKDIR/EXPERIMENT/.')
   flags.DEFINE_string('sweep_name', 'sweep', 'Sweep directory name; the same name resumes.')
   flags.DEFINE_multi_string('only', [], 'field=value: run only matching cases (repeatable).')
-  flags.DEFINE_string('shard', None, 'i/n: run only cases whose index % n == i.')
+  flags.DEFINE_string('shard', None, 'i/n: run only cases whose index % n == i; "process": i/n '
+                      'from $JAX_PROCESS_ID / $JAX_NUM_PROCESSES.')
 
 
 def main(argv) -> int:

@@ -105,6 +105,51 @@ def test_speculative_hit_same_tokens_and_acceptance(tiny, tiny_draft):
   assert 0 < warm.accepted < warm.proposed
 
 
+def test_second_turn_hit_on_decoded_pages_gives_recomputed_logits(tiny):
+  config, params = tiny
+  prompt = np.random.default_rng(11).integers(3, config.vocab_size, L + 3).tolist()
+  gen = PrefixCachedGenerator(config, params, num_pages=32, page_size=L)
+  reply = gen.generate(prompt, max_new_tokens=2 * L).tokens[0]
+  turn2 = prompt + reply + [4, 5, 6]
+  request, _ = gen.prefix.admit(turn2, reserve=len(turn2))
+  assert request.num_cached >= 2 * L > len(prompt)          # pages the decode loop wrote
+  hit, _ = run_prompt(config, params, gen.prefix, request, gen.caches, gen.pages_per_seq)
+  gen.prefix.finish(request)
+  fresh = PrefixCache(num_pages=32, page_size=L, enabled=False)
+  cold, _ = fresh.admit(turn2)
+  full, _ = run_prompt(config, params, fresh, cold,
+                       [cache_for(config, np.zeros((1, 8), np.int32), 32, L)])
+  np.testing.assert_allclose(hit, full[request.num_cached:], rtol=1e-4, atol=1e-4)
+
+
+def test_speculative_multi_turn_small_pool_with_host_tier(tiny, tiny_draft):
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  spec = dict(draft=draft, draft_params=draft_params, k=2)
+  small = PrefixCachedGenerator(config, params, num_pages=9, page_size=L, host_pages=32, **spec)
+  rng = np.random.default_rng(12)
+  convs = [rng.integers(3, config.vocab_size, 2 * L + 3).tolist() for _ in range(3)]
+  promoted = 0
+  for _ in range(2):
+    for c, conv in enumerate(convs):
+      got = small.generate(conv, max_new_tokens=6)
+      ref = generate(config, params, [conv], max_new_tokens=6, page_size=L, **spec)
+      assert got.tokens == ref.tokens
+      for field in ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected'):
+        assert getattr(got, field) == getattr(ref, field), field
+      promoted += got.promoted_tokens
+      convs[c] = conv + got.tokens[0] + [c + 3]
+  assert promoted > 0
+
+
+def test_salt_must_be_text_or_bytes():
+  prefix = PrefixCache(num_pages=8, page_size=L)
+  with pytest.raises(ValueError, match='salt must be str or bytes, got int 0'):
+    prefix.admit([1, 2, 3], salt=0)
+  with pytest.raises(ValueError, match='salt must be str or bytes'):
+    page_keys([1, 2], 2, salt=3)
+
+
 def test_salts_isolate_tenants():
   prefix = PrefixCache(num_pages=16, page_size=L)
   prompt = list(range(3 * L))
@@ -141,11 +186,15 @@ def test_request_that_cannot_fit_errors_and_leaves_pool_unchanged():
 
 def test_generator_out_of_pages_is_clear(tiny):
   config, params = tiny
-  gen = PrefixCachedGenerator(config, params, num_pages=4, page_size=L)
+  gen = PrefixCachedGenerator(config, params, num_pages=5, page_size=L)
+  cached = list(range(3, 3 + 2 * L + 1))
+  gen.generate(cached, max_new_tokens=4)                   # leaves 2 cached pages
+  before = _snapshot(gen.prefix)
+  assert gen.prefix.num_cached == 2
   with pytest.raises(OutOfPagesError, match='cache out of pages'):
-    gen.generate(list(range(3, 3 + 4 * L)), max_new_tokens=4)
-  assert gen.device_pages_used == 0
-  assert gen.generate([3, 4, 5], max_new_tokens=4).tokens  # still usable
+    gen.generate(list(range(3, 3 + 5 * L)), max_new_tokens=4)
+  assert _snapshot(gen.prefix) == before                   # nothing reclaimed, nothing leaked
+  assert gen.generate(cached, max_new_tokens=4).cached_tokens == 2 * L  # still usable
 
 
 def test_unapplied_plan_is_refused():
@@ -158,6 +207,10 @@ def test_unapplied_plan_is_refused():
   assert plan.demote
   with pytest.raises(ValueError, match='plan is pending'):
     prefix.admit([1, 2, 3])
+  with pytest.raises(ValueError, match='plan is pending'):
+    prefix.reset()
+  with pytest.raises(ValueError, match='not the pending one'):
+    prefix.apply(type(plan)(), [])                          # an empty plan cannot drop it
 
 
 def _filled_caches(config, params, num_pages):
@@ -256,14 +309,12 @@ def check_accounting(prefix, live):
       prefix.host.get(key)  # every host entry holds data
 
 
-ops = st.lists(st.tuples(st.sampled_from(['admit', 'admit', 'extend', 'commit', 'finish',
-                                          'finish', 'reset', 'reclaim']),
-                         st.integers(0, 10 ** 6)), max_size=30)
+OPS = ('admit', 'admit', 'extend', 'commit', 'finish', 'finish', 'reset', 'reclaim')
+SHARED = [[0, 1, 1, 0, 1, 0], [1, 1, 0, 0, 1, 1, 0, 1]]  # prompts often start with these
 
 
-@hypothesis.settings(max_examples=150, deadline=None)
-@hypothesis.given(ops=ops, host=st.sampled_from([0, 3]))
-def test_accounting_invariant_under_any_sequence(ops, host):
+def run_ops(ops, host):
+  """Apply (op, seed) pairs to a 9-page pool of 2-token pages; check accounting after each."""
   prefix = PrefixCache(num_pages=10, page_size=2, host_pages=host)
   caches = [init_cache(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=10, page_size=2,
                        page_table=np.zeros((1, 1), np.int32))]
@@ -273,10 +324,15 @@ def test_accounting_invariant_under_any_sequence(ops, host):
     plan = None
     try:
       if op == 'admit':
-        prompt = r.integers(0, 2, r.integers(1, 8)).tolist()
+        head = SHARED[r.integers(2)][:r.integers(0, 9)] if r.random() < 0.7 else []
+        prompt = head + r.integers(0, 2, r.integers(1, 4)).tolist()
         req, plan = prefix.admit(prompt, reserve=len(prompt) + int(r.integers(0, 4)),
                                  salt=str(r.integers(0, 2)))
         live.append(req)
+        caches = prefix.apply(plan, caches)
+        plan = None
+        if r.random() < 0.7:
+          prefix.commit(req, prompt)
       elif op == 'extend' and live:
         req = live[r.integers(len(live))]
         plan = prefix.extend(req, len(req.pages) * 2 + int(r.integers(0, 4)))
@@ -300,3 +356,22 @@ def test_accounting_invariant_under_any_sequence(ops, host):
   prefix.reset()
   check_accounting(prefix, [])
   assert prefix.num_free == prefix.num_pages - 1     # nothing leaked
+  return prefix.stats
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10 ** 6)),
+                               max_size=30),
+                  host=st.sampled_from([0, 3]))
+def test_accounting_invariant_under_any_sequence(ops, host):
+  run_ops(ops, host)
+
+
+def test_random_operations_reach_hits_demotions_and_promotions():
+  """The generator of the property test does exercise sharing and both tiers."""
+  rng = np.random.default_rng(0)
+  ops = [(OPS[i], int(s)) for i, s in zip(rng.integers(0, len(OPS), 400),
+                                          rng.integers(0, 10 ** 6, 400)) if OPS[i] != 'reset']
+  stats = run_ops(ops, host=3)
+  assert stats['cached_tokens'] >= 40 and stats['demoted_pages'] >= 5
+  assert stats['promoted_pages'] >= 3

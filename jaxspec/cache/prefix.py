@@ -33,11 +33,21 @@ import hashlib
 import struct
 from typing import Optional, Sequence
 
+import numpy as np
+
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
 from jaxspec.cache.host import HostTier
 from jaxspec.cache.paged import pages_needed
 
 _ROOT = bytes(32)  # parent key of a sequence's first page
+
+
+def _salt_bytes(salt) -> bytes:
+  if isinstance(salt, str):
+    return salt.encode()
+  if isinstance(salt, (bytes, bytearray)):
+    return bytes(salt)
+  raise ValueError(f'cache salt must be str or bytes, got {type(salt).__name__} {salt!r}')
 
 
 def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') -> list[bytes]:
@@ -50,8 +60,7 @@ def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') ->
   Returns:
     ceil-free list: len(tokens) // page_size keys of 32 bytes each.
   """
-  if isinstance(salt, str):
-    salt = salt.encode()
+  salt = _salt_bytes(salt)
   if page_size < 1:
     raise ValueError(f'page_size must be >= 1, got {page_size}')
   salt_part = struct.pack('<I', len(salt)) + salt
@@ -176,8 +185,9 @@ class PrefixCache:
       (device_pages, host_keys): device pages of the leading matched pages, then keys of the
       pages after them found only in the host tier.
     """
-    if not self.enabled or not tokens:
+    if not self.enabled or len(tokens) == 0:
       return [], []
+    tokens = [int(t) for t in tokens]
     keys = page_keys(tokens, self.page_size, salt)[:(len(tokens) - 1) // self.page_size]
     device, host = [], []
     for key in keys:
@@ -212,7 +222,7 @@ class PrefixCache:
     """
     self._check_no_pending()
     tokens = [int(t) for t in tokens]
-    salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+    salt = _salt_bytes(salt)
     reserve = len(tokens) if reserve is None else reserve
     if not tokens:
       raise ValueError('cannot admit an empty prompt')
@@ -286,7 +296,8 @@ class PrefixCache:
     Returns:
       Pages newly registered. A page whose key another page already has stays unregistered.
     Raises:
-      ValueError: `tokens` does not start with the request's prompt, or outgrows its pages.
+      ValueError: `tokens` and the request's prompt disagree on their common length (a shorter
+        prefix of the prompt is fine), or `tokens` outgrow the request's pages.
     """
     self._check_live(request)
     tokens = [int(t) for t in tokens]
@@ -333,7 +344,12 @@ class PrefixCache:
   def reset(self) -> None:
     """Forget every cached prefix in both tiers: cached pages return to the free list, pages held
     by live requests lose their keys (they are freed when those requests finish), the host tier
-    is emptied. Nothing cached before a reset can be hit after it."""
+    is emptied. Nothing cached before a reset can be hit after it.
+
+    Raises:
+      ValueError: while a plan is pending (apply it first: a live request counts on its copies).
+    """
+    self._check_no_pending()
     for page in list(self._lru):
       self._unregister(page)
       self.allocator.free([page])
@@ -343,7 +359,6 @@ class PrefixCache:
       self.allocator.free([page])
     if self.host is not None:
       self.host.clear()
-    self._pending = None
 
   def apply(self, plan: Plan, caches: Sequence) -> list:
     """Carry out a plan's data movement on the device caches (one per model sharing the page
@@ -357,7 +372,7 @@ class PrefixCache:
       The updated caches, same order.
     """
     from jaxspec.cache import host as host_lib  # device code, kept out of the bookkeeping
-    if plan is not self._pending and plan:
+    if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
     caches = list(caches)
     if plan and self.host is not None:
@@ -367,7 +382,9 @@ class PrefixCache:
       if demote:
         data = host_lib.read_pages(caches, [page for page, _ in demote])
         for i, (_, key) in enumerate(demote):
-          self.host.put(key, [(k[:, :, i], v[:, :, i]) for k, v in data])
+          # Own copies: a view would keep the whole batched read alive past the tier's capacity.
+          self.host.put(key, [(np.ascontiguousarray(k[:, :, i]), np.ascontiguousarray(v[:, :, i]))
+                              for k, v in data])
         self.stats['demoted_pages'] += len(demote)
       if plan.promote:
         pages = [page for _, page in plan.promote]

@@ -79,7 +79,7 @@ def make_conversations(tokenizer: Tokenizer, *, num_conversations: int, num_turn
 
   Args:
     prefix_tokens: length of the shared prefix in tokens (exact).
-    tool_tokens: tokens of JSON per tool result (the header and marker add ~10 more).
+    tool_tokens: tokens of JSON per tool result (the header and marker add ~14 more).
     split: corpus split the files come from ('test' = held out from training).
   Returns:
     Conversations with distinct tool-result files (wrapping round to new windows when the split

@@ -8,14 +8,12 @@ import time
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.decoding.autoregressive import decode_autoregressive, prefill
 from jaxspec.decoding.sampling import SamplingParams
-from jaxspec.decoding.speculative import decode_speculative
-from jaxspec.models import ModelConfig, cache_for
+from jaxspec.decoding.steps import LOCAL_STEPS
+from jaxspec.models import ModelConfig
 
 MAX_K = 16  # largest speculation length accepted by default
 
@@ -124,7 +122,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     configs.append(draft)
     slack = k + 1
   _check_prompts(prompts, configs, max_new_tokens, slack)
-  stop = jnp.asarray(sorted(set(int(t) for t in stop_tokens)), jnp.int32)
+  stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
   for t in stop.tolist():
     if not 0 <= t < target.vocab_size:
       raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
@@ -132,17 +130,18 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
 
 
 def decode(target, target_params, cache, first, rng, stop, *, sampling, max_new_tokens,
-           draft=None, draft_params=None, draft_cache=None, k=None):
-  """The compiled decode loop after prefill: autoregressive, or speculative with a draft.
+           draft=None, draft_params=None, draft_cache=None, k=None, steps=LOCAL_STEPS):
+  """The compiled decode loop after prefill: autoregressive, or speculative with a draft, run
+  through `steps` (the default device, or a `jaxspec.parallel.ShardedSteps` mesh placement).
 
   Returns:
     (Output, counters: dict of the SpecStats sums (empty for autoregressive), cache, draft_cache).
   """
   if draft is None:
-    out, cache = decode_autoregressive(target, target_params, cache, first, rng, stop,
-                                       sampling=sampling, max_new_tokens=max_new_tokens)
+    out, cache = steps.decode_autoregressive(target, target_params, cache, first, rng, stop,
+                                             sampling=sampling, max_new_tokens=max_new_tokens)
     return out, {}, cache, None
-  out, stats, cache, draft_cache = decode_speculative(
+  out, stats, cache, draft_cache = steps.decode_speculative(
       target, draft, target_params, draft_params, cache, draft_cache, first, rng, stop,
       k=k, sampling=sampling, max_new_tokens=max_new_tokens)
   counters = {f: int(getattr(stats, f).sum()) for f in
@@ -154,7 +153,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
              max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_tokens: Sequence[int] = (), seed: int = 0,
              draft: Optional[ModelConfig] = None, draft_params=None, k: Optional[int] = None,
-             max_k: int = MAX_K, page_size: int = 16, prompt_bucket: int = 64) -> GenerationResult:
+             max_k: int = MAX_K, page_size: int = 16, prompt_bucket: int = 64,
+             steps=LOCAL_STEPS) -> GenerationResult:
   """Generate continuations of a batch of prompts.
 
   Autoregressive when `draft` is None, speculative (draft K, verify in one target pass) otherwise.
@@ -169,6 +169,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
     seed: PRNG seed.
     draft, draft_params, k: the draft model and speculation length K in [1, max_k].
     page_size: tokens per KV page (L).
+    steps: where the device-side calls run: `LOCAL_STEPS` (default device) or a
+      `jaxspec.parallel.ShardedSteps` (target sharded over a mesh, draft replicated).
   Returns:
     GenerationResult.
   Raises:
@@ -193,16 +195,17 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   page_table = np.array([allocator.allocate(per_seq) for _ in range(b)], np.int32)
 
   rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
-  tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+  tokens, lengths = steps.put_batch(tokens), steps.put_batch(lengths)
+  rng_prefill, rng_decode, stop = map(steps.put_replicated, (rng_prefill, rng_decode, stop))
   start = time.perf_counter()
-  cache = cache_for(target, page_table, allocator.num_pages, page_size)
-  first, cache = prefill(target, target_params, cache, tokens, lengths, rng_prefill,
-                         sampling=sampling)
+  cache = steps.new_cache(target, page_table, allocator.num_pages, page_size)
+  first, cache = steps.prefill(target, target_params, cache, tokens, lengths, rng_prefill,
+                               sampling=sampling)
   draft_cache = None
   if draft is not None:
-    draft_cache = cache_for(draft, page_table, allocator.num_pages, page_size)
-    _, draft_cache = prefill(draft, draft_params, draft_cache, tokens, lengths, rng_prefill,
-                             sampling=sampling)
+    draft_cache = steps.new_cache(draft, page_table, allocator.num_pages, page_size, draft=True)
+    _, draft_cache = steps.prefill(draft, draft_params, draft_cache, tokens, lengths,
+                                   rng_prefill, sampling=sampling)
     jax.block_until_ready(draft_cache)
   first = jax.block_until_ready(first)
   ttft = time.perf_counter() - start
@@ -210,7 +213,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   start = time.perf_counter()
   out, counters, _, _ = decode(target, target_params, cache, first, rng_decode, stop,
                               sampling=sampling, max_new_tokens=max_new_tokens, draft=draft,
-                              draft_params=draft_params, draft_cache=draft_cache, k=k)
+                              draft_params=draft_params, draft_cache=draft_cache, k=k,
+                              steps=steps)
   out = jax.block_until_ready(out)
   decode_s = time.perf_counter() - start
   toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)

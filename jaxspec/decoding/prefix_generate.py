@@ -12,16 +12,15 @@ import time
 from typing import Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import NULL_PAGE, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import PrefixCache
-from jaxspec.decoding.autoregressive import prefill
 from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
 from jaxspec.decoding.sampling import SamplingParams
-from jaxspec.models import ModelConfig, cache_for
+from jaxspec.decoding.steps import LOCAL_STEPS
+from jaxspec.models import ModelConfig
 
 
 class PrefixCachedGenerator:
@@ -39,28 +38,32 @@ class PrefixCachedGenerator:
     draft, draft_params, k: optional draft model and speculation length K.
     sampling: sampling parameters of every request.
     prompt_bucket: new-token counts are padded to a multiple of this (one compile per bucket).
+    steps: where the device calls run: `LOCAL_STEPS`, or a `jaxspec.parallel.ShardedSteps`
+      (target and its pages sharded over a mesh's 'model' axis, draft replicated; the mesh's
+      'data' axis must be 1, since requests run one at a time).
   Raises:
-    ValueError: a pool too small for one full-context request, bad K, mismatched vocabularies.
+    ValueError: bad K, mismatched vocabularies, a bad size. A pool too small for a request is
+      reported by `generate` (OutOfPagesError), for that request.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_pages: int, page_size: int = 16,
                host_pages: int = 0, prefix_caching: bool = True,
                draft: Optional[ModelConfig] = None, draft_params=None, k: Optional[int] = None,
                max_k: int = MAX_K, sampling: SamplingParams = SamplingParams(),
-               prompt_bucket: int = 64):
+               prompt_bucket: int = 64, steps=LOCAL_STEPS):
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params, k=k,
                   max_k=max_k)
     if prompt_bucket < 1:
       raise ValueError(f'prompt_bucket must be >= 1, got {prompt_bucket}')
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
-    self.sampling, self.prompt_bucket = sampling, prompt_bucket
+    self.sampling, self.prompt_bucket, self.steps = sampling, prompt_bucket, steps
     self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     self.pages_per_seq = pages_needed(target.max_seq_len, page_size)
     table = np.zeros((1, self.pages_per_seq), np.int32)
-    self.caches = [cache_for(target, table, num_pages, page_size)]
+    self.caches = [steps.new_cache(target, table, num_pages, page_size)]
     if draft is not None:
-      self.caches.append(cache_for(draft, table, num_pages, page_size))
+      self.caches.append(steps.new_cache(draft, table, num_pages, page_size, draft=True))
     self.peak_device_pages = 0
 
   @property
@@ -76,9 +79,10 @@ class PrefixCachedGenerator:
   def host_pages_used(self) -> int:
     return len(self.prefix.host) if self.prefix.host is not None else 0
 
-  def warm_up(self, max_prompt_len: int, max_new_tokens: int) -> None:
+  def warm_up(self, max_prompt_len: int, max_new_tokens: int, stop_tokens=()) -> None:
     """Compile everything a run up to `max_prompt_len` prompt tokens can meet: prefill at every
-    prompt bucket, the decode loop, and the host-tier copies; then forget the dummy prompts.
+    prompt bucket, the decode loop (for `max_new_tokens` and as many stop tokens as
+    `stop_tokens`: pass the run's own), and the host-tier copies; then forget the dummy prompts.
 
     Raises:
       ValueError / OutOfPagesError: as `generate` for the longest dummy prompt.
@@ -86,7 +90,8 @@ class PrefixCachedGenerator:
     for width in range(self.prompt_bucket, max_prompt_len + self.prompt_bucket,
                        self.prompt_bucket):
       n = min(width, max_prompt_len)
-      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens)
+      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens,
+                    stop_tokens=stop_tokens)
       self.reset_prefix_cache()
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
@@ -106,9 +111,11 @@ class PrefixCachedGenerator:
       max_new_tokens: tokens to emit at most, the first included.
       stop_tokens: ids that end the request (emitted).
       salt: cache salt; requests of different salts never share pages.
-      seed: PRNG seed (same seed, same prompt: same tokens, hit or not).
+      seed: PRNG seed (same seed, same prompt: the same tokens hit or not, up to floating-point
+        near-ties: cached keys/values equal recomputed ones to ~1e-5).
     Returns:
-      GenerationResult with one row; ttft_s includes matching, host-tier copies and prefill.
+      GenerationResult with one row; ttft_s runs from after validation to the first token:
+      hashing and matching, host-tier copies, prefill (target and draft) and the first sample.
     Raises:
       ValueError: as `generate`; OutOfPagesError when the pool cannot hold the request even
         after reclaiming every cached page (the pool is unchanged then).
@@ -118,6 +125,8 @@ class PrefixCachedGenerator:
                                    draft_params=self.draft_params, k=self.k, max_k=self.max_k)
     prompt = [int(t) for t in prompt]
     rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
+    rng_prefill, rng_decode, stop = map(self.steps.put_replicated,
+                                        (rng_prefill, rng_decode, stop))
     start = time.perf_counter()
     request, plan = self.prefix.admit(prompt, reserve=len(prompt) + max_new_tokens + slack,
                                       salt=salt)
@@ -128,19 +137,20 @@ class PrefixCachedGenerator:
       table[0, :len(request.pages)] = request.pages
       start_len = np.full((1,), request.num_cached, np.int32)
       # One device copy per cache: the prefill of one donates its page table and lengths.
-      self.caches = [c.replace(page_table=jnp.asarray(table), lengths=jnp.asarray(start_len))
+      put = self.steps.put_batch
+      self.caches = [c.replace(page_table=put(table), lengths=put(start_len))
                      for c in self.caches]
       new = prompt[request.num_cached:]
       width = -(-len(new) // self.prompt_bucket) * self.prompt_bucket
       tokens = np.zeros((1, width), np.int32)
       tokens[0, :len(new)] = new
-      tokens, lengths = jnp.asarray(tokens), jnp.full((1,), len(new), jnp.int32)
-      first, cache = prefill(self.target, self.target_params, self.caches[0], tokens, lengths,
-                             rng_prefill, sampling=self.sampling)
+      tokens, lengths = put(tokens), put(np.full((1,), len(new), np.int32))
+      first, cache = self.steps.prefill(self.target, self.target_params, self.caches[0], tokens,
+                                        lengths, rng_prefill, sampling=self.sampling)
       draft_cache = None
       if self.draft is not None:
-        _, draft_cache = prefill(self.draft, self.draft_params, self.caches[1], tokens, lengths,
-                                 rng_prefill, sampling=self.sampling)
+        _, draft_cache = self.steps.prefill(self.draft, self.draft_params, self.caches[1],
+                                            tokens, lengths, rng_prefill, sampling=self.sampling)
         jax.block_until_ready(draft_cache)
       self.caches = [cache] if draft_cache is None else [cache, draft_cache]  # donated above
       first = jax.block_until_ready(first)
@@ -150,7 +160,7 @@ class PrefixCachedGenerator:
       out, counters, cache, draft_cache = decode(
           self.target, self.target_params, cache, first, rng_decode, stop,
           sampling=self.sampling, max_new_tokens=max_new_tokens, draft=self.draft,
-          draft_params=self.draft_params, draft_cache=draft_cache, k=self.k)
+          draft_params=self.draft_params, draft_cache=draft_cache, k=self.k, steps=self.steps)
       out = jax.block_until_ready(out)
       decode_s = time.perf_counter() - start
       self.caches = [cache] if draft_cache is None else [cache, draft_cache]

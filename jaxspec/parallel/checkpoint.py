@@ -1,0 +1,60 @@
+"""Loading a model directory straight into its shardings: each device (each process, on several
+hosts) reads only its own slices of the checkpoint, so a target larger than one device's memory
+never exists whole anywhere."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
+
+from jaxspec.models import ModelConfig, param_shapes
+from jaxspec.models.checkpoint import CheckpointError, _check_tree  # pylint: disable=protected-access
+from jaxspec.parallel import specs
+from jaxspec.parallel.mesh import MODEL, check_model_fits
+
+
+def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'float32'):
+  """`jaxspec.models.load_model`, restoring every tensor directly into its sharding on `mesh`:
+  split by `specs.PARAM_RULES` (a target), or replicated (`replicate=True`, a draft).
+
+  Args:
+    path: a model directory written by `save_model` (config.json + params/).
+    mesh: the ('data', 'model') mesh.
+    dtype: dtype of the returned params (stored bfloat16 is cast on reading).
+  Returns:
+    (ModelConfig, params) with params global jax.Arrays on the mesh.
+  Raises:
+    CheckpointError: missing or unreadable directory, config or tensors; a tensor whose shape
+      differs from what the config implies (named).
+    ValueError: the mesh's model axis does not divide the target's heads / d_ff / vocabulary.
+  """
+  path = pathlib.Path(path).absolute()
+  try:
+    config = ModelConfig(**json.loads((path / 'config.json').read_text()))
+  except FileNotFoundError as e:
+    raise CheckpointError(f'{path / "config.json"} is missing') from e
+  except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
+    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}') from e
+  shapes = param_shapes(config)
+  if replicate:
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, specs.REPLICATED), shapes)
+  else:
+    check_model_fits(config, mesh.shape[MODEL])
+    shardings = specs.named(mesh, specs.param_specs(shapes))
+  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=sh),
+                        shapes, shardings)
+  try:
+    with ocp.StandardCheckpointer() as ckptr:
+      stored = ckptr.metadata(path / 'params').item_metadata.tree
+      _check_tree(shapes, stored, str(path))
+      params = ckptr.restore(path / 'params', target)
+  except CheckpointError:
+    raise
+  except Exception as e:  # orbax raises many types for damaged or missing files; name the path
+    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
+  return config, params

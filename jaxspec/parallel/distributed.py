@@ -1,0 +1,98 @@
+"""Multi-process start-up on JAX's own distributed runtime (`jax.distributed.initialize`).
+
+Every process runs the same program; after `initialize`, `jax.devices()` lists the devices of all
+processes and one mesh spans them. On CPU the cross-process collectives are gloo's (JAX's
+default `jax_cpu_collectives_implementation`); on GPU NCCL, on TPU ICI/DCN.
+
+Settings come from the config's `distributed` fields, and fields left at their defaults from the
+environment: JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES,
+JAX_PROCESS_ID. coordinator_address='auto' lets JAX detect a managed cluster (SLURM, Open MPI,
+Cloud TPU pods, Kubernetes) by itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+import jax
+
+ENV = dict(coordinator_address='JAX_COORDINATOR_ADDRESS', num_processes='JAX_NUM_PROCESSES',
+           process_id='JAX_PROCESS_ID')
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+  """How this process joins a multi-process run.
+
+  Attributes:
+    coordinator_address: 'host:port' of process 0's coordinator, 'auto' (cluster detection), or
+      '' for a single process.
+    num_processes: processes in the run (1 = no distributed runtime).
+    process_id: this process's index in [0, num_processes).
+  """
+
+  coordinator_address: str = ''
+  num_processes: int = 1
+  process_id: int = 0
+
+  @property
+  def enabled(self) -> bool:
+    return self.num_processes > 1 or self.coordinator_address == 'auto'
+
+
+def _int(value, name: str) -> int:
+  try:
+    return int(value)
+  except (TypeError, ValueError):
+    raise ValueError(f'distributed.{name} must be an int, got {value!r}') from None
+
+
+def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
+             need_coordinator: bool = True) -> DistributedSettings:
+  """The settings of this process.
+
+  Args:
+    config: a ConfigDict (or dict) with coordinator_address ('' = from the environment),
+      num_processes (0 = from the environment, else 1) and process_id (-1 = from the
+      environment, else 0); None reads the environment only.
+    environ: the environment (default os.environ).
+    need_coordinator: False when only the process index and count matter (sweeps that split
+      independent cases without starting the distributed runtime).
+  Raises:
+    ValueError: a non-integer count or id, num_processes < 1, a process id outside
+      [0, num_processes), or several processes without a coordinator address.
+  """
+  environ = os.environ if environ is None else environ
+  config = dict(config or {})
+  address = str(config.get('coordinator_address') or environ.get(ENV['coordinator_address'], ''))
+  n = _int(config.get('num_processes') or environ.get(ENV['num_processes'], 1), 'num_processes')
+  pid = config.get('process_id', -1)
+  pid = _int(environ.get(ENV['process_id'], 0) if pid is None or int(pid) < 0 else pid,
+             'process_id')
+  if n < 1:
+    raise ValueError(f'distributed.num_processes must be >= 1, got {n}')
+  if not 0 <= pid < n:
+    raise ValueError(f'distributed.process_id={pid} outside [0, num_processes={n})')
+  if n > 1 and not address and need_coordinator:
+    raise ValueError(f'distributed.num_processes={n} needs a coordinator_address (host:port of '
+                     f'process 0), as a config field or ${ENV["coordinator_address"]}')
+  return DistributedSettings(address, n, pid)
+
+
+def initialize(config=None, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
+  """Join the multi-process run that `settings(config, environ)` describes; a no-op for a single
+  process. Must run before anything touches a device. Returns the settings used."""
+  s = settings(config, environ)
+  if s.enabled and not jax.distributed.is_initialized():
+    if s.coordinator_address == 'auto':
+      jax.distributed.initialize()
+    else:
+      jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id)
+  return s
+
+
+def is_primary() -> bool:
+  """Whether this is process 0, the one that writes results."""
+  return jax.process_index() == 0

@@ -1,0 +1,67 @@
+"""A 2-D device mesh ('data', 'model') and the checks that a model fits it.
+
+'data' splits the batch (each data shard decodes its own rows); 'model' splits the target's
+attention heads, KV pages and MLP hidden units (Megatron-style tensor parallelism, Shoeybi et al.
+2019). The mesh spans every device of every process once `jax.distributed` is initialised.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from jaxspec.models import ModelConfig
+
+DATA = 'data'
+MODEL = 'model'
+
+
+def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None) -> Mesh:
+  """A ('data', 'model') mesh of data x model devices (Auto axes: XLA's partitioner places the
+  intermediates, our shardings pin the inputs and outputs).
+
+  Args:
+    data, model: axis sizes, >= 1.
+    devices: the devices to use, in order; default all of `jax.devices()` (every process's).
+  Returns:
+    jax.sharding.Mesh of shape (data, model).
+  Raises:
+    ValueError: a size < 1, or data * model != the number of devices (the message names both).
+  """
+  for name, value in (('data', data), ('model', model)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'mesh.{name} must be an int >= 1, got {value!r}')
+  devices = list(jax.devices() if devices is None else devices)
+  if data * model != len(devices):
+    raise ValueError(f'a mesh of data={data} x model={model} = {data * model} devices does not '
+                     f'match the {len(devices)} devices available ({devices[0].platform}); '
+                     f'set mesh.data * mesh.model = {len(devices)}')
+  # jax.make_mesh orders the devices by topology on GPU/TPU (neighbours on the 'model' axis).
+  return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
+                       devices=devices)
+
+
+def check_model_fits(config: ModelConfig, model: int) -> None:
+  """The target can be split `model` ways: heads, KV heads, MLP hidden units and the output
+  vocabulary must all be multiples of the 'model' axis.
+
+  Raises:
+    ValueError: naming every size that the axis does not divide.
+  """
+  sizes = (('num_heads', config.num_heads), ('num_kv_heads', config.num_kv_heads),
+           ('d_ff', config.d_ff), ('vocab_size', config.vocab_size))
+  bad = [f'{name}={value}' for name, value in sizes if value % model]
+  if bad:
+    raise ValueError(f'mesh.model={model} does not divide {", ".join(bad)} of the target '
+                     f'({config.num_heads} query heads, {config.num_kv_heads} KV heads); '
+                     f'use a model axis that divides them')
+
+
+def check_batch_fits(batch: int, mesh: Mesh) -> None:
+  """Raises ValueError when the batch is not a multiple of the mesh's 'data' axis."""
+  data = mesh.shape[DATA]
+  if batch % data:
+    raise ValueError(f'batch of {batch} rows is not a multiple of mesh.data={data}; '
+                     f'use batch_size a multiple of {data}')

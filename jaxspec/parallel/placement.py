@@ -1,0 +1,34 @@
+"""From config fields to a placement: the mesh, the steps and the params placed on it."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxspec.decoding.steps import LOCAL_STEPS
+from jaxspec.models import ModelConfig
+from jaxspec.parallel.mesh import make_mesh
+from jaxspec.parallel.steps import ShardedSteps, shard_params
+
+
+def place_pair(mesh_config, target: ModelConfig, target_params, draft_params):
+  """Where `generate` runs for a config's `mesh` fields (data, model).
+
+  A 1 x 1 mesh in a single process keeps the single-device path untouched (LOCAL_STEPS on the
+  default device, params as given). Anything else builds the mesh over every device of every
+  process, shards the target's params over it and replicates the draft's.
+
+  Args:
+    mesh_config: ConfigDict / dict with ints `data` and `model` (absent = 1).
+  Returns:
+    (steps, target_params, draft_params): pass all three to `generate`.
+  Raises:
+    ValueError: the mesh does not match the devices, or its model axis does not divide the
+      target's heads / d_ff / vocabulary (the message names the sizes).
+  """
+  mesh_config = dict(mesh_config or {})
+  data, model = int(mesh_config.get('data', 1)), int(mesh_config.get('model', 1))
+  if data * model == 1 and jax.process_count() == 1:
+    return LOCAL_STEPS, target_params, draft_params
+  mesh = make_mesh(data, model)
+  return (ShardedSteps(mesh), shard_params(target_params, target, mesh),
+          shard_params(draft_params, None, mesh, replicate=True))
