@@ -1,5 +1,7 @@
 """Sampling, autoregressive and speculative decoding."""
 
+from jaxspec.decoding.constrained import ConstrainedResult, constrained_generate
+from jaxspec.decoding.constraint import ConstraintError, TokenConstraint
 from jaxspec.decoding.autoregressive import decode_autoregressive, decode_step, prefill
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
 from jaxspec.decoding.output import Output, commit
@@ -8,7 +10,7 @@ from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, nucleus_mask, probabilities, sample
 from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_tokens, speculative_round
 
-__all__ = ['MAX_K', 'GenerationResult', 'Output', 'PrefixCachedGenerator', 'SamplingParams', 'SpecStats', 'commit',
+__all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint', 'constrained_generate', 'GenerationResult', 'Output', 'PrefixCachedGenerator', 'SamplingParams', 'SpecStats', 'commit',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
            'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
            'speculative_round']
