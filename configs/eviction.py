@@ -25,8 +25,8 @@ def get_config(arg=None):
   c.workloads = 'code,json'
   c.policy = 'h2o'          # full | window | sinks | h2o | h2o_norm | tova
   c.budget_frac = 0.2       # budget = round(budget_frac * seq_len) live tokens per sequence
-  c.seq_len = 1024          # tokens per held-out sequence (the shipped target's context)
-  c.num_sequences = 4       # per workload
+  c.seq_len = 512           # tokens per held-out sequence (the window the target was trained on)
+  c.num_sequences = 8       # per workload
   c.batch_size = 4
   c.page_size = 16
   c.use_kernel = False      # Pallas kernels (interpret mode on CPU: slow) instead of jnp refs
