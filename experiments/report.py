@@ -22,6 +22,8 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from experiments.eviction_report import plot_eviction  # pylint: disable=g-import-not-at-top
+
 
 def columns(records: list[dict]) -> list[str]:
   """Every field of the records in first-seen order, with case_id (if any) first."""
@@ -116,6 +118,7 @@ def plot_speculative(records: list[dict], out_dir: pathlib.Path) -> list[pathlib
 
 PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'speculative': plot_speculative,
+    'eviction': plot_eviction,
 }
 
 

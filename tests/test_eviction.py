@@ -169,3 +169,19 @@ def test_speculative_under_eviction_needs_reuse_delay(tiny):
     decode_speculative_evicting(config, config, params, params, cache, eviction, draft_cache,
                                 first, jax.random.PRNGKey(1), jnp.zeros((0,), jnp.int32), k=3,
                                 sampling=SamplingParams(), max_new_tokens=8)
+
+
+def test_model_with_kernels_matches_references(tiny):
+  """The whole model under H2O eviction with the Pallas kernels (interpret mode) gives the
+  logits and eviction decisions of the jnp reference path."""
+  config, params = tiny
+  page_table = np.array([[1, 2]])                                     # 2 pages of 4 slots
+  tokens = jnp.asarray(np.random.default_rng(3).integers(3, 64, size=(1, 11)), jnp.int32)
+  policy = make_policy('h2o', 6)
+  results = []
+  for use_kernel in (False, True):
+    cache = cache_for(config, page_table, 3, 4)
+    eviction = init_eviction(policy, cache, use_kernel=use_kernel, interpret=True)
+    logits = _logits_token_by_token(config, params, cache, eviction, tokens)
+    results.append(np.asarray(logits))
+  np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-4)

@@ -42,6 +42,7 @@ def _paged_case(seed, *, batch, t, kv_heads, group, head_dim, page_size, pages_p
     (8, 2, 16, 5, 1, 1),
     (8, 2, 13, 1, 3, 2),
     (16, 2, 21, 5, 2, 1),
+    (4, 3, 9, 5, 2, 2),          # 3 pages: padded to 4 (power of two) inside the wrapper
 ])
 def test_paged_attention_kernel_matches_reference(page_size, pages_per_seq, length, t, group,
                                                   pages_per_block):
@@ -64,14 +65,14 @@ def test_paged_attention_kernel_matches_reference(page_size, pages_per_seq, leng
 def test_paged_attention_kernel_rejects_bad_block():
   args = _paged_case(0, batch=1, t=1, kv_heads=1, group=1, head_dim=8, page_size=4,
                      pages_per_seq=3, length=5, shuffled=False)
-  with pytest.raises(ValueError, match='pages_per_block=2'):
-    paged_attention_with_mass(*args, BlockSizes(pages_per_block=2), interpret=True)
+  with pytest.raises(ValueError, match='pages_per_block=3'):
+    paged_attention_with_mass(*args, BlockSizes(pages_per_block=3), interpret=True)
 
 
 @pytest.mark.parametrize('seed', range(3))
 def test_select_kernel_matches_reference(seed):
   rng = np.random.default_rng(seed)
-  b, s = 4, 16
+  b, s = 4, 13                                                 # padded to 16 inside
   key_pos = np.full((b, s), -1, np.int32)
   free_from = rng.integers(0, 45, size=(b, s)).astype(np.int32)
   for row in range(b):

@@ -95,19 +95,24 @@ def select_slots(priority, key_pos, free_from, positions, params: SelectParams, 
     slot [B] int32 (-1 when nothing was evicted / no slot is free).
   """
   b, s = key_pos.shape
-  row = pl.BlockSpec((None, s), lambda i: (i, 0))
+  pad = (1 << max(0, (s - 1).bit_length())) - s     # power-of-two blocks for Triton
+  never = jnp.iinfo(jnp.int32).max                   # padded slots: empty, never writable
+  priority = jnp.pad(priority.astype(jnp.float32), ((0, 0), (0, pad)))
+  key_pos = jnp.pad(key_pos.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+  free_from = jnp.pad(free_from.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=never)
+  row = pl.BlockSpec((None, s + pad), lambda i: (i, 0))
   one = pl.BlockSpec((None, 1), lambda i: (i, 0))
   key_pos, free_from, victim, slot = pl.pallas_call(
       functools.partial(_kernel, params=params),
       grid=(b,),
       in_specs=[row, row, row, one],
       out_specs=[row, row, one, one],
-      out_shape=[jax.ShapeDtypeStruct((b, s), jnp.int32), jax.ShapeDtypeStruct((b, s), jnp.int32),
+      out_shape=[jax.ShapeDtypeStruct((b, s + pad), jnp.int32),
+                 jax.ShapeDtypeStruct((b, s + pad), jnp.int32),
                  jax.ShapeDtypeStruct((b, 1), jnp.int32), jax.ShapeDtypeStruct((b, 1), jnp.int32)],
       interpret=interpret,
-  )(priority.astype(jnp.float32), key_pos.astype(jnp.int32), free_from.astype(jnp.int32),
-    positions.astype(jnp.int32)[:, None])
-  return key_pos, free_from, victim[:, 0], slot[:, 0]
+  )(priority, key_pos, free_from, positions.astype(jnp.int32)[:, None])
+  return key_pos[:, :s], free_from[:, :s], victim[:, 0], slot[:, 0]
 
 
 def _select_reference(priority, key_pos, free_from, p, params: SelectParams):

@@ -114,9 +114,10 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes):
                      f'batch {b} and page size {page_size}')
   if q_pos.shape != (b, t):
     raise ValueError(f'q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}')
-  if block_sizes.pages_per_block < 1 or page_table.shape[1] % block_sizes.pages_per_block:
+  padded = _next_pow2(page_table.shape[1])
+  if block_sizes.pages_per_block < 1 or padded % block_sizes.pages_per_block:
     raise ValueError(f'pages_per_block={block_sizes.pages_per_block} must divide the '
-                     f'{page_table.shape[1]} pages per sequence')
+                     f'{padded} pages per sequence (padded to a power of two)')
 
 
 @functools.partial(jax.jit, static_argnames=('block_sizes', 'interpret'))
@@ -128,6 +129,7 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     q: [B, T, N, H] queries (after RoPE), any float dtype.
     k_pages, v_pages: [K, P, L, H] one layer's key / value pools (keys after RoPE).
     page_table: [B, NP] int32 pages of each sequence (slot s at page_table[b, s // L], s % L).
+      NP is padded to a power of two with the null page 0 (its slots masked) for the kernel.
     key_pos: [B, S] int32 absolute position of the token in each slot, S = NP * L; -1 = empty.
     q_pos: [B, T] int32 absolute position of each query token; -1 = padding (output 0, no mass).
     block_sizes: static tiling.
@@ -144,11 +146,16 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
   g = n // kv_heads
   s = key_pos.shape[1]
   rows = _next_pow2(max(t * g, block_sizes.min_rows))
+  pad_pages = _next_pow2(page_table.shape[1]) - page_table.shape[1]
+  page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad_pages)))
+  key_pos = jnp.pad(key_pos.astype(jnp.int32), ((0, 0), (0, pad_pages * page_size)),
+                    constant_values=-1)
   qr = q.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * g, h)
   qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
   pos_r = jnp.broadcast_to(q_pos.astype(jnp.int32)[:, None, :, None], (b, kv_heads, t, g))
   pos_r = jnp.pad(pos_r.reshape(b, kv_heads, t * g), ((0, 0), (0, 0), (0, rows - t * g)),
                   constant_values=-1)
+  s_pad = key_pos.shape[1]
   kernel = functools.partial(_kernel, pages_per_block=block_sizes.pages_per_block,
                              scale=h ** -0.5)
   pool_spec = pl.BlockSpec((None,) + k_pages.shape[1:], lambda i, j: (j, 0, 0, 0))
@@ -161,16 +168,17 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
           pool_spec,                                                             # k_pages
           pool_spec,                                                             # v_pages
           pl.BlockSpec((None, page_table.shape[1]), lambda i, j: (i, 0)),        # page_table
-          pl.BlockSpec((None, s), lambda i, j: (i, 0)),                          # key_pos
+          pl.BlockSpec((None, s_pad), lambda i, j: (i, 0)),                      # key_pos
       ],
       out_specs=[
           pl.BlockSpec((None, None, rows, h), lambda i, j: (i, j, 0, 0)),        # out
-          pl.BlockSpec((None, None, s), lambda i, j: (i, j, 0)),                 # mass
+          pl.BlockSpec((None, None, s_pad), lambda i, j: (i, j, 0)),             # mass
       ],
       out_shape=[jax.ShapeDtypeStruct((b, kv_heads, rows, h), q.dtype),
-                 jax.ShapeDtypeStruct((b, kv_heads, s), jnp.float32)],
+                 jax.ShapeDtypeStruct((b, kv_heads, s_pad), jnp.float32)],
       interpret=interpret,
-  )(qr, pos_r, k_pages, v_pages, page_table.astype(jnp.int32), key_pos.astype(jnp.int32))
+  )(qr, pos_r, k_pages, v_pages, page_table, key_pos)
+  mass = mass[:, :, :s]
   out = out[:, :, :t * g].reshape(b, kv_heads, t, g, h).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, n, h), mass
 
