@@ -45,15 +45,17 @@ def _cache(model, batch: int, slots: int, page_size: int):
 
 def _score(model, params, policy, tokens, config):
   """Scores of every batch under `policy` (compiled once, then timed): dict of [N, T] arrays,
-  decode tokens/s, peak live tokens and KV bytes per sequence."""
-  slots = config.seq_len if policy.slots is None else policy.slots
+  decode tokens/s, peak live tokens and KV bytes per sequence. policy None = the model's default
+  full-cache path (what eviction is compared against, for quality and speed)."""
+  slots = config.seq_len if policy is None or policy.slots is None else policy.slots
   lengths = jnp.full((config.batch_size,), config.seq_len, jnp.int32)
   out = {'logprob': [], 'argmax': []}
   seconds, live_peak, compiled, kv_bytes = 0.0, 0, None, 0
   for start in range(0, len(tokens), config.batch_size):
     batch = jnp.asarray(tokens[start:start + config.batch_size], jnp.int32)
     cache, kv_bytes = _cache(model, config.batch_size, slots, config.page_size)
-    eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)
+    eviction = None if policy is None else init_eviction(policy, cache, interpret=True,
+                                                         use_kernel=config.use_kernel)
     if compiled is None:
       compiled = score_tokens.lower(model, params, cache, eviction, batch, lengths).compile()
     t0 = time.perf_counter()
@@ -83,7 +85,7 @@ def run_quality(config, results, model, params, tokenizer) -> None:
     key = (config.target, workload, config.seq_len, config.num_sequences, config.batch_size,
            config.page_size, config.seed, config.use_kernel)
     if key not in _FULL_REFERENCE:
-      _FULL_REFERENCE[key] = _score(model, params, make_policy('full'), tokens, config)
+      _FULL_REFERENCE[key] = _score(model, params, None, tokens, config)
     full, full_tps, _, full_bytes = _FULL_REFERENCE[key]
     got, tps, live_peak, kv_bytes = _score(model, params, policy, tokens, config)
     ppl, ppl_full = _perplexity(got['logprob']), _perplexity(full['logprob'])

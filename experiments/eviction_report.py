@@ -39,7 +39,7 @@ def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
         ax.set_xlabel('KV budget (% of the sequence)')
         ax.set_ylabel(label)
         if metric == 'perplexity_increase_pct':
-          ax.set_yscale('symlog', linthresh=1.0)
+          ax.set_yscale('symlog', linthresh=0.1)
         ax.set_title(workload)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(title='policy', fontsize='small')

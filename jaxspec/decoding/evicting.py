@@ -47,7 +47,8 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   """Feed each row's tokens one by one (a `lax.scan`) and score every next-token prediction.
 
   Args:
-    cache, eviction: empty cache and eviction state (donated).
+    cache, eviction: empty cache and eviction state (donated); eviction None = the model's
+      default full-cache path (slot = position).
     tokens: [B, T] int32 right-padded; lengths: [B] int32 real tokens per row.
   Returns:
     dict of [B, T] arrays: `logprob` float32, log p(tokens[t+1] | tokens[:t+1]) (0 at t >=
@@ -60,14 +61,18 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   def step(carry, t):
     cache, eviction = carry
     pos = jnp.where(t < lengths, t, -1).astype(jnp.int32)
-    logits, cache, history = Transformer(config).apply(
-        params, tokens[:, t][:, None], pos[:, None], cache, eviction)
-    eviction = last_token(history)
+    if eviction is None:
+      logits, cache = Transformer(config).apply(params, tokens[:, t][:, None], pos[:, None], cache)
+      live = cache.lengths
+    else:
+      logits, cache, history = Transformer(config).apply(
+          params, tokens[:, t][:, None], pos[:, None], cache, eviction)
+      eviction = last_token(history)
+      live = eviction.num_live.max(axis=0)
     logp = jax.nn.log_softmax(logits[:, 0])
     target_lp = jnp.take_along_axis(logp, nxt[:, t][:, None], axis=1)[:, 0]
     target_lp = jnp.where(t + 1 < lengths, target_lp, 0.0)
-    return (cache, eviction), (target_lp, jnp.argmax(logp, -1).astype(jnp.int32),
-                               eviction.num_live.max(axis=0))
+    return (cache, eviction), (target_lp, jnp.argmax(logp, -1).astype(jnp.int32), live)
 
   (cache, eviction), (lp, am, live) = jax.lax.scan(step, (cache, eviction),
                                                     jnp.arange(t_max, dtype=jnp.int32))
