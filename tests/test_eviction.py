@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxspec.cache import POLICIES, init_cache, init_eviction, make_policy
-from jaxspec.cache.eviction import attend_and_evict, last_token
+from jaxspec.cache.eviction import attend_and_evict, last_token, priority
 from jaxspec.decoding import SamplingParams, prefill
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting,
                                        decode_speculative_evicting, prefill_evicting)
@@ -185,3 +185,32 @@ def test_model_with_kernels_matches_references(tiny):
     logits = _logits_token_by_token(config, params, cache, eviction, tokens)
     results.append(np.asarray(logits))
   np.testing.assert_allclose(results[1], results[0], rtol=1e-4, atol=1e-4)
+
+
+def test_scores_accumulate_attention_mass():
+  """H2O scores sum the mass every query gave each key (each query spreads N = 4 heads' worth);
+  TOVA keeps only the last query's; h2o_norm divides by the queries that saw the key."""
+  rng = np.random.default_rng(2)
+  states = {}
+  for kind in ('h2o', 'tova'):
+    cache = init_cache(num_layers=1, num_kv_heads=2, head_dim=8, num_pages=3, page_size=4,
+                       page_table=np.array([[1, 2]]))
+    state = init_eviction(make_policy(kind, 8), cache)
+    for p in range(6):
+      q = jnp.asarray(rng.normal(size=(1, 1, 4, 8)), jnp.float32)
+      kv = jnp.asarray(rng.normal(size=(1, 1, 2, 8)), jnp.float32)
+      _, cache, (key_pos, free_from, scores) = attend_and_evict(
+          q, kv, kv, jnp.asarray([[p]], jnp.int32), cache, state, 0)
+      state = state.replace(key_pos=key_pos[-1][None], free_from=free_from[-1][None],
+                            scores=scores[-1][None])
+    states[kind] = state
+  np.testing.assert_allclose(states['h2o'].scores.sum(), 6 * 4, rtol=1e-5)
+  np.testing.assert_allclose(states['tova'].scores.sum(), 4, rtol=1e-5)
+  # The newest key has been seen by one query only; the first by all six.
+  h2o = states['h2o']
+  key_pos, scores = h2o.key_pos[0], h2o.scores[0]
+  norm = priority(make_policy('h2o_norm', 8), scores, key_pos, jnp.asarray([6]))
+  live = np.asarray(key_pos[0]) >= 0
+  np.testing.assert_allclose(np.asarray(norm[0])[live],
+                             np.asarray(scores[0])[live] / (6 - np.asarray(key_pos[0])[live]),
+                             rtol=1e-6)
