@@ -1,6 +1,8 @@
 """Sampling, autoregressive and speculative decoding."""
 
 from jaxspec.decoding.autoregressive import decode_autoregressive, decode_step, prefill
+from jaxspec.decoding.evicting import (decode_autoregressive_evicting, decode_speculative_evicting,
+                                       decode_step_evicting, prefill_evicting, score_tokens)
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.rejection import rejection_sample
@@ -8,6 +10,8 @@ from jaxspec.decoding.sampling import SamplingParams, nucleus_mask, probabilitie
 from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_tokens, speculative_round
 
 __all__ = ['MAX_K', 'GenerationResult', 'Output', 'SamplingParams', 'SpecStats', 'commit',
-           'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
+           'decode_autoregressive', 'decode_autoregressive_evicting', 'decode_speculative',
+           'decode_speculative_evicting', 'decode_step', 'decode_step_evicting', 'draft_tokens',
+           'prefill_evicting', 'score_tokens',
            'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
            'speculative_round']
