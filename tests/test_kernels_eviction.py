@@ -1,10 +1,12 @@
 """Contract 4 for the eviction kernels: each Pallas kernel (interpret mode) equals its jnp
 reference, outputs and per-key attention mass, over a grid of shapes."""
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import jax.numpy as jnp
 
 from jaxspec.kernels import (BlockSizes, SelectParams, paged_attention_with_mass,
                              paged_attention_with_mass_reference, select_slots,
@@ -96,3 +98,25 @@ def test_select_kernel_matches_reference(seed):
       assert params.sinks <= key_pos[row, victim[row]] < positions[row] - params.window
     if slot[row] >= 0:
       assert got[0][row, slot[row]] == positions[row]
+
+
+@pytest.mark.parametrize('pages_per_seq,t', [(13, 1), (4, 5)])
+def test_kernels_lower_through_pallas_triton_for_cuda(pages_per_seq, t):
+  """Both kernels lower through Pallas' GPU (Triton) backend to Triton IR for CUDA on this
+  CPU-only machine (an op the Triton lowering lacks raises here); compiling to PTX and running
+  on a GPU is not checked. 13 pages: slot axes are padded to powers of two for Triton."""
+  b, kv_heads, group, h, page_size = 2, 2, 3, 64, 16
+  s = pages_per_seq * page_size
+  attention = functools.partial(paged_attention_with_mass, interpret=False)
+  lowered = jax.jit(attention).trace(
+      jnp.zeros((b, t, kv_heads * group, h)), jnp.zeros((kv_heads, 30, page_size, h)),
+      jnp.zeros((kv_heads, 30, page_size, h)), jnp.zeros((b, pages_per_seq), jnp.int32),
+      jnp.zeros((b, s), jnp.int32), jnp.zeros((b, t), jnp.int32)).lower(
+          lowering_platforms=('cuda',))
+  assert 'custom_call @__gpu' in lowered.as_text()
+  select = functools.partial(select_slots, params=SelectParams(budget=100, sinks=4, window=10),
+                             interpret=False)
+  lowered = jax.jit(select).trace(jnp.zeros((b, s)), jnp.zeros((b, s), jnp.int32),
+                                  jnp.zeros((b, s), jnp.int32), jnp.zeros((b,), jnp.int32)).lower(
+                                      lowering_platforms=('cuda',))
+  assert 'custom_call @__gpu' in lowered.as_text()

@@ -13,8 +13,9 @@ token, in order). For the token at position p:
 
 Padding (p < 0) changes nothing and gets slot -1. The priority is the policy's (H2O: accumulated
 attention, TOVA: the last query's attention, sliding window: the position); see
-`jaxspec.cache.eviction`. Written for Pallas' GPU (Triton) lowering (1-D power-of-two blocks,
-min reductions, no argmin or sort) but only checked in interpret mode on CPU.
+`jaxspec.cache.eviction`. Backends checked: interpret mode on CPU, and lowering through Pallas'
+Triton backend to Triton IR for CUDA (1-D power-of-two blocks: the slot axis is padded; min
+reductions, no argmin or sort). Never compiled to PTX or run on a GPU in this project.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +113,7 @@ def select_slots(priority, key_pos, free_from, positions, params: SelectParams, 
                  jax.ShapeDtypeStruct((b, s + pad), jnp.int32),
                  jax.ShapeDtypeStruct((b, 1), jnp.int32), jax.ShapeDtypeStruct((b, 1), jnp.int32)],
       interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
   )(priority, key_pos, free_from, positions.astype(jnp.int32)[:, None])
   return key_pos[:, :s], free_from[:, :s], victim[:, 0], slot[:, 0]
 

@@ -13,9 +13,10 @@ same pages again and, with the final m and l, sums the probabilities of every ke
 Neither pass holds more than [R, block] scores, so the [B, N, T, S] attention matrix is never
 written to memory.
 
-Backends: written for Pallas' GPU (Triton) lowering (power-of-two blocks, gathers of whole pages
-through the page table, dot products and elementwise ops only) but only checked in interpret
-mode on CPU in this project.
+Backends checked: interpret mode on CPU (equals the reference), and lowering through Pallas'
+Triton backend to Triton IR for CUDA (power-of-two blocks: rows and pages are padded; gathers of
+whole pages through the page table, dots and elementwise ops only). Never compiled to PTX or run
+on a GPU in this project.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
 
 from jaxspec.kernels.attention import gqa_attention
 
@@ -177,6 +179,7 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
       out_shape=[jax.ShapeDtypeStruct((b, kv_heads, rows, h), q.dtype),
                  jax.ShapeDtypeStruct((b, kv_heads, s_pad), jnp.float32)],
       interpret=interpret,
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
   )(qr, pos_r, k_pages, v_pages, page_table, key_pos)
   mass = mass[:, :, :s]
   out = out[:, :, :t * g].reshape(b, kv_heads, t, g, h).transpose(0, 2, 1, 3, 4)
