@@ -2,7 +2,8 @@
 peak KV bytes and decode tokens/s per policy x budget, on long held-out code and JSON.
 
     python -m experiments.run --config=configs/eviction.py                        # H2O at 20 %
-    python -m experiments.run --config=configs/eviction.py --config.policy=window --config.budget_frac=0.1
+    python -m experiments.run --config=configs/eviction.py --config.policy=window \
+        --config.budget_frac=0.1
     python -m experiments.run --config=configs/eviction.py:smoke                  # seconds
     python -m experiments.run --config=configs/eviction.py:worker                 # flat KV memory
     python -m experiments.sweep --config=configs/eviction.py                      # policy x budget

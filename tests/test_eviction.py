@@ -41,7 +41,7 @@ def test_cache_smaller_than_budget_plus_delay_raises(tiny):
 
 @functools.partial(jax.jit, static_argnames=('config',))
 def _logits_token_by_token(config, params, cache, eviction, tokens):
-  """[T, B, V] logits of feeding `tokens` [B, T] one at a time (default path if eviction is None)."""
+  """[T, B, V] logits of feeding `tokens` [B, T] one at a time (eviction None: default path)."""
   def step(carry, t):
     cache, eviction = carry
     tok, pos = tokens[:, t][:, None], cache.lengths[:, None]
@@ -90,7 +90,8 @@ def test_kept_positions_intact_after_many_evictions(kind):
   step = jax.jit(lambda q, k, v, pos, cache, state: attend_and_evict(q, k, v, pos, cache, state, 0))
   for p in range(n_steps):
     q = _rope(jnp.asarray(raw_q[p]), p)[None, None]
-    out, cache, history = step(q, jnp.asarray(rot_k[p])[None, None], jnp.asarray(raw_v[p])[None, None],
+    out, cache, history = step(q, jnp.asarray(rot_k[p])[None, None],
+                               jnp.asarray(raw_v[p])[None, None],
                                jnp.asarray([[p]], jnp.int32), cache, state)
     state = last_token(state.replace(key_pos=history[0][:, None], free_from=history[1][:, None],
                                      scores=history[2][:, None]))

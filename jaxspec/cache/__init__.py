@@ -6,6 +6,7 @@ from jaxspec.cache.paged import (NULL_PAGE, PagedKVCache, gather_kv, init_cache,
 from jaxspec.cache.eviction import (POLICIES, EvictionPolicy, EvictionState, after_tokens,
                                     init_eviction, last_token, make_policy)
 
-__all__ = ['POLICIES', 'EvictionPolicy', 'EvictionState', 'after_tokens', 'init_eviction',
-           'last_token', 'make_policy', 'NULL_PAGE', 'OutOfPagesError', 'PageAllocator', 'PagedKVCache', 'gather_kv',
-           'init_cache', 'pages_needed', 'rollback', 'slot_address', 'write_kv']
+__all__ = ['NULL_PAGE', 'OutOfPagesError', 'PageAllocator', 'PagedKVCache', 'gather_kv',
+           'init_cache', 'pages_needed', 'rollback', 'slot_address', 'write_kv',
+           'POLICIES', 'EvictionPolicy', 'EvictionState', 'after_tokens', 'init_eviction',
+           'last_token', 'make_policy']

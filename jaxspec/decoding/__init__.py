@@ -10,8 +10,8 @@ from jaxspec.decoding.sampling import SamplingParams, nucleus_mask, probabilitie
 from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_tokens, speculative_round
 
 __all__ = ['MAX_K', 'GenerationResult', 'Output', 'SamplingParams', 'SpecStats', 'commit',
-           'decode_autoregressive', 'decode_autoregressive_evicting', 'decode_speculative',
-           'decode_speculative_evicting', 'decode_step', 'decode_step_evicting', 'draft_tokens',
-           'prefill_evicting', 'score_tokens',
+           'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
            'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
-           'speculative_round']
+           'speculative_round',
+           'decode_autoregressive_evicting', 'decode_speculative_evicting', 'decode_step_evicting',
+           'prefill_evicting', 'score_tokens']
