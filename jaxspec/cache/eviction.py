@@ -42,7 +42,9 @@ class EvictionPolicy:
   Attributes:
     kind: one of POLICIES.
     budget: live tokens per sequence and layer, the newest included (tokens); None for 'full'
-      (bounded only by the cache's slots).
+      (bounded only by the cache's slots: like the loops without eviction, nothing inside a
+      jitted loop checks that the sequence fits; a token with no free slot goes to the null page
+      and is lost, so size a 'full' cache for the whole sequence).
     sinks: first positions never evicted.
     window: most recent positions (before the new token) never evicted.
     reuse_delay: positions an evicted slot waits before reuse; >= K+1 for speculative decoding
@@ -74,8 +76,9 @@ def _check_int(name, value, minimum):
 
 def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int] = None,
                 window: Optional[int] = None, reuse_delay: int = 0) -> EvictionPolicy:
-  """A policy with each kind's defaults: window 0 sinks; sinks (StreamingLLM) 4 sinks; h2o and
-  h2o_norm half the budget as recent window (H2O's heavy/recent split), no sinks; tova none.
+  """A policy with each kind's defaults: window: no sinks; sinks (StreamingLLM): 4 sinks; h2o and
+  h2o_norm: half the budget as recent window (H2O's heavy/recent split), no sinks; tova: neither.
+  window and sinks evict the oldest non-sink token, so their `window` stays 0.
 
   Raises:
     ValueError: unknown kind; budget missing, zero, negative or not an int; budget smaller than
