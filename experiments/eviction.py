@@ -43,58 +43,86 @@ def _cache(model, batch: int, slots: int, page_size: int):
   return cache, per_seq_bytes
 
 
-def _score(model, params, policy, tokens, config):
+def _score(model, params, policy, tokens, lengths, config):
   """Scores of every batch under `policy` (compiled once, then timed): dict of [N, T] arrays,
   decode tokens/s, peak live tokens and KV bytes per sequence. policy None = the model's default
   full-cache path (what eviction is compared against, for quality and speed)."""
   slots = config.seq_len if policy is None or policy.slots is None else policy.slots
-  lengths = jnp.full((config.batch_size,), config.seq_len, jnp.int32)
   out = {'logprob': [], 'argmax': []}
   seconds, live_peak, compiled, kv_bytes = 0.0, 0, None, 0
   for start in range(0, len(tokens), config.batch_size):
     batch = jnp.asarray(tokens[start:start + config.batch_size], jnp.int32)
+    batch_lengths = jnp.asarray(lengths[start:start + config.batch_size], jnp.int32)
     cache, kv_bytes = _cache(model, config.batch_size, slots, config.page_size)
     eviction = None if policy is None else init_eviction(policy, cache, interpret=True,
                                                          use_kernel=config.use_kernel)
     if compiled is None:
-      compiled = score_tokens.lower(model, params, cache, eviction, batch, lengths).compile()
+      compiled = score_tokens.lower(model, params, cache, eviction, batch,
+                                    batch_lengths).compile()
     t0 = time.perf_counter()
-    res = jax.block_until_ready(compiled(params, cache, eviction, batch, lengths))
+    res = jax.block_until_ready(compiled(params, cache, eviction, batch, batch_lengths))
     seconds += time.perf_counter() - t0
     out['logprob'].append(np.asarray(res['logprob']))
     out['argmax'].append(np.asarray(res['argmax']))
     live_peak = max(live_peak, int(res['live'].max()))
   scores = {k: np.concatenate(v) for k, v in out.items()}
-  return scores, len(tokens) * config.seq_len / seconds, live_peak, kv_bytes
+  return scores, int(np.sum(lengths)) / seconds, live_peak, kv_bytes
 
 
-def _perplexity(logprob) -> float:
-  return math.exp(-float(logprob[:, :-1].mean()))       # the last position has no next token
+def _sequences(workload, tokenizer, config):
+  """tokens [N, seq_len] (right-padded), lengths [N] and the scored positions [N, seq_len] bool
+  (position t scores the prediction of token t+1). code / json: windows of seq_len tokens, every
+  prediction scored. retrieval: a document, an instruction to quote a passage of it and the
+  passage's first tokens (<= seq_len - 128 tokens), then the real passage (<= 128 tokens); only
+  the passage's tokens are scored, so the score measures copying from far back in the context."""
+  if workload != 'retrieval':
+    prompts = make_prompts(workload, tokenizer, config.num_sequences, config.seq_len,
+                           split='test', seed=config.seed)
+    tokens = np.array([p.tokens for p in prompts], np.int32)
+    lengths = np.full((len(tokens),), config.seq_len, np.int32)
+    scored = np.ones(tokens.shape, bool)
+    scored[:, -1] = False
+    return tokens, lengths, scored
+  prompts = make_prompts('retrieval', tokenizer, config.num_sequences, config.seq_len - 128,
+                         split='test', seed=config.seed)
+  tokens = np.zeros((len(prompts), config.seq_len), np.int32)
+  lengths = np.zeros((len(prompts),), np.int32)
+  scored = np.zeros(tokens.shape, bool)
+  for i, p in enumerate(prompts):
+    seq = list(p.tokens) + list(p.reference[:128])
+    tokens[i, :len(seq)], lengths[i] = seq, len(seq)
+    scored[i, len(p.tokens) - 1:len(seq) - 1] = True
+  return tokens, lengths, scored
+
+
+def _perplexity(logprob, scored) -> float:
+  return math.exp(-float(logprob[scored].mean()))
 
 
 def run_quality(config, results, model, params, tokenizer) -> None:
   budget = budget_tokens(config)
   policy = make_policy(config.policy, None if config.policy == 'full' else budget)
   for workload in [w.strip() for w in config.workloads.split(',') if w.strip()]:
-    prompts = make_prompts(workload, tokenizer, config.num_sequences, config.seq_len,
-                           split='test', seed=config.seed)
-    tokens = np.array([p.tokens for p in prompts], np.int32)
+    tokens, lengths, scored = _sequences(workload, tokenizer, config)
     if len(tokens) % config.batch_size:
       raise ValueError(f'num_sequences ({config.num_sequences}) must be a multiple of '
                        f'batch_size ({config.batch_size})')
     key = (config.target, workload, config.seq_len, config.num_sequences, config.batch_size,
            config.page_size, config.seed, config.use_kernel)
     if key not in _FULL_REFERENCE:
-      _FULL_REFERENCE[key] = _score(model, params, None, tokens, config)
+      _FULL_REFERENCE[key] = _score(model, params, None, tokens, lengths, config)
     full, full_tps, _, full_bytes = _FULL_REFERENCE[key]
-    got, tps, live_peak, kv_bytes = _score(model, params, policy, tokens, config)
-    ppl, ppl_full = _perplexity(got['logprob']), _perplexity(full['logprob'])
+    got, tps, live_peak, kv_bytes = _score(model, params, policy, tokens, lengths, config)
+    ppl, ppl_full = _perplexity(got['logprob'], scored), _perplexity(full['logprob'], scored)
+    truth = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     results.write(dict(
         workload=workload, policy=config.policy, budget_frac=float(config.budget_frac),
-        budget_tokens=budget, seq_len=int(config.seq_len), tokens_scored=int(tokens.size),
+        budget_tokens=budget, seq_len=int(config.seq_len), tokens_scored=int(scored.sum()),
         perplexity=ppl, perplexity_full=ppl_full,
         perplexity_increase_pct=100.0 * (ppl / ppl_full - 1.0),
-        agreement=float((got['argmax'][:, :-1] == full['argmax'][:, :-1]).mean()),
+        agreement=float((got['argmax'] == full['argmax'])[scored].mean()),
+        top1_accuracy=float((got['argmax'] == truth)[scored].mean()),
+        top1_accuracy_full=float((full['argmax'] == truth)[scored].mean()),
         live_tokens_peak=live_peak, kv_bytes_peak=int(kv_bytes) * config.batch_size,
         kv_bytes_full=int(full_bytes) * config.batch_size,
         tokens_per_s=tps, tokens_per_s_full=full_tps, speed_vs_full=tps / full_tps))
