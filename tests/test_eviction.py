@@ -215,3 +215,22 @@ def test_scores_accumulate_attention_mass():
   np.testing.assert_allclose(np.asarray(norm[0])[live],
                              np.asarray(scores[0])[live] / (6 - np.asarray(key_pos[0])[live]),
                              rtol=1e-6)
+
+
+def test_padding_query_leaves_tova_scores():
+  """A padding token (position -1, e.g. the tail of a shorter prompt in a batch) changes no
+  slot, position or score, also under TOVA, whose scores are replaced by each real query's."""
+  cache = init_cache(num_layers=1, num_kv_heads=1, head_dim=8, num_pages=3, page_size=4,
+                     page_table=np.array([[1, 2]]))
+  state = init_eviction(make_policy('tova', 6), cache)
+  rng = np.random.default_rng(4)
+  for p in (0, 1, 2, -1):
+    x = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
+    before = state
+    _, cache, (key_pos, free_from, scores) = attend_and_evict(
+        x, x, x, jnp.asarray([[p]], jnp.int32), cache, state, 0)
+    state = state.replace(key_pos=key_pos[-1][None], free_from=free_from[-1][None],
+                          scores=scores[-1][None])
+  for field in ('key_pos', 'free_from', 'scores'):
+    np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
+  assert float(before.scores.sum()) > 0

@@ -215,7 +215,10 @@ def attend_and_evict(q, k, v, positions, cache: paged.PagedKVCache, state: Evict
           q[:, t:t + 1], paged.gather_kv(cache.k_pages, layer, cache.page_table),
           paged.gather_kv(cache.v_pages, layer, cache.page_table), key_pos, pos_t[:, None])
     mass = mass.sum(axis=1)                                               # [B, S] over KV heads
-    scores = mass if policy.kind == 'tova' else scores + mass
+    if policy.kind == 'tova':   # a padding query (position -1) leaves the last real one's mass
+      scores = jnp.where((pos_t >= 0)[:, None], mass, scores)
+    else:
+      scores = scores + mass
     outs.append(out)
     history.append((key_pos, free_from, scores))
   stacked = tuple(jnp.stack(h) for h in zip(*history))
