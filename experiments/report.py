@@ -23,6 +23,8 @@ matplotlib.use('Agg')
 import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from experiments.eviction_report import plot_eviction  # pylint: disable=g-import-not-at-top
+
 
 def columns(records: list[dict]) -> list[str]:
   """Every field of the records in first-seen order, with case_id (if any) first."""
@@ -153,6 +155,7 @@ PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'speculative': plot_speculative,
     'hydration': _plot_hydration,
     'prefix_cache': plot_prefix_cache,
+    'eviction': plot_eviction,
 }
 
 

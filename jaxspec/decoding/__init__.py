@@ -3,6 +3,8 @@
 from jaxspec.decoding.constrained import ConstrainedResult, constrained_generate
 from jaxspec.decoding.constraint import ConstraintError, TokenConstraint
 from jaxspec.decoding.autoregressive import decode_autoregressive, decode_step, prefill
+from jaxspec.decoding.evicting import (decode_autoregressive_evicting, decode_speculative_evicting,
+                                       decode_step_evicting, prefill_evicting, score_tokens)
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.prefix_generate import PrefixCachedGenerator
@@ -13,4 +15,6 @@ from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_to
 __all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint', 'constrained_generate', 'GenerationResult', 'Output', 'PrefixCachedGenerator', 'SamplingParams', 'SpecStats', 'commit',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
            'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
-           'speculative_round']
+           'speculative_round',
+           'decode_autoregressive_evicting', 'decode_speculative_evicting', 'decode_step_evicting',
+           'prefill_evicting', 'score_tokens']

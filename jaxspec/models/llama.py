@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import paged
+from jaxspec.cache.eviction import attend_and_evict
 from jaxspec.kernels import attention
 from jaxspec.models import rope
 from jaxspec.models.config import ModelConfig
@@ -133,7 +134,7 @@ class Attention(nn.Module):
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, slots, cache):
+  def __call__(self, x, positions, slots, cache, eviction=None):
     c = self.config
     b, t, _ = x.shape
     q = Linear(c.num_heads * c.head_dim, c.qkv_bias, c.dtype, c.exact_verify, name='q')(x)
@@ -144,6 +145,10 @@ class Attention(nn.Module):
     k = apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope_theta,
                    c.rope_scaling)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if eviction is not None:  # slots chosen by the eviction policy, attention masked by position
+      out, cache, history = attend_and_evict(q, k, v, positions, cache, eviction, self.layer)
+      out = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='o')(out.reshape(b, t, -1))
+      return out, cache, history
     if cache is None:
       keys, values = k, v
     else:
@@ -161,7 +166,7 @@ class Attention(nn.Module):
     else:
       out = attention.gqa_attention(q, keys, values, mask)
     out = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='o')(out.reshape(b, t, -1))
-    return out, cache
+    return out, cache, None
 
 
 class MLP(nn.Module):
@@ -180,14 +185,14 @@ class Block(nn.Module):
   layer: int
 
   @nn.compact
-  def __call__(self, x, positions, slots, cache):
+  def __call__(self, x, positions, slots, cache, eviction=None):
     c = self.config
     per_token = exact_per_token(c, x, cache)
-    h, cache = Attention(c, self.layer, name='attn')(
-        RMSNorm(c.norm_eps, name='attn_norm')(x, per_token), positions, slots, cache)
+    h, cache, history = Attention(c, self.layer, name='attn')(
+        RMSNorm(c.norm_eps, name='attn_norm')(x, per_token), positions, slots, cache, eviction)
     x = x + h
     x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x, per_token))
-    return x, cache
+    return x, cache, history
 
 
 class Transformer(nn.Module):
@@ -202,12 +207,16 @@ class Transformer(nn.Module):
   Returns:
     logits: [B, T, V] float32; cache: with the new keys/values written and lengths advanced by
       the number of real tokens per row (None when called with None).
+    With `eviction` (a `jaxspec.cache.EvictionState`, which needs a cache), new keys go to the
+    slots the eviction policy chooses, attention is masked by position, and a third result is
+    the per-token eviction history (arrays [T, layers, B, S]; see `eviction.after_tokens`).
   """
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions, cache: Optional[paged.PagedKVCache] = None):
+  def __call__(self, tokens, positions, cache: Optional[paged.PagedKVCache] = None,
+               eviction=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0),
                      name='embed')
@@ -218,8 +227,12 @@ class Transformer(nn.Module):
       slots = jnp.where(valid, jnp.arange(t, dtype=jnp.int32)[None, :], -1)
     else:
       slots = jnp.where(valid, cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), -1)
+    if eviction is not None and cache is None:
+      raise ValueError('eviction needs a cache, got cache=None')
+    histories = []
     for i in range(c.num_layers):
-      x, cache = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache)
+      x, cache, history = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache, eviction)
+      histories.append(history)
     x = RMSNorm(c.norm_eps, name='final_norm')(x, exact_per_token(c, x, cache))
     if c.tie_embeddings:
       logits = matmul_rows(x, embed.embedding.T.astype(c.dtype), c.exact_verify)
@@ -227,4 +240,8 @@ class Transformer(nn.Module):
       logits = Linear(c.vocab_size, dtype=c.dtype, exact=c.exact_verify, name='lm_head')(x)
     if cache is not None:
       cache = cache.replace(lengths=cache.lengths + valid.sum(axis=1, dtype=jnp.int32))
+    if eviction is not None:
+      key_pos, free_from, scores = (jnp.stack(f, axis=1) for f in zip(*histories))
+      return logits.astype(jnp.float32), cache, eviction.replace(
+          key_pos=key_pos, free_from=free_from, scores=scores)
     return logits.astype(jnp.float32), cache

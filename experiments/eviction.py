@@ -1,0 +1,175 @@
+"""KV eviction under a budget (configs/eviction.py): quality against the full cache, KV bytes and
+decode speed per policy and budget; and a long worker loop whose KV memory stays at the budget.
+
+Quality: every held-out sequence (seq_len tokens) goes through the target one token at a time
+(`jaxspec.decoding.evicting.score_tokens`), once with the full cache and once under the policy,
+in the same process. perplexity = exp(mean negative log-likelihood of each next token);
+agreement = fraction of positions where the top-1 prediction equals the full cache's.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import PageAllocator, init_eviction, make_policy, pages_needed
+from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.decoding import SamplingParams
+from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
+                                       score_tokens)
+from jaxspec.models import cache_for, load_model, shipped
+
+_FULL_REFERENCE: dict = {}   # full-cache scores per (model, workload, shapes): one per process
+
+
+def budget_tokens(config) -> int:
+  """The budget in tokens: round(budget_frac * seq_len), at least 1."""
+  if not 0 < config.budget_frac <= 1:
+    raise ValueError(f'budget_frac must be in (0, 1], got {config.budget_frac}')
+  return max(1, round(config.budget_frac * config.seq_len))
+
+
+def _cache(model, batch: int, slots: int, page_size: int):
+  """An empty cache of `slots` (rounded up to pages) per sequence and its KV bytes per sequence."""
+  per_seq = pages_needed(slots, page_size)
+  allocator = PageAllocator(batch * per_seq + 1)
+  table = np.array([allocator.allocate(per_seq) for _ in range(batch)], np.int32)
+  cache = cache_for(model, table, allocator.num_pages, page_size)
+  per_seq_bytes = per_seq * page_size * model.kv_bytes_per_token(cache.k_pages.dtype.itemsize)
+  return cache, per_seq_bytes
+
+
+def _score(model, params, policy, tokens, lengths, config):
+  """Scores of every batch under `policy` (compiled once, then timed): dict of [N, T] arrays,
+  decode tokens/s, peak live tokens and KV bytes per sequence. policy None = the model's default
+  full-cache path (what eviction is compared against, for quality and speed)."""
+  slots = config.seq_len if policy is None or policy.slots is None else policy.slots
+  out = {'logprob': [], 'argmax': []}
+  seconds, live_peak, compiled, kv_bytes = 0.0, 0, None, 0
+  for start in range(0, len(tokens), config.batch_size):
+    batch = jnp.asarray(tokens[start:start + config.batch_size], jnp.int32)
+    batch_lengths = jnp.asarray(lengths[start:start + config.batch_size], jnp.int32)
+    cache, kv_bytes = _cache(model, config.batch_size, slots, config.page_size)
+    eviction = None if policy is None else init_eviction(policy, cache, interpret=True,
+                                                         use_kernel=config.use_kernel)
+    if compiled is None:
+      compiled = score_tokens.lower(model, params, cache, eviction, batch,
+                                    batch_lengths).compile()
+    t0 = time.perf_counter()
+    res = jax.block_until_ready(compiled(params, cache, eviction, batch, batch_lengths))
+    seconds += time.perf_counter() - t0
+    out['logprob'].append(np.asarray(res['logprob']))
+    out['argmax'].append(np.asarray(res['argmax']))
+    live_peak = max(live_peak, int(res['live'].max()))
+  scores = {k: np.concatenate(v) for k, v in out.items()}
+  return scores, int(np.sum(lengths)) / seconds, live_peak, kv_bytes
+
+
+def _sequences(workload, tokenizer, config):
+  """tokens [N, seq_len] (right-padded), lengths [N] and the scored positions [N, seq_len] bool
+  (position t scores the prediction of token t+1). code / json: windows of seq_len tokens, every
+  prediction scored. retrieval: a document, an instruction to quote a passage of it and the
+  passage's first tokens (<= seq_len - 128 tokens), then the real passage (<= 128 tokens); only
+  the passage's tokens are scored, so the score measures copying from far back in the context."""
+  if workload != 'retrieval':
+    prompts = make_prompts(workload, tokenizer, config.num_sequences, config.seq_len,
+                           split='test', seed=config.seed)
+    tokens = np.array([p.tokens for p in prompts], np.int32)
+    lengths = np.full((len(tokens),), config.seq_len, np.int32)
+    scored = np.ones(tokens.shape, bool)
+    scored[:, -1] = False
+    return tokens, lengths, scored
+  prompts = make_prompts('retrieval', tokenizer, config.num_sequences, config.seq_len - 128,
+                         split='test', seed=config.seed)
+  tokens = np.zeros((len(prompts), config.seq_len), np.int32)
+  lengths = np.zeros((len(prompts),), np.int32)
+  scored = np.zeros(tokens.shape, bool)
+  for i, p in enumerate(prompts):
+    seq = list(p.tokens) + list(p.reference[:128])
+    tokens[i, :len(seq)], lengths[i] = seq, len(seq)
+    scored[i, len(p.tokens) - 1:len(seq) - 1] = True
+  return tokens, lengths, scored
+
+
+def _perplexity(logprob, scored) -> float:
+  return math.exp(-float(logprob[scored].mean()))
+
+
+def run_quality(config, results, model, params, tokenizer) -> None:
+  budget = budget_tokens(config)
+  policy = make_policy(config.policy, None if config.policy == 'full' else budget)
+  for workload in [w.strip() for w in config.workloads.split(',') if w.strip()]:
+    tokens, lengths, scored = _sequences(workload, tokenizer, config)
+    if len(tokens) % config.batch_size:
+      raise ValueError(f'num_sequences ({config.num_sequences}) must be a multiple of '
+                       f'batch_size ({config.batch_size})')
+    key = (config.target, workload, config.seq_len, config.num_sequences, config.batch_size,
+           config.page_size, config.seed, config.use_kernel)
+    if key not in _FULL_REFERENCE:
+      _FULL_REFERENCE[key] = _score(model, params, None, tokens, lengths, config)
+    full, full_tps, _, full_bytes = _FULL_REFERENCE[key]
+    got, tps, live_peak, kv_bytes = _score(model, params, policy, tokens, lengths, config)
+    ppl, ppl_full = _perplexity(got['logprob'], scored), _perplexity(full['logprob'], scored)
+    truth = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    results.write(dict(
+        workload=workload, policy=config.policy, budget_frac=float(config.budget_frac),
+        budget_tokens=budget, seq_len=int(config.seq_len), tokens_scored=int(scored.sum()),
+        perplexity=ppl, perplexity_full=ppl_full,
+        perplexity_increase_pct=100.0 * (ppl / ppl_full - 1.0),
+        agreement=float((got['argmax'] == full['argmax'])[scored].mean()),
+        top1_accuracy=float((got['argmax'] == truth)[scored].mean()),
+        top1_accuracy_full=float((full['argmax'] == truth)[scored].mean()),
+        live_tokens_peak=live_peak, kv_bytes_peak=int(kv_bytes) * config.batch_size,
+        kv_bytes_full=int(full_bytes) * config.batch_size,
+        tokens_per_s=tps, tokens_per_s_full=full_tps, speed_vs_full=tps / full_tps))
+
+
+def run_worker(config, results, model, params, tokenizer) -> None:
+  """Generate worker_tokens tokens greedily in chunks under H2O (or config.policy) at
+  worker_budget tokens; one record per chunk (cached tokens, KV bytes, tokens/s)."""
+  policy = make_policy(config.policy, None if config.policy == 'full' else
+                       int(config.worker_budget))
+  slots = config.worker_tokens + 64 if policy.slots is None else policy.slots
+  prompt = make_prompts('code', tokenizer, 1, 256, split='test', seed=config.seed)[0].tokens
+  cache, kv_bytes = _cache(model, 1, slots, config.page_size)
+  eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)
+  greedy = SamplingParams(temperature=0.0)
+  token, cache, eviction = prefill_evicting(model, params, cache, eviction,
+                                            jnp.asarray([prompt], jnp.int32),
+                                            jnp.asarray([len(prompt)], jnp.int32),
+                                            jax.random.PRNGKey(config.seed), sampling=greedy)
+  no_stop = jnp.zeros((0,), jnp.int32)        # a worker loop does not stop
+  generated = 0
+  run = lambda cache, eviction, token: decode_autoregressive_evicting(
+      model, params, cache, eviction, token, jax.random.PRNGKey(0), no_stop, sampling=greedy,
+      max_new_tokens=config.worker_chunk + 1)
+  compiled = jax.jit(run, donate_argnums=(0, 1)).lower(cache, eviction, token).compile()
+  while generated < config.worker_tokens:
+    t0 = time.perf_counter()
+    out, cache, eviction = jax.block_until_ready(compiled(cache, eviction, token))
+    seconds = time.perf_counter() - t0
+    n = int(out.num_tokens[0]) - 1                           # the first is the pending token
+    token = out.tokens[:, n]
+    generated += n
+    results.write(dict(
+        mode='worker', policy=config.policy, budget_tokens=policy.budget,
+        tokens_generated=generated, context_tokens=len(prompt) + generated,
+        live_tokens=int(eviction.num_live.max()), kv_bytes=int(kv_bytes),
+        kv_bytes_full_cache=int(model.kv_bytes_per_token(cache.k_pages.dtype.itemsize)
+                                * (len(prompt) + generated)),
+        tokens_per_s=n / seconds))
+
+
+def run(config, results) -> None:
+  """Quality (one record per workload) or worker mode (one record per chunk)."""
+  if config.mode not in ('quality', 'worker'):
+    raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
+  make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
+  model, params = load_model(config.target or shipped('target'))
+  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,
+                                                            tokenizer)

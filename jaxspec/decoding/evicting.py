@@ -1,0 +1,199 @@
+"""Decoding with the target's KV cache under an eviction policy (`jaxspec.cache.eviction`):
+prefill / scoring one token at a time, autoregressive and speculative loops.
+
+Tokens enter one at a time inside each model call, in order, so an eviction decision always
+follows the same steps whatever the call width: a (K+1)-token verification makes exactly the
+decisions K+1 decode steps would (with `ModelConfig.exact_verify`, bit for bit). After the
+acceptance step only the state after the committed tokens is kept (`after_tokens`): rejected
+draft positions leave no score, no eviction and no slot behind. This needs the policy's
+`reuse_delay` >= K+1 (a slot evicted during a round is not rewritten in that round), for the
+autoregressive run compared against it too, since the delay decides where tokens are written.
+
+Invariant of the speculative loop (as `jaxspec.decoding.speculative`): caches hold every committed
+token except the last one, `pending`. Only the target evicts; the draft keeps a full cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import after_tokens, last_token, rollback
+from jaxspec.decoding.autoregressive import decode_step
+from jaxspec.decoding.output import Output, commit
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.speculative import SpecStats, draft_tokens
+from jaxspec.models import ModelConfig, Transformer
+
+
+def decode_step_evicting(config: ModelConfig, params, cache, eviction, token):
+  """One token per row at position cache.lengths, under eviction.
+
+  Args:
+    token: [B] int32.
+  Returns:
+    (logits [B, V] float32, cache with lengths + 1, eviction state after the token).
+  """
+  logits, cache, history = Transformer(config).apply(params, token[:, None],
+                                                     cache.lengths[:, None], cache, eviction)
+  return logits[:, 0], cache, last_token(history)
+
+
+@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache', 'eviction'))
+def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
+  """Feed each row's tokens one by one (a `lax.scan`) and score every next-token prediction.
+
+  Args:
+    cache, eviction: empty cache and eviction state (donated); eviction None = the model's
+      default full-cache path (slot = position).
+    tokens: [B, T] int32 right-padded; lengths: [B] int32 real tokens per row.
+  Returns:
+    dict of [B, T] arrays: `logprob` float32, log p(tokens[t+1] | tokens[:t+1]) (0 at t >=
+    length-1); `argmax` int32, the model's top-1 prediction after token t; `live` int32, tokens
+    cached after step t (max over layers); plus the final `cache` and `eviction`.
+  """
+  t_max = tokens.shape[1]
+  nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+
+  def step(carry, t):
+    cache, eviction = carry
+    pos = jnp.where(t < lengths, t, -1).astype(jnp.int32)
+    if eviction is None:
+      logits, cache = Transformer(config).apply(params, tokens[:, t][:, None], pos[:, None], cache)
+      live = cache.lengths
+    else:
+      logits, cache, history = Transformer(config).apply(
+          params, tokens[:, t][:, None], pos[:, None], cache, eviction)
+      eviction = last_token(history)
+      live = eviction.num_live.max(axis=0)
+    logp = jax.nn.log_softmax(logits[:, 0])
+    target_lp = jnp.take_along_axis(logp, nxt[:, t][:, None], axis=1)[:, 0]
+    target_lp = jnp.where(t + 1 < lengths, target_lp, 0.0)
+    return (cache, eviction), (target_lp, jnp.argmax(logp, -1).astype(jnp.int32), live)
+
+  (cache, eviction), (lp, am, live) = jax.lax.scan(step, (cache, eviction),
+                                                    jnp.arange(t_max, dtype=jnp.int32))
+  return dict(logprob=lp.T, argmax=am.T, live=live.T, cache=cache, eviction=eviction)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'sampling'),
+                   donate_argnames=('cache', 'eviction'))
+def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng, *,
+                     sampling: SamplingParams):
+  """Prefill under eviction, one token per step, and draw the first new token.
+
+  Args:
+    tokens: [B, P] int32 right-padded prompts; prompt_lengths: [B] int32 (>= 1).
+  Returns:
+    (first_token [B] int32, cache, eviction).
+  """
+  def step(carry, t):
+    cache, eviction, last = carry
+    pos = jnp.where(t < prompt_lengths, t, -1).astype(jnp.int32)
+    logits, cache, history = Transformer(config).apply(
+        params, tokens[:, t][:, None], pos[:, None], cache, eviction)
+    last = jnp.where((t == prompt_lengths - 1)[:, None], logits[:, 0], last)
+    return (cache, last_token(history), last), None
+
+  init = (cache, eviction, jnp.zeros((tokens.shape[0], config.vocab_size), jnp.float32))
+  (cache, eviction, last), _ = jax.lax.scan(step, init,
+                                            jnp.arange(tokens.shape[1], dtype=jnp.int32))
+  return sample(rng, probabilities(last, sampling)), cache, eviction
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'sampling', 'max_new_tokens'),
+                   donate_argnames=('cache', 'eviction'))
+def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction, first_token, rng,
+                                   stop_tokens, *, sampling: SamplingParams, max_new_tokens: int):
+  """`decode_autoregressive` with the cache under eviction (finished rows change nothing).
+
+  Returns:
+    (Output, cache, eviction).
+  """
+  b = first_token.shape[0]
+  out, _ = commit(Output.empty(b, max_new_tokens + 1), first_token[:, None],
+                  jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
+
+  def body(state):
+    cache, eviction, out, pending, rng = state
+    rng, step_rng = jax.random.split(rng)
+    old_lengths = cache.lengths
+    logits, cache, history = Transformer(config).apply(
+        params, pending[:, None], cache.lengths[:, None], cache, eviction)
+    token = sample(step_rng, probabilities(logits[:, 0], sampling))
+    out, n = commit(out, token[:, None], jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
+    kept = jnp.minimum(n, 1)
+    cache = rollback(cache, old_lengths + kept)
+    eviction = after_tokens(eviction, history, kept)
+    return cache, eviction, out, jnp.where(n > 0, token, pending), rng
+
+  cache, eviction, out, _, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[2].done), body,
+                                                  (cache, eviction, out, first_token, rng))
+  return out, cache, eviction
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),
+                   donate_argnames=('target_cache', 'eviction', 'draft_cache'))
+def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_params,
+                                draft_params, target_cache, eviction, draft_cache, first_token,
+                                rng, stop_tokens, *, k: int, sampling: SamplingParams,
+                                max_new_tokens: int):
+  """`decode_speculative` with the target's cache under eviction (the draft's is full).
+
+  Each round: draft K, verify pending + K drafts in one target pass (eviction steps run token by
+  token inside it), accept/reject, then keep the target's eviction state after the committed
+  tokens only. Requires eviction.policy.reuse_delay >= K + 1 (checked).
+
+  Returns:
+    (Output, SpecStats, target_cache, eviction, draft_cache).
+  Raises:
+    ValueError: reuse_delay < K + 1.
+  """
+  if eviction.policy.reuse_delay < k + 1:
+    raise ValueError(f'speculative decoding under eviction needs reuse_delay >= K + 1 = {k + 1}, '
+                     f'got {eviction.policy.reuse_delay}')
+  b = first_token.shape[0]
+  out, _ = commit(Output.empty(b, max_new_tokens + k + 1), first_token[:, None],
+                  jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
+
+  def body(state):
+    target_cache, eviction, draft_cache, out, stats, pending, rng = state
+    rng, rng_draft, rng_accept = jax.random.split(rng, 3)
+    active = ~out.done
+    old_lengths = target_cache.lengths
+    xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
+                                       k=k, sampling=sampling)
+    verify = jnp.concatenate([pending[:, None], xs], axis=1)                  # [B, K+1]
+    positions = old_lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    logits, target_cache, history = Transformer(target).apply(
+        target_params, verify, positions, target_cache, eviction)
+    n, next_token = rejection_sample(rng_accept, xs, qs, probabilities(logits, sampling))
+    idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+    out, emitted = commit(out, window, n + 1, stop_tokens, max_new_tokens)
+    draft_cache = jax.lax.cond(
+        jnp.any(emitted == k + 1),
+        lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
+        lambda c: c, draft_cache)
+    # Committed to the caches: pending + the first emitted-1 tokens (verify rows 0..emitted-1).
+    kept = jnp.maximum(emitted, 0)
+    target_cache = rollback(target_cache, old_lengths + kept)
+    draft_cache = rollback(draft_cache, old_lengths + kept)
+    eviction = after_tokens(eviction, history, kept)
+    last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
+    pending = jnp.where(emitted > 0, last, pending)
+    act = active.astype(jnp.int32)
+    stats = SpecStats(proposed=stats.proposed + k * act,
+                      accepted=stats.accepted + jnp.minimum(n, emitted),
+                      emitted=stats.emitted + emitted,
+                      target_calls=stats.target_calls + act,
+                      rejected=stats.rejected + act * ((n < k) & (emitted == n + 1)))
+    return target_cache, eviction, draft_cache, out, stats, pending, rng
+
+  state = (target_cache, eviction, draft_cache, out, SpecStats.zeros(b), first_token, rng)
+  target_cache, eviction, draft_cache, out, stats, _, _ = jax.lax.while_loop(
+      lambda s: ~jnp.all(s[3].done), body, state)
+  return out, stats, target_cache, eviction, draft_cache
