@@ -20,8 +20,8 @@ import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from jaxspec.cache import PageAllocator  # pylint: disable=wrong-import-position
-from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, generate  # pylint: disable=wrong-import-position
+from jaxspec.cache import PageAllocator, init_eviction, make_policy, pages_needed  # pylint: disable=wrong-import-position
+from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, decode_autoregressive_evicting, generate, prefill_evicting  # pylint: disable=wrong-import-position
 from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes, save_model  # pylint: disable=wrong-import-position
 from jaxspec.parallel import (ShardedSteps, load_sharded, make_mesh,  # pylint: disable=wrong-import-position
                               shard_params, specs)
@@ -130,6 +130,33 @@ def main():
         convs[c] = conv + r.tokens[0] + [c + 3]
     turns[name] = got
   out['prefix_local'], out['prefix_mesh'] = turns['local'], turns['mesh']
+
+  # Eviction (H2O, a budget the prompts overflow) on the sharded target: same tokens and state.
+  policy = make_policy('h2o', 12)
+  per_seq = pages_needed(policy.slots, PAGE)
+  evict_table = np.arange(1, 2 * per_seq + 1, dtype=np.int32).reshape(2, per_seq)
+  evicted = {}
+  for name in ('local', 'mesh'):
+    on_mesh = name == 'mesh'
+    cache = (steps.new_cache(CONFIG, evict_table, 2 * per_seq + 1, PAGE) if on_mesh
+             else cache_for(CONFIG, evict_table, 2 * per_seq + 1, PAGE))
+    state = init_eviction(policy, cache)
+    state = steps.put_eviction(state) if on_mesh else state
+    put_b = steps.put_batch if on_mesh else jnp.asarray
+    put_r = steps.put_replicated if on_mesh else jnp.asarray
+    p1 = sharded if on_mesh else params
+    toks = np.zeros((2, 16), np.int32)
+    toks[0, :16], toks[1, :9] = prompts[1][:16], prompts[0]
+    first, cache, state = prefill_evicting(CONFIG, p1, cache, state, put_b(toks),
+                                           put_b(np.array([16, 9], np.int32)),
+                                           put_r(jax.random.PRNGKey(0)), sampling=SamplingParams())
+    res, cache, state = decode_autoregressive_evicting(
+        CONFIG, p1, cache, state, first, put_r(jax.random.PRNGKey(1)),
+        put_r(np.zeros(0, np.int32)), sampling=SamplingParams(), max_new_tokens=20)
+    evicted[name] = (np.asarray(res.tokens).tolist(), np.asarray(state.key_pos).tolist(),
+                     float(np.abs(np.asarray(state.scores)).sum()))
+  out['evict_local'], out['evict_mesh'] = evicted['local'], evicted['mesh']
+  out['evict_scores_mesh_sharded'] = str(state.scores.sharding.spec)
 
   # Compile once: other prompts in the same bucket, another seed, no new executable.
   out['compilations_first'] = steps.compilations()

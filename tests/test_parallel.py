@@ -163,6 +163,16 @@ def test_prefix_cache_with_host_tier_on_a_sharded_target(worker):
   assert sum(turn[2] for turn in worker['prefix_mesh']) > 0   # host-tier promotions happened
 
 
+def test_eviction_on_a_sharded_target(worker):
+  """H2O under a budget the prompts overflow, target split over 'model' (scores summed over the
+  heads' shards): the same tokens, kept positions and scores as on one device."""
+  tokens, key_pos, scores = worker['evict_mesh']
+  ref_tokens, ref_key_pos, ref_scores = worker['evict_local']
+  assert tokens == ref_tokens and key_pos == ref_key_pos
+  assert abs(scores - ref_scores) <= 1e-4 * ref_scores
+  assert max(sum(p >= 0 for p in row) for layer in key_pos for row in layer) <= 12  # budget held
+
+
 def test_sharded_steps_compile_once(worker):
   # Two prefills (target, draft), the two decode loops and the empty caches, once per shape;
   # further prompts of other lengths and seeds reuse them.

@@ -47,6 +47,10 @@ CACHE_SPEC = PagedKVCache(k_pages=P(None, MODEL), v_pages=P(None, MODEL),
 DRAFT_CACHE_SPEC = PagedKVCache(k_pages=REPLICATED, v_pages=REPLICATED,
                                 page_table=P(DATA), lengths=P(DATA))
 BATCH = P(DATA)                             # [B, ...] arrays: tokens, lengths, first tokens
+# Eviction state beside the cache (jaxspec.cache.EvictionState): key_pos, free_from, scores are
+# [layers, B, S], split on the batch. Scores are sums over the KV heads, which 'model' splits:
+# XLA's partitioner adds that sum as an all-reduce over 'model'.
+EVICTION_SPEC = P(None, DATA)
 
 
 def param_specs(params):

@@ -89,6 +89,19 @@ class ShardedSteps:
     check_batch_fits(np.shape(x)[0], self.mesh)
     return put(x, self._batch)
 
+  def put_eviction(self, state):
+    """An `EvictionState` (host or default-device arrays) -> its arrays split on the batch over
+    'data' (`specs.EVICTION_SPEC`), so the jitted loops under eviction
+    (`jaxspec.decoding.prefill_evicting`, `decode_autoregressive_evicting`,
+    `decode_speculative_evicting`) run on the mesh with a cache from `new_cache`.
+
+    Raises:
+      ValueError: the batch does not divide over 'data'.
+    """
+    check_batch_fits(state.key_pos.shape[1], self.mesh)
+    sharding = NamedSharding(self.mesh, specs.EVICTION_SPEC)
+    return jax.tree.map(lambda x: put(x, sharding), state)
+
   def put_replicated(self, x):
     """Host array (PRNG key, stop tokens) -> a copy on every device."""
     return put(x, self._rep)
