@@ -2,13 +2,14 @@
 
 from jaxspec.decoding.autoregressive import decode_autoregressive, decode_step, prefill
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
-from jaxspec.decoding.output import Output, commit
+from jaxspec.decoding.output import Output, commit, cut_lengths
 from jaxspec.decoding.prefix_generate import PrefixCachedGenerator
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, nucleus_mask, probabilities, sample
 from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_tokens, speculative_round
 
 __all__ = ['MAX_K', 'GenerationResult', 'Output', 'PrefixCachedGenerator', 'SamplingParams', 'SpecStats', 'commit',
+           'cut_lengths',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
            'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
            'speculative_round']
