@@ -9,8 +9,9 @@ Each step (vLLM's scheduler, in brief; Kwon et al. 2023, Yu et al. 2022 "Orca"):
    the front of the queue with prompt + everything it emitted; a later admission prefills that
    again (hitting whatever is still cached) and decoding resumes exactly where it stopped.
 2. Admission: while a slot is free, the request at the head of the queue (first come, first
-   served) is admitted if `PrefixCache.admit` finds pages for its prefill tokens; prefill then
-   starts at the cached length.
+   served) is admitted if `PrefixCache.admit` finds pages for its prefill tokens and a page per
+   decoding request is left over (a watermark against preempting it again at once); prefill
+   then starts at the cached length.
 3. Work: up to `prefill_rows` prefilling requests (oldest first) get a chunk of at most
    `chunk_size` tokens each; every decoding request takes part in the decode round.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import collections
 from typing import Callable, Optional
 
-from jaxspec.cache import OutOfPagesError, PrefixCache
+from jaxspec.cache import OutOfPagesError, PrefixCache, pages_needed
 from jaxspec.engine.request import Request, State
 
 
@@ -130,6 +131,8 @@ class Scheduler:
   def _admit(self) -> None:
     while self.waiting and None in self.slots:
       request = self.waiting[0]
+      if not self._fits_with_headroom(request):
+        return
       try:
         handle, plan = self.prefix.admit(request.prefill_tokens, salt=request.salt)
       except OutOfPagesError:
@@ -143,3 +146,16 @@ class Scheduler:
       request.num_computed = handle.num_cached
       request.metrics.cached_tokens += handle.num_cached
       request.state = State.PREFILL
+
+  def _fits_with_headroom(self, request: Request) -> bool:
+    """Whether admitting `request` leaves a page per decoding request for its next growth (a
+    watermark, as vLLM keeps): without it a new admission is often preempted at the next step.
+    With nothing decoding the head request is always admitted if it fits (`admit` decides)."""
+    decoding = sum(1 for r in self.slots if r is not None and r.state is State.DECODE)
+    if not decoding:
+      return True
+    tokens = request.prefill_tokens
+    device, _ = self.prefix.match(tokens, request.salt)
+    fresh = pages_needed(len(tokens), self.prefix.page_size) - len(device)
+    available = self.prefix.num_free + self.prefix.num_cached - len(device)
+    return fresh + decoding <= available
