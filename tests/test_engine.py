@@ -9,7 +9,7 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 
-from jaxspec.decoding import generate
+from jaxspec.decoding import SamplingParams, generate
 from jaxspec.engine import Engine, State, compile_counts
 
 L = 8          # page size
@@ -100,9 +100,10 @@ def test_greedy_every_request_equals_it_decoded_alone(tiny, tiny_draft, alone, k
   assert engine.prefix.num_free + engine.prefix.num_cached == num_pages - 1
 
 
-@pytest.mark.parametrize('host_pages', [0, 16])
-def test_preempted_request_resumes_where_it_was(tiny, tiny_draft, alone, host_pages):
-  engine = _engine(tiny, tiny_draft, K, BIG, host_pages=host_pages)
+@pytest.mark.parametrize('host_pages,prefix_caching', [(0, True), (16, True), (0, False)])
+def test_preempted_request_resumes_where_it_was(tiny, tiny_draft, alone, host_pages,
+                                                 prefix_caching):
+  engine = _engine(tiny, tiny_draft, K, BIG, host_pages=host_pages, prefix_caching=prefix_caching)
   prompts = _prompts([19, 11], seed=2)
   a = engine.add_request(prompts[0], max_tokens=M)
   b = engine.add_request(prompts[1], max_tokens=M)
@@ -122,7 +123,11 @@ def test_preempted_request_resumes_where_it_was(tiny, tiny_draft, alone, host_pa
   m = outs[a].metrics
   assert m.preemptions == 1
   # The readmission found its committed full pages (prompt + output but the pending token).
-  assert m.cached_tokens == (len(prompts[0]) + len(emitted) - 1) // L * L > 0
+  if prefix_caching:
+    assert m.cached_tokens == (len(prompts[0]) + len(emitted) - 1) // L * L > 0
+  else:
+    assert m.cached_tokens == 0
+    assert m.prefill_tokens == 2 * len(prompts[0]) + len(emitted) - 1   # all recomputed
   assert m.num_tokens == M and sum(m.accepted_lengths) == M - 1
   if host_pages:  # ... and come back from it as hits
     assert engine.prefix.stats['promoted_pages'] * L == m.cached_tokens
@@ -152,6 +157,25 @@ def test_stop_token_inside_accepted_run_ends_only_that_request(tiny, alone):
   assert m.accepted == sum(min(e, K) for e in m.accepted_lengths)
   assert m.proposed == K * len(m.accepted_lengths)
   assert outs[ids[1]].metrics.acceptance_rate == 1.0
+
+
+def test_sampled_self_draft_accepts_everything_and_is_seeded(tiny):
+  # Draft = target at temperature 1: q equals p exactly (exact-verify numerics), so every
+  # proposal of every row is accepted; a row mix-up between draft and verify would reject.
+  config, params = tiny
+  prompts = _prompts([6, 19, 11, 27], seed=5)
+
+  def run(seed):
+    engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
+                    sampling=SamplingParams(temperature=1.0), seed=seed, **SHAPES)
+    ids = [engine.add_request(p, max_tokens=M) for p in prompts]
+    outs = engine.run()
+    return [outs[i] for i in ids]
+
+  first, again, other = run(0), run(0), run(1)
+  assert all(o.metrics.acceptance_rate == 1.0 and len(o.tokens) == M for o in first)
+  assert [o.tokens for o in first] == [o.tokens for o in again]
+  assert [o.tokens for o in first] != [o.tokens for o in other]
 
 
 def test_bad_input_fails_that_request_only(tiny, alone):
