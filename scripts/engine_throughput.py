@@ -43,7 +43,7 @@ def main():
     for k in (0, args.k):
       spec = dict(draft=draft, draft_params=draft_params, k=k) if k else {}
       engines[k] = Engine(target, target_params, num_slots=b, num_pages=b * per_request + 1,
-                          chunk_size=64, **spec)
+                          chunk_size=64, max_seq_len=per_request * 16, **spec)
       engines[k].warm_up()
     rates = {0: [], args.k: []}
     alpha = []

@@ -215,6 +215,12 @@ def test_bad_engine_arguments(tiny, tiny_draft):
     Engine(config, params, num_slots=0, num_pages=8)
   with pytest.raises(ValueError, match='prefill_rows=3'):
     Engine(config, params, num_slots=2, num_pages=8, prefill_rows=3)
+  with pytest.raises(ValueError, match='max_seq_len=300'):
+    Engine(config, params, num_slots=2, num_pages=8, max_seq_len=300)
+  short = Engine(config, params, num_slots=2, num_pages=64, max_seq_len=64)
+  with pytest.raises(ValueError, match="request 0: .* = 65 exceeds the engine's max_seq_len=64"):
+    short.add_request([5] * 60, max_tokens=4)
+  assert short.add_request([5] * 59, max_tokens=4) == 1     # the refused request kept id 0
 
 
 @pytest.mark.parametrize('k', [0, K])

@@ -52,6 +52,9 @@ class Engine:
     host_pages: host-tier capacity of the prefix cache, in pages (0: none).
     prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
     max_stop_tokens: stop ids a request may have at most (the static width of the stop table).
+    max_seq_len: tokens a request may span at most (prompt + max_tokens + K + 1); default the
+      models' context. Attention reads a request's whole page-table row each step, so a
+      smaller bound makes every step cheaper.
     seed: PRNG seed of the sampler.
   Raises:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft), draft and
@@ -62,7 +65,8 @@ class Engine:
                page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
                draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
-               prefix_caching: bool = True, max_stop_tokens: int = 8, seed: int = 0):
+               prefix_caching: bool = True, max_stop_tokens: int = 8,
+               max_seq_len: Optional[int] = None, seed: int = 0):
     _positive_int('num_slots', num_slots)
     _positive_int('num_pages', num_pages, 2)
     _positive_int('page_size', page_size)
@@ -88,7 +92,12 @@ class Engine:
     self.max_stop_tokens = max_stop_tokens
     self.window = k + 1                       # cache slots one decode round writes per request
     configs = [target] if draft is None else [target, draft]
-    self.max_seq_len = min(c.max_seq_len for c in configs)
+    context = min(c.max_seq_len for c in configs)
+    if max_seq_len is not None:
+      _positive_int('max_seq_len', max_seq_len)
+      if max_seq_len > context:
+        raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
+    self.max_seq_len = context if max_seq_len is None else max_seq_len
     self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
     self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     table, _ = device.idle_rows(1, self.pages_per_seq)
@@ -114,14 +123,15 @@ class Engine:
       max_tokens: tokens to emit at most (>= 1), the first included.
       stop_tokens: ids that end the request (the stop token is emitted); at most
         `max_stop_tokens` of them.
-      request_id: any hashable id not in use (live or in `outputs`); default: the next int.
+      request_id: any hashable id not in use (live or in `outputs`); default: the next int
+        (a refused request uses one up too, so the id in its error is never reused).
       salt: prefix-cache salt (requests of different salts never share pages).
     Returns:
       The request id.
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
-        or past what the pool holds, too many stop ids, an id in use. The request is not queued;
+        (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use. The request is not queued;
         the engine and its other requests are unaffected.
     """
     if request_id is None:
@@ -138,6 +148,10 @@ class Engine:
       if len(stop) > self.max_stop_tokens:
         raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={self.max_stop_tokens}')
       prompt = [int(t) for t in prompt_tokens]
+      span = len(prompt) + max_tokens + slack
+      if span > self.max_seq_len:
+        raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
+                         f'{span} exceeds the engine\'s max_seq_len={self.max_seq_len}')
       need = pages_needed(len(prompt) + max_tokens + slack, self.prefix.page_size)
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
