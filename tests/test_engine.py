@@ -6,11 +6,14 @@ import functools
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import SamplingParams, generate
+from jaxspec.decoding import SamplingParams, generate, prefill
 from jaxspec.engine import Engine, State, compile_counts
+from jaxspec.models import cache_for
 
 L = 8          # page size
 M = 24         # longest max_tokens in these tests
@@ -223,18 +226,38 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   assert short.add_request([5] * 59, max_tokens=4) == 1     # the refused request kept id 0
 
 
-@pytest.mark.parametrize('k', [0, K])
-def test_device_steps_compile_once_per_shape(tiny, tiny_draft, k):
-  engine = _engine(tiny, tiny_draft, k, BIG)
+@pytest.mark.parametrize('k,prefill_rows', [(0, 1), (K, None)])
+def test_device_steps_compile_once_per_shape(tiny, tiny_draft, alone, k, prefill_rows):
+  engine = _engine(tiny, tiny_draft, k, BIG, prefill_rows=prefill_rows)
   engine.warm_up()
   before = compile_counts()
-  for i, n in enumerate([1, 7, 8, 9, 23, 40]):       # new lengths, new max_tokens, new stops
-    engine.add_request(_prompts([n], seed=10 + i)[0], max_tokens=3 + 2 * i, stop_tokens=[i])
+  requests = [(_prompts([n], seed=10 + i)[0], 3 + 2 * i, (i + 3,))   # new lengths, max tokens,
+              for i, n in enumerate([1, 7, 8, 9, 23, 40])]          # stop ids
+  ids = [engine.add_request(p, max_tokens=m, stop_tokens=s) for p, m, s in requests]
   engine.step()
-  engine.add_request(_prompts([33], seed=20)[0], max_tokens=M)
+  requests.append((_prompts([33], seed=20)[0], M, ()))
+  ids.append(engine.add_request(requests[-1][0], max_tokens=M))
   engine.run()
-  assert len(engine.outputs) == 7
+  for i, (prompt, m, stop) in zip(ids, requests):
+    assert engine.outputs[i].tokens == alone(prompt, m, stop)
   assert compile_counts() == before
+
+
+def test_prefill_rows_without_new_tokens_write_nothing(tiny):
+  # The engine binds idle rows to the null page; `prefill` itself also treats a row with zero
+  # new tokens as padding: its pages and length stay as they were.
+  config, params = tiny
+  cache = cache_for(config, np.array([[1, 2], [3, 4]]), 5, L)
+  tokens = jnp.asarray(_prompts([L, L], seed=6), jnp.int32)
+  rng = jax.random.PRNGKey(0)
+  _, cache = prefill(config, params, cache, tokens, jnp.array([0, 6]), rng,
+                     sampling=SamplingParams())
+  live = np.asarray(cache.k_pages[:, :, 3:5]).copy(), np.asarray(cache.v_pages[:, :, 3:5]).copy()
+  _, cache = prefill(config, params, cache, tokens, jnp.array([5, 0]), rng,
+                     sampling=SamplingParams())
+  assert cache.lengths.tolist() == [5, 6]
+  np.testing.assert_array_equal(np.asarray(cache.k_pages[:, :, 3:5]), live[0])
+  np.testing.assert_array_equal(np.asarray(cache.v_pages[:, :, 3:5]), live[1])
 
 
 COVERAGE = collections.Counter()
