@@ -6,7 +6,9 @@ shipped pair on held-out JSON prompts; ratios are taken within this one run.
 For each batch size B: one engine per K (compiled by `warm_up` before timing), the same requests
 (greedy, stop at <|eos|>) submitted at once, K = 0 and K = k runs alternated `--repeats` times.
 tokens/s = tokens emitted ÷ wall seconds of `Engine.run()` (prefill, decode and the host-side
-scheduler included). A first measurement, not the issue's sweep (configs/batching.py, later).
+scheduler included). At B = 1 it also times one request through the engine against
+`generate`'s compiled loop (the engine's host overhead). A first measurement, not the issue's
+sweep (configs/batching.py, later).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import time
 
 from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.decoding import generate
 from jaxspec.engine import Engine
 from jaxspec.models import load_model, shipped
 
@@ -61,10 +64,34 @@ def main():
                        sum(outs[i].metrics.proposed for i in ids))
         for i in ids:
           del engine.outputs[i]
+    if b == 1:
+      overhead = engine_vs_generate(engines[0], target, target_params, prompts[0],
+                                    args.max_tokens, args.repeats)
     r0, rk = statistics.mean(rates[0]), statistics.mean(rates[args.k])
     ratios = [y / x for x, y in zip(rates[0], rates[args.k])]
     print(f'| {b} | {r0:.0f} | {rk:.0f} | {statistics.mean(ratios):.2f} '
           f'({min(ratios):.2f}–{max(ratios):.2f}) | {statistics.mean(alpha):.2f} |', flush=True)
+  if 1 in [int(x) for x in args.batch.split(',')]:
+    print(f'one request of {args.max_tokens} tokens, engine (B=1, K=0) seconds ÷ generate '
+          f'seconds: {statistics.mean(overhead):.2f} ({min(overhead):.2f}–{max(overhead):.2f})')
+
+
+def engine_vs_generate(engine, target, target_params, prompt, max_tokens, repeats):
+  """Per repeat, seconds of one request through `engine` ÷ through `generate` (compiled
+  loop), no stop token, alternated in this process."""
+  generate(target, target_params, [list(prompt)], max_new_tokens=max_tokens)   # compile
+  ratios = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    generate(target, target_params, [list(prompt)], max_new_tokens=max_tokens)
+    reference = time.perf_counter() - start
+    engine.prefix.reset()
+    rid = engine.add_request(prompt, max_tokens=max_tokens)
+    start = time.perf_counter()
+    engine.run()
+    ratios.append((time.perf_counter() - start) / reference)
+    del engine.outputs[rid]
+  return ratios
 
 
 if __name__ == '__main__':
