@@ -131,7 +131,8 @@ class Engine:
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
-        (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use. The request is not queued;
+        (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
+        that is not str or bytes. The request is not queued;
         the engine and its other requests are unaffected.
     """
     if request_id is None:
@@ -152,14 +153,15 @@ class Engine:
       if span > self.max_seq_len:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
                          f'{span} exceeds the engine\'s max_seq_len={self.max_seq_len}')
-      need = pages_needed(len(prompt) + max_tokens + slack, self.prefix.page_size)
+      need = pages_needed(span, self.prefix.page_size)
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
+      salt = _salt(salt)
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
-    request = Request(request_id, prompt, max_tokens, stop, _salt(salt), metrics,
+    request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
                       order=next(self._arrivals))
     self._live[request_id] = request
     self.scheduler.add(request)
