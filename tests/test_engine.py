@@ -228,7 +228,7 @@ def test_bad_engine_arguments(tiny, tiny_draft):
 
 @pytest.mark.parametrize('k,prefill_rows', [(0, 1), (K, None)])
 def test_device_steps_compile_once_per_shape(tiny, tiny_draft, alone, k, prefill_rows):
-  engine = _engine(tiny, tiny_draft, k, BIG, prefill_rows=prefill_rows)
+  engine = _engine(tiny, tiny_draft, k, BIG, prefill_rows=prefill_rows, host_pages=4)
   engine.warm_up()
   before = compile_counts()
   requests = [(_prompts([n], seed=10 + i)[0], 3 + 2 * i, (i + 3,))   # new lengths, max tokens,

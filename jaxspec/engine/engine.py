@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
+from jaxspec.cache import host as host_lib
 from jaxspec.decoding.generate import MAX_K, check_request
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
@@ -204,7 +205,10 @@ class Engine:
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
   def warm_up(self) -> None:
-    """Compile every device step with idle rows only (nothing is written but the null page)."""
+    """Compile every device step with idle rows only (nothing is written but the null page),
+    and the host-tier copies when there is a host tier, so that timed steps do not compile."""
+    if self.prefix.host is not None:
+      self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
     c = self.chunk_size
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, c), np.int32)
