@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import SamplingParams, generate, prefill
+from jaxspec.decoding import SamplingParams, cut_lengths, generate, prefill
 from jaxspec.engine import Engine, State, compile_counts
 from jaxspec.models import cache_for
 
@@ -296,3 +296,13 @@ def test_random_requests_reach_preemption_and_stops():
   if not COVERAGE:
     pytest.skip('run together with the property test')
   assert COVERAGE['preemptions'] > 0 and COVERAGE['stops'] > 0, COVERAGE
+
+
+def test_cut_lengths_per_row_stops_and_room():
+  window = jnp.array([[5, 7, 9], [7, 5, 5], [4, 4, 7]], jnp.int32)
+  stop = jnp.array([[7, -1], [-1, -1], [7, 4]], jnp.int32)          # per row, -1 pads
+  n, stopped = cut_lengths(window, jnp.array([3, 2, 3]), stop, jnp.array([5, 1, 3]))
+  assert n.tolist() == [2, 1, 1] and stopped.tolist() == [True, False, True]
+  # A stop id past a row's real candidates does not count; the shared [S] form agrees.
+  n, stopped = cut_lengths(window, jnp.array([1, 3, 3]), jnp.array([7]), jnp.array([5, 5, 5]))
+  assert n.tolist() == [1, 1, 3] and stopped.tolist() == [False, True, True]
