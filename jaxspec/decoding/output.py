@@ -34,6 +34,30 @@ class Output:
                done=jnp.zeros((batch,), bool))
 
 
+def cut_lengths(window, num_candidates, stop_tokens, room):
+  """How many of each row's candidate tokens are emitted: up to and including the first stop
+  token, and at most `room` (the rule every decode loop shares).
+
+  Args:
+    window: [B, W] int32 candidate tokens, in order.
+    num_candidates: [B] int32 in [0, W], how many of them are real.
+    stop_tokens: [S] int32 stop ids shared by every row, or [B, S] int32 per row (-1 pads).
+    room: [B] int32 tokens each row may still emit (max_new_tokens - emitted so far).
+  Returns:
+    (n [B] int32 tokens to emit, stopped [B] bool: a stop token is among them).
+  """
+  w = window.shape[1]
+  idx = jnp.arange(w, dtype=jnp.int32)
+  if stop_tokens.ndim == 1:
+    is_stop = jnp.isin(window, stop_tokens)
+  else:
+    is_stop = (window[:, :, None] == stop_tokens[:, None, :]).any(axis=-1)
+  is_stop &= idx[None, :] < num_candidates[:, None]
+  stop_cut = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1) + 1, w + 1)
+  n = jnp.minimum(jnp.minimum(num_candidates, stop_cut), room).astype(jnp.int32)
+  return n, stop_cut <= n
+
+
 def commit(out: Output, window, num_candidates, stop_tokens, max_new_tokens: int):
   """Append up to `num_candidates` tokens of `window` to each row that is not done.
 
@@ -48,15 +72,10 @@ def commit(out: Output, window, num_candidates, stop_tokens, max_new_tokens: int
   Returns:
     (out, num_emitted [B] int32): the updated buffer and the tokens actually appended per row.
   """
-  b, w = window.shape
-  idx = jnp.arange(w, dtype=jnp.int32)
-  is_stop = jnp.isin(window, stop_tokens) & (idx[None, :] < num_candidates[:, None])
-  stop_cut = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1) + 1, w + 1)
-  room = max_new_tokens - out.num_tokens
-  n = jnp.minimum(jnp.minimum(num_candidates, stop_cut), room)
+  n, stopped = cut_lengths(window, num_candidates, stop_tokens, max_new_tokens - out.num_tokens)
   n = jnp.where(out.done, 0, n).astype(jnp.int32)
   tokens = jax.vmap(lambda row, win, start: jax.lax.dynamic_update_slice(row, win, (start,)))(
       out.tokens, window, out.num_tokens)
   num_tokens = out.num_tokens + n
-  done = out.done | (stop_cut <= n) | (num_tokens >= max_new_tokens)
+  done = out.done | stopped | (num_tokens >= max_new_tokens)
   return Output(tokens=tokens, num_tokens=num_tokens, done=done), n

@@ -1,0 +1,329 @@
+"""The continuous-batching engine: requests come and go at any step, each slot of a fixed batch
+prefills in chunks or decodes (autoregressively, or by batched speculative decoding), and
+tokens stream out per request.
+
+    engine = Engine(target, params, num_slots=8, num_pages=512, draft=draft,
+                    draft_params=draft_params, k=4)
+    rid = engine.add_request(prompt_ids, max_tokens=64, stop_tokens=[eos])
+    for request_id, new_tokens in engine.step(): ...       # or: outputs = engine.run()
+
+Host side: `Scheduler` (slots, queue, pages through `PrefixCache`). Device side: the jitted steps
+of `jaxspec.engine.device`, compiled once per static shape. With K = 0 the engine is the plain
+continuous-batching baseline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Hashable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxspec.cache import PrefixCache, pages_needed
+from jaxspec.cache import host as host_lib
+from jaxspec.decoding.generate import MAX_K, check_request
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.engine import device
+from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
+from jaxspec.engine.scheduler import Scheduler
+from jaxspec.models import ModelConfig, cache_for
+
+
+def _positive_int(name, value, minimum=1):
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
+
+
+class Engine:
+  """Continuous batching over one paged pool, with optional batched speculative decoding.
+
+  Args:
+    target, target_params: the target model.
+    num_slots: B, requests decoded together (fixed batch; one compile).
+    num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page); the
+      draft, when given, has a pool of the same size under the same page tables.
+    page_size: L tokens per page.
+    chunk_size: C, prefill tokens per request per step (chunked prefill).
+    prefill_rows: requests prefilled per step at most (default: num_slots).
+    draft, draft_params, k: draft model and speculation length K in [1, MAX_K]; K = 0 (and no
+      draft) is plain continuous batching.
+    sampling: sampling parameters of every request (greedy by default).
+    host_pages: host-tier capacity of the prefix cache, in pages (0: none).
+    prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
+    max_stop_tokens: stop ids a request may have at most (the static width of the stop table).
+    max_seq_len: tokens a request may span at most (prompt + max_tokens + K + 1); default the
+      models' context. Attention reads a request's whole page-table row each step, so a
+      smaller bound makes every step cheaper.
+    seed: PRNG seed of the sampler.
+  Raises:
+    ValueError: a bad size, K out of range, a draft without K (or K without a draft), draft and
+      target vocabularies that differ.
+  """
+
+  def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
+               page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
+               draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
+               sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
+               prefix_caching: bool = True, max_stop_tokens: int = 8,
+               max_seq_len: Optional[int] = None, seed: int = 0):
+    _positive_int('num_slots', num_slots)
+    _positive_int('num_pages', num_pages, 2)
+    _positive_int('page_size', page_size)
+    _positive_int('chunk_size', chunk_size)
+    _positive_int('max_stop_tokens', max_stop_tokens)
+    _positive_int('host_pages', host_pages, 0)
+    prefill_rows = num_slots if prefill_rows is None else prefill_rows
+    _positive_int('prefill_rows', prefill_rows)
+    if prefill_rows > num_slots:
+      raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
+    _positive_int('k', k, 0)
+    if (draft is None) != (k == 0):
+      raise ValueError(f'speculation needs both a draft and k >= 1; got draft='
+                       f'{"None" if draft is None else "a model"}, k={k}')
+    check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
+                  k=k or None)
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
+    self.target, self.target_params = target, target_params
+    self.draft, self.draft_params, self.k = draft, draft_params, k
+    self.sampling = sampling
+    self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
+    self.max_stop_tokens = max_stop_tokens
+    self.window = k + 1                       # cache slots one decode round writes per request
+    configs = [target] if draft is None else [target, draft]
+    context = min(c.max_seq_len for c in configs)
+    if max_seq_len is not None:
+      _positive_int('max_seq_len', max_seq_len)
+      if max_seq_len > context:
+        raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
+    self.max_seq_len = context if max_seq_len is None else max_seq_len
+    self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
+    self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
+    table, _ = device.idle_rows(1, self.pages_per_seq)
+    self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
+    self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
+                               prefill_rows=prefill_rows, apply_plan=self._apply_plan)
+    self.outputs: dict[Hashable, RequestOutput] = {}
+    self._live: dict[Hashable, Request] = {}
+    self._ids = itertools.count()
+    self._arrivals = itertools.count()
+    self._rng = jax.random.PRNGKey(seed)
+    self.num_steps = 0
+
+  # ---------------------------------------------------------------- requests
+
+  def add_request(self, prompt_tokens: Sequence[int], *, max_tokens: int,
+                  stop_tokens: Sequence[int] = (), request_id: Optional[Hashable] = None,
+                  salt: bytes | str = b'') -> Hashable:
+    """Queue a request; callable at any time, also between steps of a running batch.
+
+    Args:
+      prompt_tokens: token ids (>= 1 of them, each in [0, V)).
+      max_tokens: tokens to emit at most (>= 1), the first included.
+      stop_tokens: ids that end the request (the stop token is emitted); at most
+        `max_stop_tokens` of them.
+      request_id: any hashable id not in use (live or in `outputs`); default: the next int
+        (a refused request uses one up too, so the id in its error is never reused).
+      salt: prefix-cache salt (requests of different salts never share pages).
+    Returns:
+      The request id.
+    Raises:
+      ValueError: naming the request and the bad value: an empty prompt, a token or stop id
+        outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
+        (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
+        that is not str or bytes. The request is not queued;
+        the engine and its other requests are unaffected.
+    """
+    if request_id is None:
+      request_id = next(self._ids)
+      while request_id in self._live or request_id in self.outputs:
+        request_id = next(self._ids)
+    elif request_id in self._live or request_id in self.outputs:
+      raise ValueError(f'request id {request_id!r} is already in use')
+    try:
+      _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
+                                     stop_tokens=stop_tokens, draft=self.draft,
+                                     draft_params=self.draft_params, k=self.k or None)
+      stop = tuple(stop.tolist())
+      if len(stop) > self.max_stop_tokens:
+        raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={self.max_stop_tokens}')
+      prompt = [int(t) for t in prompt_tokens]
+      span = len(prompt) + max_tokens + slack
+      if span > self.max_seq_len:
+        raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
+                         f'{span} exceeds the engine\'s max_seq_len={self.max_seq_len}')
+      need = pages_needed(span, self.prefix.page_size)
+      if need > self.prefix.num_pages - 1:
+        raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
+                         f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
+      salt = _salt(salt)
+    except (TypeError, ValueError) as err:
+      raise ValueError(f'request {request_id!r}: {err}') from err
+    metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
+    request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
+                      order=next(self._arrivals))
+    self._live[request_id] = request
+    self.scheduler.add(request)
+    return request_id
+
+  def has_unfinished(self) -> bool:
+    """Whether any request is queued or running."""
+    return self.scheduler.has_work()
+
+  # ---------------------------------------------------------------- stepping
+
+  def step(self) -> list:
+    """One engine step: schedule, one prefill chunk per prefilling request, one decode round
+    for every decoding request.
+
+    Returns:
+      [(request_id, new token ids)] for every request that emitted tokens in this step
+      (streaming); finished requests also appear in `outputs`.
+    """
+    prefills, decodes = self.scheduler.schedule(self.window)
+    emitted: dict = {}
+    if prefills:
+      self._prefill(prefills, emitted)
+    if decodes:
+      self._decode(decodes, emitted)
+    self.num_steps += 1
+    return list(emitted.items())
+
+  def run(self, max_steps: Optional[int] = None) -> dict:
+    """Step until no request is queued or running (or `max_steps` steps).
+
+    Returns:
+      {request_id: RequestOutput} of the requests that finished during this call.
+    """
+    before = set(self.outputs)
+    steps = 0
+    while self.has_unfinished() and (max_steps is None or steps < max_steps):
+      self.step()
+      steps += 1
+    return {rid: out for rid, out in self.outputs.items() if rid not in before}
+
+  def warm_up(self) -> None:
+    """Compile every device step with idle rows only (nothing is written but the null page),
+    and the host-tier copies when there is a host tier, so that timed steps do not compile."""
+    if self.prefix.host is not None:
+      self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
+    c = self.chunk_size
+    table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
+    tokens = np.zeros((self.prefill_rows, c), np.int32)
+    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
+    table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+    zeros = np.zeros((self.num_slots,), np.int32)
+    self._call_decode(table, lengths, zeros, zeros, self._stop_table([]))
+
+  # ---------------------------------------------------------------- internals
+
+  def _next_rng(self):
+    self._rng, rng = jax.random.split(self._rng)
+    return rng
+
+  def _apply_plan(self, plan) -> None:
+    self.caches = self.prefix.apply(plan, self.caches)
+
+  def _stop_table(self, requests) -> np.ndarray:
+    stop = np.full((self.num_slots, self.max_stop_tokens), -1, np.int32)
+    for r in requests:
+      stop[r.slot, :len(r.stop_tokens)] = r.stop_tokens
+    return stop
+
+  def _call_prefill(self, table, lengths, tokens, counts):
+    caches = device.bind(self.caches + [None] * (2 - len(self.caches)), table, lengths)
+    first, target_cache, draft_cache = device.prefill_chunk(
+        self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
+        tokens, counts, self._next_rng(), sampling=self.sampling)
+    self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
+    return np.asarray(first)
+
+  def _call_decode(self, table, lengths, pending, room, stop):
+    """Returns (window [B, W], num_accepted [B] or None, emitted [B]) as numpy."""
+    caches = device.bind(self.caches, table, lengths)
+    if self.draft is None:
+      window, emitted, target_cache = device.decode_round(
+          self.target, self.target_params, caches[0], pending, room, stop, self._next_rng(),
+          sampling=self.sampling)
+      self.caches = [target_cache]
+      return np.asarray(window), None, np.asarray(emitted)
+    window, n, emitted, target_cache, draft_cache = device.speculative_step(
+        self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
+        pending, room, stop, self._next_rng(), k=self.k, sampling=self.sampling)
+    self.caches = [target_cache, draft_cache]
+    return np.asarray(window), np.asarray(n), np.asarray(emitted)
+
+  def _prefill(self, prefills, emitted) -> None:
+    table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
+    tokens = np.zeros((self.prefill_rows, self.chunk_size), np.int32)
+    counts = np.zeros((self.prefill_rows,), np.int32)
+    for row, (request, chunk) in enumerate(prefills):
+      pages = request.handle.pages
+      table[row, :len(pages)] = pages
+      lengths[row] = request.num_computed
+      tokens[row, :len(chunk)] = chunk
+      counts[row] = len(chunk)
+    first = self._call_prefill(table, lengths, tokens, counts)
+    now = time.perf_counter()
+    for row, (request, chunk) in enumerate(prefills):
+      request.num_computed += len(chunk)
+      request.metrics.prefill_tokens += len(chunk)
+      if request.num_computed < len(request.prefill_tokens):
+        continue
+      self.scheduler.commit(request)   # its prompt pages can be shared from now on
+      request.state = State.DECODE
+      if not request.output:           # a resumed request's pending token is its last output
+        self._emit(request, [int(first[row])], now, emitted)
+
+  def _decode(self, decodes, emitted) -> None:
+    table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+    pending = np.zeros((self.num_slots,), np.int32)
+    room = np.zeros((self.num_slots,), np.int32)
+    for request in decodes:
+      s = request.slot
+      pages = request.handle.pages
+      table[s, :len(pages)] = pages
+      lengths[s] = request.num_computed
+      pending[s] = request.output[-1]
+      room[s] = request.room
+    window, n, counts = self._call_decode(table, lengths, pending, room, self._stop_table(decodes))
+    now = time.perf_counter()
+    for request in decodes:
+      s = request.slot
+      e = int(counts[s])
+      request.num_computed += e      # pending + the first e - 1 new tokens are now cached
+      request.metrics.accepted_lengths.append(e)
+      if n is not None:
+        request.metrics.proposed += self.k
+        request.metrics.accepted += min(int(n[s]), e)
+      self._emit(request, window[s, :e].tolist(), now, emitted)
+
+  def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
+    request.output.extend(tokens)
+    request.metrics.num_tokens = len(request.output)
+    emitted.setdefault(request.id, []).extend(tokens)
+    if request.metrics.first_token_s is None:
+      request.metrics.first_token_s = now
+    if tokens and tokens[-1] in request.stop_tokens:
+      self._finish(request, 'stop', now)
+    elif request.room <= 0:
+      self._finish(request, 'length', now)
+
+  def _finish(self, request: Request, reason: str, now: float) -> None:
+    self.scheduler.release(request)
+    request.state = State.FINISHED
+    request.finish_reason = reason
+    request.metrics.finish_s = now
+    del self._live[request.id]
+    self.outputs[request.id] = RequestOutput(request.id, request.prompt, list(request.output),
+                                             reason, request.metrics)
+
+
+def _salt(salt) -> bytes:
+  if isinstance(salt, str):
+    return salt.encode()
+  if isinstance(salt, (bytes, bytearray)):
+    return bytes(salt)
+  raise ValueError(f'salt must be str or bytes, got {type(salt).__name__}')

@@ -1,0 +1,137 @@
+"""Requests as the engine sees them: host-side state, per-request metrics and finished outputs.
+
+Plain Python over ints. A request moves waiting -> prefill -> decode -> finished; a preemption
+sends it back to waiting with everything it emitted so far (see `Request.prefill_tokens`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Hashable, Optional
+
+
+class State(enum.Enum):
+  WAITING = 'waiting'
+  PREFILL = 'prefill'
+  DECODE = 'decode'
+  FINISHED = 'finished'
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+  """Measurements of one request. Times are `time.perf_counter()` seconds.
+
+  Attributes:
+    arrival_s: when `add_request` accepted it.
+    first_token_s: when its first token was emitted (None before).
+    finish_s: when it finished (None before).
+    prompt_tokens: prompt length.
+    prefill_tokens: tokens its prefills computed (recomputation after preemptions included).
+    cached_tokens: tokens its admissions found in the prefix cache (device or host tier).
+    preemptions: times it was preempted (its pages released, recomputed later).
+    proposed: draft tokens proposed for it; accepted: of those, accepted and emitted.
+    accepted_lengths: per target pass of a decode round, tokens it emitted (accepted + 1, after
+      stop-token and max_tokens cuts): the per-round τ; its mean is `mean_accepted_length`.
+  """
+
+  arrival_s: float
+  first_token_s: Optional[float] = None
+  finish_s: Optional[float] = None
+  prompt_tokens: int = 0
+  prefill_tokens: int = 0
+  cached_tokens: int = 0
+  preemptions: int = 0
+  proposed: int = 0
+  accepted: int = 0
+  accepted_lengths: list = dataclasses.field(default_factory=list)
+  num_tokens: int = 0
+
+  @property
+  def ttft_s(self) -> float:
+    """Seconds from arrival to the first token (queueing + prefill), NaN before it."""
+    return math.nan if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+  @property
+  def tpot_s(self) -> float:
+    """Seconds per output token after the first, NaN with fewer than two tokens or unfinished."""
+    if self.finish_s is None or self.first_token_s is None or self.num_tokens < 2:
+      return math.nan
+    return (self.finish_s - self.first_token_s) / (self.num_tokens - 1)
+
+  @property
+  def acceptance_rate(self) -> float:
+    """α = accepted ÷ proposed draft tokens (NaN without speculation)."""
+    return self.accepted / self.proposed if self.proposed else math.nan
+
+  @property
+  def mean_accepted_length(self) -> float:
+    """τ = tokens emitted per target pass in decode rounds (NaN before any round)."""
+    n = len(self.accepted_lengths)
+    return sum(self.accepted_lengths) / n if n else math.nan
+
+
+@dataclasses.dataclass
+class RequestOutput:
+  """A finished request.
+
+  Attributes:
+    request_id: as given to (or returned by) `add_request`.
+    prompt: the prompt token ids.
+    tokens: emitted token ids (a stop token that ended it included).
+    finish_reason: 'stop' (a stop token) or 'length' (max_tokens).
+    metrics: its `RequestMetrics`.
+  """
+
+  request_id: Hashable
+  prompt: list
+  tokens: list
+  finish_reason: str
+  metrics: RequestMetrics
+
+
+@dataclasses.dataclass
+class Request:
+  """Host-side state of one request inside the engine.
+
+  Attributes:
+    id: request id; prompt: token ids; max_tokens: tokens to emit at most (>= 1);
+    stop_tokens: ids that end it (emitted); salt: prefix-cache salt.
+    output: tokens emitted so far.
+    state: where it is; slot: its batch slot while admitted (else None).
+    handle: its pages (`jaxspec.cache.Request`) while admitted.
+    num_computed: tokens of `context` whose keys/values the caches hold (its cache length).
+    order: admission sequence number (lower = older = higher priority).
+  """
+
+  id: Hashable
+  prompt: list
+  max_tokens: int
+  stop_tokens: tuple
+  salt: bytes
+  metrics: RequestMetrics
+  output: list = dataclasses.field(default_factory=list)
+  state: State = State.WAITING
+  slot: Optional[int] = None
+  handle: object = None
+  num_computed: int = 0
+  order: int = -1
+  finish_reason: Optional[str] = None
+
+  @property
+  def context(self) -> list:
+    """prompt + emitted tokens."""
+    return self.prompt + self.output
+
+  @property
+  def prefill_tokens(self) -> list:
+    """What a (re)admission prefills: the prompt; after a preemption, prompt + every emitted
+    token but the last, which becomes the pending token again (so decoding resumes exactly where
+    it stopped, without sampling anything twice)."""
+    return self.context[:-1] if self.output else self.prompt
+
+  @property
+  def room(self) -> int:
+    """Tokens it may still emit."""
+    return self.max_tokens - len(self.output)
