@@ -25,11 +25,16 @@ from jaxspec.models import Transformer, apply_rope, cache_for
     ('h2o', 8, dict(window=6, sinks=2), 'budget=8 is smaller than sinks (2) + window (6)'),
     ('h2o', 2.5, {}, 'got 2.5'),
     ('lru', 8, {}, "unknown eviction policy 'lru'"),
+    ('full', 10, {}, "policy 'full' keeps every token and takes no budget, got budget=10"),
 ])
 def test_bad_budgets_raise(kind, budget, kwargs, needle):
   with pytest.raises(ValueError) as err:
     make_policy(kind, budget, **kwargs)
   assert needle in str(err.value)
+
+
+def test_numpy_integer_budgets_are_accepted():
+  assert make_policy('h2o', np.int64(20)).budget == 20
 
 
 def test_cache_smaller_than_budget_plus_delay_raises(tiny):
@@ -61,10 +66,10 @@ def test_budget_at_least_sequence_equals_full_cache_exactly(tiny):
   new_cache = lambda: cache_for(config, page_table, 9, 8)
   full = _logits_token_by_token(config, params, new_cache(), None, tokens)
   for kind in POLICIES:
-    budget = None if kind == 'full' else 32
-    eviction = init_eviction(make_policy(kind, budget), new_cache())
-    got = _logits_token_by_token(config, params, new_cache(), eviction, tokens)
-    np.testing.assert_array_equal(got, full, err_msg=kind)
+    for budget in ([None] if kind == 'full' else [29, 32]):   # budget == length: the edge
+      eviction = init_eviction(make_policy(kind, budget), new_cache())
+      got = _logits_token_by_token(config, params, new_cache(), eviction, tokens)
+      np.testing.assert_array_equal(got, full, err_msg=f'{kind} budget {budget}')
 
 
 def _rope(x, pos):

@@ -120,3 +120,16 @@ def test_kernels_lower_through_pallas_triton_for_cuda(pages_per_seq, t):
                                   jnp.zeros((b, s), jnp.int32), jnp.zeros((b,), jnp.int32)).lower(
                                       lowering_platforms=('cuda',))
   assert 'custom_call @__gpu' in lowered.as_text()
+
+
+def test_select_treats_nan_priority_as_lowest_in_kernel_and_reference():
+  key_pos = np.array([[0, 1, 2, 3, 4, 5, 6, 7]], np.int32)          # full at budget 8
+  free_from = np.zeros_like(key_pos)
+  priority = np.array([[5, 4, np.nan, 6, 7, 8, 9, 9]], np.float32)
+  params = SelectParams(budget=8, sinks=0, window=2, reuse_delay=0)
+  positions = np.array([8], np.int32)
+  got = select_slots(priority, key_pos, free_from, positions, params, interpret=True)
+  want = select_slots_reference(priority, key_pos, free_from, positions, params)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  assert int(np.asarray(got[2])[0]) == 2                         # the NaN slot is evicted

@@ -21,6 +21,7 @@ with scores summed over KV heads.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 import flax
@@ -69,9 +70,10 @@ class EvictionPolicy:
                         reuse_delay=self.reuse_delay)
 
 
-def _check_int(name, value, minimum):
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(name, value, minimum) -> int:
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
     raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
+  return int(value)
 
 
 def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int] = None,
@@ -81,25 +83,27 @@ def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int]
   window and sinks evict the oldest non-sink token, so their `window` stays 0.
 
   Raises:
-    ValueError: unknown kind; budget missing, zero, negative or not an int; budget smaller than
+    ValueError: unknown kind; a budget given to 'full'; for the others a budget missing, zero,
+      negative or not an int; budget smaller than
       sinks + window + 1 (no token would ever be evictable); negative sinks / window / delay.
   """
   if kind not in POLICIES:
     raise ValueError(f'unknown eviction policy {kind!r}; known: {POLICIES}')
-  _check_int('reuse_delay', reuse_delay, 0)
+  reuse_delay = _check_int('reuse_delay', reuse_delay, 0)
   if kind == 'full':
     if budget is not None:
-      _check_int('budget', budget, 1)
-    return EvictionPolicy('full', budget, 0, 0, reuse_delay)
+      raise ValueError(f"policy 'full' keeps every token and takes no budget, got budget={budget!r}"
+                       ' (size its cache for the whole sequence)')
+    return EvictionPolicy('full', None, 0, 0, reuse_delay)
   if budget is None:
     raise ValueError(f'eviction policy {kind!r} needs a budget (tokens), got None')
-  _check_int('budget', budget, 1)
+  budget = _check_int('budget', budget, 1)
   if sinks is None:
     sinks = STREAMING_SINKS if kind == 'sinks' else 0
   if window is None:
     window = budget // 2 if kind in ('h2o', 'h2o_norm') else 0
-  _check_int('sinks', sinks, 0)
-  _check_int('window', window, 0)
+  sinks = _check_int('sinks', sinks, 0)
+  window = _check_int('window', window, 0)
   if budget < sinks + window + 1:
     raise ValueError(f'budget={budget} is smaller than sinks ({sinks}) + window ({window}) + 1: '
                      'no cached token could ever be evicted')

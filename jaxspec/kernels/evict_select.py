@@ -53,7 +53,8 @@ def _select(priority, key_pos, free_from, p, params: SelectParams):
   live = key_pos >= 0
   must_evict = (p >= 0) & (jnp.sum(live.astype(jnp.int32)) >= params.budget)
   candidate = live & (key_pos >= params.sinks) & (key_pos < p - params.window) & must_evict
-  masked = jnp.where(candidate, priority, jnp.inf)
+  # A NaN priority (a model that produced NaN) counts as lowest, so a slot is still freed.
+  masked = jnp.where(candidate, jnp.where(jnp.isnan(priority), -jnp.inf, priority), jnp.inf)
   lowest = jnp.min(masked)
   victim = jnp.min(jnp.where(candidate & (masked == lowest), idx, s))
   evicted = idx == victim
@@ -122,6 +123,7 @@ def _select_reference(priority, key_pos, free_from, p, params: SelectParams):
   live = key_pos >= 0
   must_evict = (p >= 0) & (live.sum() >= params.budget)
   candidate = live & (key_pos >= params.sinks) & (key_pos < p - params.window)
+  priority = jnp.where(jnp.isnan(priority), -jnp.inf, priority)    # NaN: lowest (as the kernel)
   victim = jnp.argmin(jnp.where(candidate, priority, jnp.inf))     # first index among ties
   victim = jnp.where(must_evict & candidate.any(), victim, -1)
   key_pos = key_pos.at[victim].set(jnp.where(victim >= 0, -1, key_pos[victim]))

@@ -40,7 +40,7 @@ class BlockSizes:
 
   Attributes:
     pages_per_block: pages of keys processed per loop step (block of pages_per_block * L keys);
-      must divide pages_per_seq.
+      must divide pages_per_seq rounded up to a power of two (the slot axis is padded so).
     min_rows: query rows per program are padded to a power of two at least this (Triton's dot
       needs 16).
   """
@@ -140,7 +140,8 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     out: [B, T, N, H] in q's dtype; mass: [B, K, S] float32, sum over the T queries and the G
     heads of KV head k of softmax probability on slot s (0 for empty / invisible slots).
   Raises:
-    ValueError: on inconsistent shapes or a pages_per_block that does not divide NP.
+    ValueError: on inconsistent shapes or a pages_per_block that does not divide NP rounded up
+      to a power of two.
   """
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
   b, t, n, h = q.shape
