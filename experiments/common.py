@@ -107,5 +107,12 @@ def parse_flags(argv):
   except flags.Error as e:
     sys.exit(f'FATAL flags: {e}')
   except (AttributeError, KeyError) as e:  # ml_collections: override of a field the config lacks
-    bad = [a for a in argv[1:] if a.startswith('--config.')]
-    sys.exit(f'FATAL: unknown config field {e} in {bad}; the config file lists every field')
+    exit_unknown_field(e, argv)
+
+
+def exit_unknown_field(error: Exception, argv) -> None:
+  """Ends the program with one line naming the unknown `--config.FIELD` (ml_collections raises
+  AttributeError / KeyError for it, at flag definition when the default config file is used)."""
+  bad = [a for a in argv[1:] if a.startswith('--config.')]
+  name = str(error.args[0]).strip('"\'') if error.args else str(error)
+  sys.exit(f'FATAL: unknown config field {name!r} in {bad}; the config file lists every field')

@@ -10,18 +10,22 @@ runs the experiment as one program and process 0 alone writes the results.
 """
 
 import importlib
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 import shutil
 
-from experiments.common import DiscardedResults, Results, new_run_dir, parse_flags
+from experiments.common import DiscardedResults, Results, exit_unknown_field, new_run_dir, parse_flags
 from jaxspec.parallel import distributed
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
-    lock_config=True)
+try:  # with the default config file, overrides are applied here, at definition
+  _CONFIG = config_flags.DEFINE_config_file(
+      'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
+      lock_config=True)
+except (AttributeError, KeyError) as _error:
+  exit_unknown_field(_error, sys.argv)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
 
 

@@ -34,7 +34,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
-from experiments.common import Results, format_record, parse_flags, read_results
+from experiments.common import (Results, exit_unknown_field, format_record, parse_flags,
+                                read_results)
 from jaxspec.parallel import distributed
 
 
@@ -246,9 +247,12 @@ def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
 
 def define_flags() -> None:
   """Defines the CLI flags; called only when run as a program, so imports define no flags."""
-  config_flags.DEFINE_config_file('config', 'configs/speculative.py',
-                                  'Config file (path[:variant]) with get_sweep().',
-                                  lock_config=True)
+  try:  # with the default config file, overrides are applied here, at definition
+    config_flags.DEFINE_config_file('config', 'configs/speculative.py',
+                                    'Config file (path[:variant]) with get_sweep().',
+                                    lock_config=True)
+  except (AttributeError, KeyError) as error:
+    exit_unknown_field(error, sys.argv)
   flags.DEFINE_string('workdir', 'runs', 'Root directory; the sweep goes to WORKDIR/EXPERIMENT/.')
   flags.DEFINE_string('sweep_name', 'sweep', 'Sweep directory name; the same name resumes.')
   flags.DEFINE_multi_string('only', [], 'field=value: run only matching cases (repeatable).')

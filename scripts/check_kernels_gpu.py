@@ -20,6 +20,10 @@ from jaxspec.kernels import (BlockSizes, SelectParams, paged_attention_with_mass
 
 def main() -> int:
   print('devices:', jax.devices())
+  if jax.default_backend() != 'gpu':
+    print(f'needs a GPU: the default JAX backend is {jax.default_backend()!r} (on CPU the kernels '
+          'run only in interpret mode; tests/test_kernels_eviction.py covers that)')
+    return 2
   rng = np.random.default_rng(0)
   ok = True
   for t, group, pages_per_seq, pages_per_block in [(1, 3, 13, 1), (5, 3, 8, 2), (5, 1, 64, 4)]:
