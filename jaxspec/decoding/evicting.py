@@ -185,12 +185,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
     eviction = after_tokens(eviction, history, kept)
     last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     pending = jnp.where(emitted > 0, last, pending)
-    act = active.astype(jnp.int32)
-    stats = SpecStats(proposed=stats.proposed + k * act,
-                      accepted=stats.accepted + jnp.minimum(n, emitted),
-                      emitted=stats.emitted + emitted,
-                      target_calls=stats.target_calls + act,
-                      rejected=stats.rejected + act * ((n < k) & (emitted == n + 1)))
+    stats = stats.after_round(active, n, emitted, k)
     return target_cache, eviction, draft_cache, out, stats, pending, rng
 
   state = (target_cache, eviction, draft_cache, out, SpecStats.zeros(b), first_token, rng)

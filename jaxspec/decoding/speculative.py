@@ -47,6 +47,21 @@ class SpecStats:
     z = jnp.zeros((batch,), jnp.int32)
     return cls(z, z, z, z, z)
 
+  def after_round(self, active, n, emitted, k: int) -> 'SpecStats':
+    """The counters after one round.
+
+    Args:
+      active: [B] bool, rows that were not done before the round.
+      n: [B] int32 draft tokens accepted by rejection sampling; emitted: [B] int32 tokens
+        committed after the stop-token / max-token cut; k: static K.
+    """
+    act = active.astype(jnp.int32)
+    return SpecStats(proposed=self.proposed + k * act,
+                     accepted=self.accepted + jnp.minimum(n, emitted),
+                     emitted=self.emitted + emitted,
+                     target_calls=self.target_calls + act,
+                     rejected=self.rejected + act * ((n < k) & (emitted == n + 1)))
+
 
 def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *, k: int,
                  sampling: SamplingParams):
@@ -134,12 +149,7 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     draft_cache = rollback(draft_cache, keep)
     last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     pending = jnp.where(emitted > 0, last, pending)
-    act = active.astype(jnp.int32)
-    stats = SpecStats(proposed=stats.proposed + k * act,
-                      accepted=stats.accepted + jnp.minimum(n, emitted),
-                      emitted=stats.emitted + emitted,
-                      target_calls=stats.target_calls + act,
-                      rejected=stats.rejected + act * ((n < k) & (emitted == n + 1)))
+    stats = stats.after_round(active, n, emitted, k)
     return target_cache, draft_cache, out, stats, pending, rng
 
   state = (target_cache, draft_cache, out, SpecStats.zeros(b), first_token, rng)
