@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import POLICIES, init_cache, init_eviction, make_policy
+from jaxspec.cache import POLICIES, init_cache, init_eviction, make_policy, pages_needed
 from jaxspec.cache.eviction import attend_and_evict, last_token, priority
 from jaxspec.decoding import SamplingParams, prefill
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting,
@@ -239,3 +239,47 @@ def test_padding_query_leaves_tova_scores():
   for field in ('key_pos', 'free_from', 'scores'):
     np.testing.assert_array_equal(getattr(state, field), getattr(before, field))
   assert float(before.scores.sum()) > 0
+
+
+def test_model_keeps_each_layer0_key_at_its_own_position_under_eviction(tiny):
+  """Whole-model check of the bug class where cached keys end up rotated for the wrong position:
+  after greedy decoding under H2O with a budget the sequence overflows, every kept layer-0 key
+  equals the key a full-cache forward pass computes at the position the slot records (layer 0's
+  keys depend only on the token and its position, so the two must agree)."""
+  config, params = tiny
+  page, prompts = 8, [[5, 9, 14, 3, 22], [7, 40, 2, 11, 30, 8, 19, 33, 4, 25, 61, 6, 17]]
+  policy = make_policy('h2o', 12, reuse_delay=1)
+  per = pages_needed(policy.slots, page)
+  cache = cache_for(config, np.arange(1, 1 + 2 * per).reshape(2, per), 1 + 2 * per, page)
+  tokens = np.zeros((2, 16), np.int32)
+  for row, p in enumerate(prompts):
+    tokens[row, :len(p)] = p
+  lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+  first, cache, state = prefill_evicting(config, params, cache, init_eviction(policy, cache),
+                                         jnp.asarray(tokens), lengths, jax.random.PRNGKey(0),
+                                         sampling=SamplingParams())
+  out, cache, state = decode_autoregressive_evicting(
+      config, params, cache, state, first, jax.random.PRNGKey(1), jnp.zeros((0,), jnp.int32),
+      sampling=SamplingParams(), max_new_tokens=24)
+  seqs = [(p + np.asarray(out.tokens[row, :int(out.num_tokens[row])]).tolist())
+          [:int(cache.lengths[row])] for row, p in enumerate(prompts)]
+  width = max(map(len, seqs))
+  toks = np.zeros((2, width), np.int32)
+  pos = np.full((2, width), -1, np.int32)
+  for row, seq in enumerate(seqs):
+    toks[row, :len(seq)], pos[row, :len(seq)] = seq, np.arange(len(seq))
+  full_per = pages_needed(width, page)
+  full = cache_for(config, np.arange(1, 1 + 2 * full_per).reshape(2, full_per), 1 + 2 * full_per,
+                   page)
+  _, full = Transformer(config).apply(params, jnp.asarray(toks), jnp.asarray(pos), full)
+
+  def key(c, row, slot):
+    return np.asarray(c.k_pages[0, :, int(c.page_table[row, slot // page]), slot % page])
+
+  key_pos = np.asarray(state.key_pos)
+  for row, seq in enumerate(seqs):
+    kept = np.nonzero(key_pos[0, row] >= 0)[0]
+    assert len(seq) > 12 and len(kept) == 12               # the budget was overflowed and held
+    for slot in kept:
+      np.testing.assert_allclose(key(cache, row, slot), key(full, row, key_pos[0, row, slot]),
+                                 rtol=1e-5, atol=1e-5)
