@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
-from jaxspec.cache.host import HostTier
+from jaxspec.cache.host import HostTier, read_pages, write_pages
 from jaxspec.cache.paged import pages_needed
 
 _ROOT = bytes(32)  # parent key of a sequence's first page
@@ -58,7 +58,9 @@ def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') ->
     page_size: L, tokens per page.
     salt: optional cache salt (bytes or str); keys of different salts never collide.
   Returns:
-    ceil-free list: len(tokens) // page_size keys of 32 bytes each.
+    len(tokens) // page_size keys of 32 bytes each (bytes), one per full page, in order.
+  Raises:
+    ValueError: page_size < 1, or a salt that is not str / bytes.
   """
   salt = _salt_bytes(salt)
   if page_size < 1:
@@ -371,7 +373,6 @@ class PrefixCache:
     Returns:
       The updated caches, same order.
     """
-    from jaxspec.cache import host as host_lib  # device code, kept out of the bookkeeping
     if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
     caches = list(caches)
@@ -380,7 +381,7 @@ class PrefixCache:
       # A plan demoting more pages than the tier holds keeps the most recently used ones.
       demote = [(page, key) for page, key in plan.demote if key in self.host]
       if demote:
-        data = host_lib.read_pages(caches, [page for page, _ in demote])
+        data = read_pages(caches, [page for page, _ in demote])
         for i, (_, key) in enumerate(demote):
           # Own copies: a view would keep the whole batched read alive past the tier's capacity.
           self.host.put(key, [(np.ascontiguousarray(k[:, :, i]), np.ascontiguousarray(v[:, :, i]))
@@ -388,7 +389,7 @@ class PrefixCache:
         self.stats['demoted_pages'] += len(demote)
       if plan.promote:
         pages = [page for _, page in plan.promote]
-        caches = host_lib.write_pages(caches, pages, promoted)
+        caches = write_pages(caches, pages, promoted)
     self._pending = None
     return caches
 

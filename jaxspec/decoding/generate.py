@@ -134,6 +134,11 @@ def decode(target, target_params, cache, first, rng, stop, *, sampling, max_new_
   """The compiled decode loop after prefill: autoregressive, or speculative with a draft, run
   through `steps` (the default device, or a `jaxspec.parallel.ShardedSteps` mesh placement).
 
+  Args:
+    cache, draft_cache: prefilled PagedKVCaches (donated); first: [B] int32 first tokens from
+      prefill; rng: PRNG key; stop: [S] int32 stop ids; max_new_tokens: static, counts `first`;
+      k: speculation length K (with a draft).
+
   Returns:
     (Output, counters: dict of the SpecStats sums (empty for autoregressive), cache, draft_cache).
   """
