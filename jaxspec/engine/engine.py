@@ -154,7 +154,7 @@ class Engine:
       if span > self.max_seq_len:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
                          f'{span} exceeds the engine\'s max_seq_len={self.max_seq_len}')
-      need = pages_needed(span, self.prefix.page_size)
+      need = self._request_pages(span)
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
@@ -223,6 +223,15 @@ class Engine:
     self._rng, rng = jax.random.split(self._rng)
     return rng
 
+  def _request_pages(self, span: int) -> int:
+    """Pages a request spanning `span` tokens may hold at most (hook: fixed under eviction)."""
+    return pages_needed(span, self.prefix.page_size)
+
+  def _prefill_row(self, index: int, request: Request) -> int:
+    """Row of the prefill call for the index-th prefilling request (hook: its slot under
+    eviction, where per-slot state lives on device)."""
+    return index
+
   def _apply_plan(self, plan) -> None:
     self.caches = self.prefix.apply(plan, self.caches)
 
@@ -259,7 +268,8 @@ class Engine:
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, self.chunk_size), np.int32)
     counts = np.zeros((self.prefill_rows,), np.int32)
-    for row, (request, chunk) in enumerate(prefills):
+    for i, (request, chunk) in enumerate(prefills):
+      row = self._prefill_row(i, request)
       pages = request.handle.pages
       table[row, :len(pages)] = pages
       lengths[row] = request.num_computed
@@ -267,7 +277,8 @@ class Engine:
       counts[row] = len(chunk)
     first = self._call_prefill(table, lengths, tokens, counts)
     now = time.perf_counter()
-    for row, (request, chunk) in enumerate(prefills):
+    for i, (request, chunk) in enumerate(prefills):
+      row = self._prefill_row(i, request)
       request.num_computed += len(chunk)
       request.metrics.prefill_tokens += len(chunk)
       if request.num_computed < len(request.prefill_tokens):

@@ -134,7 +134,7 @@ class Scheduler:
       if not self._fits_with_headroom(request):
         return
       try:
-        handle, plan = self.prefix.admit(request.prefill_tokens, salt=request.salt)
+        handle, plan = self._take_pages(request)
       except OutOfPagesError:
         return
       if plan:
@@ -146,6 +146,11 @@ class Scheduler:
       request.num_computed = handle.num_cached
       request.metrics.cached_tokens += handle.num_cached
       request.state = State.PREFILL
+
+  def _take_pages(self, request: Request):
+    """(handle, plan) of the pages an admission takes: its prefill tokens' (hook: a fixed
+    count under eviction). Raises OutOfPagesError when they do not fit."""
+    return self.prefix.admit(request.prefill_tokens, salt=request.salt)
 
   def _fits_with_headroom(self, request: Request) -> bool:
     """Whether admitting `request` leaves a page per decoding request for its next growth (a

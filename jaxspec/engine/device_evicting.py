@@ -1,0 +1,97 @@
+"""The evicting engine's device steps: `jaxspec.engine.device`'s prefill chunk and decode round
+with the target's cache under an eviction policy (`jaxspec.cache.eviction`).
+
+Row b of every call is batch slot b (the evicting engine prefills with rows = slots), so the
+per-slot `EvictionState` ([layers, B, S] arrays) stays on device from step to step and is passed
+in and out whole. Rows with nothing to do get positions -1: the eviction step treats them as
+padding (no slot chosen, no score added, nothing written but the null page), so a slot that is
+prefilling is untouched by the decode round and vice versa.
+
+Inside each model call the tokens of a row enter one at a time (`attend_and_evict`), so a
+prefill chunk makes exactly the decisions of the same tokens fed one per step: chunk size and
+chunk boundaries change nothing, and a request prefilled again after a preemption (prompt +
+output) retraces its eviction decisions.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.cache import EvictionState, last_token
+from jaxspec.decoding.output import cut_lengths
+from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.models import ModelConfig, Transformer
+
+
+def reset_rows(eviction: EvictionState, reset) -> EvictionState:
+  """`eviction` with the rows (slots) where `reset` holds emptied: every slot free, no scores.
+
+  Args:
+    reset: [B] bool.
+  """
+  r = reset[None, :, None]
+  return eviction.replace(key_pos=jnp.where(r, -1, eviction.key_pos),
+                          free_from=jnp.where(r, 0, eviction.free_from),
+                          scores=jnp.where(r, 0.0, eviction.scores))
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
+                   donate_argnames=('target_cache', 'eviction'))
+def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, eviction, tokens,
+                           counts, rng, *, sampling: SamplingParams):
+  """One prefill chunk per slot under eviction.
+
+  A row starting at length 0 with new tokens is a fresh admission: its eviction row is reset
+  first (its previous occupant's slots and scores are forgotten; its pages were rewritten anyway).
+
+  Args:
+    target: static config.
+    target_cache: bound cache (donated); row b holds lengths[b] tokens (positions) already, in
+      the slots its eviction row records.
+    eviction: EvictionState [layers, B, S] (donated), one row per batch slot.
+    tokens: [B, C] int32 new tokens, right-padded; counts: [B] int32 real tokens per row (0: an
+      idle row, bound to the null page).
+    rng: PRNG key.
+  Returns:
+    (next_token [B] int32 drawn at each row's last new token, target_cache, eviction).
+  """
+  eviction = reset_rows(eviction, (counts > 0) & (target_cache.lengths == 0))
+  t = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  positions = jnp.where(t < counts[:, None], target_cache.lengths[:, None] + t, -1)
+  logits, target_cache, history = Transformer(target).apply(target_params, tokens, positions,
+                                                            target_cache, eviction)
+  last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+  # Padding leaves the state as it was, so the state after the last token is each row's.
+  return sample(rng, probabilities(last, sampling)), target_cache, last_token(history)
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
+                   donate_argnames=('target_cache', 'eviction'))
+def decode_round_evicting(target: ModelConfig, target_params, target_cache, eviction, pending,
+                          room, stop, rng, *, sampling: SamplingParams):
+  """One autoregressive step for every decoding slot under eviction (K = 0).
+
+  Args:
+    target_cache: bound cache (donated); row b holds every committed token but `pending[b]`.
+    eviction: EvictionState [layers, B, S] (donated).
+    pending: [B] int32 last committed token per row (input of this step).
+    room: [B] int32 tokens each row may still emit; 0 marks an idle row (position -1: its
+      eviction row is left as it was).
+    stop: [B, S_stop] int32 stop ids per row, -1 padded.
+  Returns:
+    (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, target_cache, eviction).
+  """
+  positions = jnp.where(room > 0, target_cache.lengths, -1)[:, None]
+  logits, target_cache, history = Transformer(target).apply(target_params, pending[:, None],
+                                                            positions, target_cache, eviction)
+  window = sample(rng, probabilities(logits[:, 0], sampling))[:, None]
+  emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
+  return window, emitted, target_cache, last_token(history)
+
+
+def compile_counts() -> dict:
+  """Compiled variants of each evicting device step in this process (the jit caches' sizes)."""
+  return {f.__name__: f._cache_size() for f in (prefill_chunk_evicting, decode_round_evicting)}

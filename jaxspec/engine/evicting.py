@@ -1,0 +1,169 @@
+"""Continuous batching with every request's KV cache under an eviction budget: each request holds
+a fixed number of pages whatever its length, so the same KV memory runs more requests at once
+than the plain engine, at some cost in quality.
+
+    policy = make_policy('h2o', 128)                    # 128 live tokens per request and layer
+    engine = EvictingEngine(target, params, policy=policy, num_slots=16, num_pages=129)
+    rid = engine.add_request(prompt_ids, max_tokens=64)  # prompts longer than the budget are fine
+    outputs = engine.run()
+
+Policies (`jaxspec.cache.eviction`): sliding window, attention sinks + window (StreamingLLM,
+Xiao et al. 2023), heavy hitters (H2O, Zhang et al. 2023; raw or normalised accumulated
+attention), TOVA (Oren et al. 2024).
+
+Pages: a request spanning `span` tokens (prompt + max_tokens + 1) holds
+min(ceil(span / L), ceil((budget + reuse_delay) / L)) pages from admission to finish, taken all at
+admission; nothing grows, so the scheduler never preempts for growth and admission needs only that
+fixed count. `max_seq_len` bounds positions (RoPE), not memory.
+
+Device state: one `EvictionState` row per batch slot lives on device across steps (prefill rows
+= slots); a slot's row is reset when a request is admitted into it. Preemption by recomputation
+(`Scheduler.preempt`) still resumes exactly: prefilling prompt + output one token at a time
+retraces the same eviction decisions.
+
+Not supported under eviction (ValueError at construction): speculative decoding (K > 0, a draft),
+prefix caching and the host tier (a request's pages are rewritten in place as slots are reused,
+so sharing them would need copy-on-write), prefill_rows other than num_slots, the 'full' policy
+(use `Engine`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
+from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.engine import device
+from jaxspec.engine import device_evicting
+from jaxspec.engine.engine import Engine
+from jaxspec.engine.request import Request
+from jaxspec.engine.scheduler import Scheduler
+from jaxspec.models import ModelConfig
+
+
+class EvictingScheduler(Scheduler):
+  """`Scheduler` with a fixed page count per request: admission takes `pages_of(request)` pages
+  at once, nothing grows, nothing is registered for sharing.
+
+  Args:
+    prefix: the `PrefixCache` over the device pool (caching disabled: only its accounting).
+    pages_of: request -> pages it holds while admitted.
+    **kwargs: as `Scheduler`.
+  """
+
+  def __init__(self, prefix, *, pages_of, **kwargs):
+    if prefix.enabled or prefix.host is not None:
+      raise ValueError('eviction needs prefix caching and the host tier off')
+    super().__init__(prefix, **kwargs)
+    self._pages_of = pages_of
+
+  def _take_pages(self, request: Request):
+    # With caching off the handle's tokens only label it; reserve sets the page count.
+    reserve = self._pages_of(request) * self.prefix.page_size
+    return self.prefix.admit(request.prefill_tokens[:reserve], reserve=reserve,
+                             salt=request.salt)
+
+  def _fits_with_headroom(self, request: Request) -> bool:
+    return True   # nothing grows, so no watermark is needed; `admit` decides
+
+  def _grow(self, request: Request, tokens: int) -> None:
+    return None   # every page a request will write was taken at admission
+
+  def commit(self, request: Request) -> None:
+    return None   # pages are rewritten in place as slots are reused: nothing is shareable
+
+
+class EvictingEngine(Engine):
+  """Continuous batching (K = 0) with each request's target cache under `policy`.
+
+  Args:
+    target, target_params: the model.
+    policy: an `EvictionPolicy` with a budget (`jaxspec.cache.make_policy`, not 'full').
+    num_slots: B, requests decoded together.
+    num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page).
+    page_size, chunk_size, sampling, max_stop_tokens, max_seq_len, seed: as `Engine`.
+    use_kernel, interpret: Pallas kernels for selection and attention (interpret mode on CPU)
+      instead of their jnp references (`jaxspec.cache.init_eviction`).
+    draft, draft_params, k, prefix_caching, host_pages, prefill_rows: accepted only at their
+      defaults (None, None, 0, False, 0, None = num_slots); see the module docstring.
+  Attributes:
+    request_pages: pages a request longer than the budget holds (ceil(policy.slots / L)).
+    eviction: the device `EvictionState`, arrays [layers, B, request_pages * L].
+  Raises:
+    ValueError: naming the value: a policy that is not an EvictionPolicy or has no budget;
+      speculation, prefix caching, a host tier or prefill_rows != num_slots; a budget whose
+      pages exceed the pool; and everything `Engine` refuses.
+  """
+
+  def __init__(self, target: ModelConfig, target_params, *, policy: EvictionPolicy,
+               num_slots: int, num_pages: int, page_size: int = 16, chunk_size: int = 32,
+               sampling: SamplingParams = SamplingParams(), max_stop_tokens: int = 8,
+               max_seq_len: Optional[int] = None, seed: int = 0, use_kernel: bool = False,
+               interpret: bool = True, draft: Optional[ModelConfig] = None, draft_params=None,
+               k: int = 0, prefix_caching: bool = False, host_pages: int = 0,
+               prefill_rows: Optional[int] = None):
+    if not isinstance(policy, EvictionPolicy):
+      raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
+                       f'got {policy!r}')
+    if policy.slots is None:
+      raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
+    if draft is not None or draft_params is not None or k != 0:
+      raise ValueError(f'speculative decoding is not supported by EvictingEngine, got k={k!r}, '
+                       f'draft={"None" if draft is None else "a model"}')
+    if prefix_caching:
+      raise ValueError('prefix_caching=True is not supported under eviction (pages are '
+                       'rewritten in place; sharing them would need copy-on-write)')
+    if host_pages:
+      raise ValueError(f'host_pages={host_pages!r}: the host tier is not supported under '
+                       'eviction (it holds prefix-cache pages)')
+    if prefill_rows is not None and prefill_rows != num_slots:
+      raise ValueError(f'prefill_rows={prefill_rows!r} must equal num_slots={num_slots!r} '
+                       'under eviction (prefill row b is slot b)')
+    super().__init__(target, target_params, num_slots=num_slots, num_pages=num_pages,
+                     page_size=page_size, chunk_size=chunk_size, sampling=sampling,
+                     prefix_caching=False, max_stop_tokens=max_stop_tokens,
+                     max_seq_len=max_seq_len, seed=seed)
+    self.policy = policy
+    self.request_pages = pages_needed(policy.slots, page_size)
+    if self.request_pages > num_pages - 1:
+      raise ValueError(f'budget {policy.budget} + reuse_delay {policy.reuse_delay} needs '
+                       f'{self.request_pages} pages of {page_size} per request, the pool has '
+                       f'num_pages - 1 = {num_pages - 1}')
+    self.pages_per_seq = self.request_pages      # page-table width: attention reads S slots
+    self.scheduler = EvictingScheduler(self.prefix, pages_of=self._pages_of, num_slots=num_slots,
+                                       chunk_size=chunk_size, prefill_rows=num_slots,
+                                       apply_plan=self._apply_plan)
+    table, lengths = device.idle_rows(num_slots, self.pages_per_seq)
+    bound = device.bind(self.caches, table, lengths)[0]
+    self.eviction = init_eviction(policy, bound, use_kernel=use_kernel, interpret=interpret)
+
+  # ---------------------------------------------------------------- hooks of Engine
+
+  def _request_pages(self, span: int) -> int:
+    return min(pages_needed(span, self.prefix.page_size), self.request_pages)
+
+  def _pages_of(self, request: Request) -> int:
+    return self._request_pages(len(request.prompt) + request.max_tokens + self.window)
+
+  def _prefill_row(self, index: int, request: Request) -> int:
+    return request.slot
+
+  def _call_prefill(self, table, lengths, tokens, counts):
+    cache = device.bind(self.caches, table, lengths)[0]
+    first, cache, self.eviction = device_evicting.prefill_chunk_evicting(
+        self.target, self.target_params, cache, self.eviction, jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling=self.sampling)
+    self.caches = [cache]
+    return np.asarray(first)
+
+  def _call_decode(self, table, lengths, pending, room, stop):
+    cache = device.bind(self.caches, table, lengths)[0]
+    window, emitted, cache, self.eviction = device_evicting.decode_round_evicting(
+        self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
+        jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(),
+        sampling=self.sampling)
+    self.caches = [cache]
+    return np.asarray(window), None, np.asarray(emitted)
