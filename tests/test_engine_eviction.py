@@ -1,0 +1,181 @@
+"""The evicting engine: greedy outputs equal each request decoded alone by the evicting loops
+(staggered arrivals, prompts longer than the budget, a forced preemption), a budget covering the
+whole sequence equals the plain engine, fixed page accounting and more requests at once than the
+plain engine in the same pages, bad input."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.cache import init_eviction, make_policy, pages_needed
+from jaxspec.decoding import SamplingParams
+from jaxspec.decoding.evicting import decode_autoregressive_evicting, prefill_evicting
+from jaxspec.engine import Engine, EvictingEngine, State
+from jaxspec.engine.device_evicting import compile_counts
+from jaxspec.models import cache_for
+from test_engine import _check_pool, _prompts, _run_staggered
+
+L = 8            # page size
+M = 24           # longest max_tokens in these tests
+P_MAX = 48       # longest prompt in these tests
+BUDGET = 12      # live tokens per request and layer: 2 pages
+SHAPES = dict(num_slots=4, num_pages=9, page_size=L, chunk_size=8)   # 8 usable pages
+
+
+@pytest.fixture(scope='module')
+def alone(tiny):
+  """expected(policy, prompt, max_tokens): the greedy output of the prompt decoded alone (batch
+  1) by `prefill_evicting` + `decode_autoregressive_evicting` under `policy`, with a cache of
+  ceil(policy.slots / L) pages as the engine gives a long request. Prompts are right-padded to
+  P_MAX (padding changes no eviction state) and decoded for M tokens, so each policy compiles
+  once; a greedy output with fewer max_tokens is a prefix of the longest one."""
+  config, params = tiny
+
+  @functools.lru_cache(maxsize=None)
+  def free(policy, prompt):
+    per = pages_needed(policy.slots, L)
+    cache = cache_for(config, np.arange(1, 1 + per)[None], 1 + per, L)
+    tokens = np.zeros((1, P_MAX), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    first, cache, eviction = prefill_evicting(
+        config, params, cache, init_eviction(policy, cache), jnp.asarray(tokens),
+        jnp.asarray([len(prompt)], jnp.int32), jax.random.PRNGKey(0), sampling=SamplingParams())
+    out, _, _ = decode_autoregressive_evicting(
+        config, params, cache, eviction, first, jax.random.PRNGKey(1), jnp.zeros((0,), jnp.int32),
+        sampling=SamplingParams(), max_new_tokens=M)
+    return np.asarray(out.tokens[0, :int(out.num_tokens[0])]).tolist()
+
+  return lambda policy, prompt, max_tokens: free(policy, tuple(prompt))[:max_tokens]
+
+
+def _check_fixed_pages(engine):
+  """Every admitted request holds min(ceil(span / L), ceil(slots / L)) pages, span = prompt +
+  max_tokens + 1, from admission on: nothing grows."""
+  for r in engine.scheduler.running:
+    span = len(r.prompt) + r.max_tokens + 1
+    assert len(r.handle.pages) == min(pages_needed(span, L), engine.request_pages)
+
+
+@pytest.mark.parametrize('kind', ['h2o', 'sinks'])
+def test_greedy_every_request_equals_it_decoded_alone_under_eviction(tiny, alone, kind):
+  config, params = tiny
+  policy = make_policy(kind, BUDGET)
+  # Prompts shorter than, around and far past the budget (12) and the chunk (8).
+  lengths = [5, 30, 9, 41, 17, 48, 12]
+  prompts = _prompts(lengths, seed=1)
+  max_tokens = [M, 12, 20, 7, M, 15, 1]
+  requests = [(p, m, ()) for p, m in zip(prompts, max_tokens)]
+  engine = EvictingEngine(config, params, policy=policy, **SHAPES)
+  engine.warm_up()
+  before = compile_counts()
+  checked = []
+  original_step = engine.step
+
+  def step():                        # check the page accounting after every step
+    out = original_step()
+    _check_fixed_pages(engine)
+    checked.append(len(engine.scheduler.running))
+    return out
+
+  engine.step = step
+  outs = _run_staggered(engine, requests, arrivals=[0, 0, 1, 2, 2, 5, 9])
+  for (prompt, m, _), out in zip(requests, outs):
+    assert out.tokens == alone(policy, prompt, m), (kind, len(prompt), m)
+    assert out.finish_reason == 'length' and len(out.tokens) == m
+  assert max(checked) == SHAPES['num_slots']     # the pool (8 pages, 2 a request) held all four
+  assert compile_counts() == before             # new lengths compiled nothing new
+  assert engine.prefix.num_held == 0 and engine.prefix.num_free == SHAPES['num_pages'] - 1
+
+
+def test_preempted_request_resumes_exactly_under_eviction(tiny, alone):
+  """Preemption by recomputation: prefilling prompt + output again retraces the eviction
+  decisions, so the output continues exactly (also with a pool that queues requests)."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  engine = EvictingEngine(config, params, policy=policy, **SHAPES)
+  prompts = _prompts([37, 11, 26, 44, 20], seed=2)
+  ids = [engine.add_request(p, max_tokens=M) for p in prompts]     # 5 requests, 4 fit at once
+  a = ids[0]
+  while len(engine._live[a].output) < 9:                           # past the budget by now
+    engine.step()
+  request = engine._live[a]
+  emitted = list(request.output)
+  engine.scheduler.preempt(request)
+  assert request.state is State.WAITING and request.handle is None
+  outs = engine.run()
+  assert outs[a].tokens[:len(emitted)] == emitted
+  for i, p in zip(ids, prompts):
+    assert outs[i].tokens == alone(policy, p, M)
+  m = outs[a].metrics
+  assert m.preemptions == 1 and engine.scheduler.num_preemptions == 1
+  assert m.prefill_tokens == 2 * len(prompts[0]) + len(emitted) - 1    # all recomputed
+  assert m.cached_tokens == 0
+  assert engine.prefix.num_held == 0 and engine.prefix.num_free == SHAPES['num_pages'] - 1
+
+
+def test_budget_covering_the_sequence_equals_the_plain_engine(tiny):
+  config, params = tiny
+  prompts = _prompts([5, 30, 17, 40, 9], seed=3)
+  max_tokens = [M, 20, 11, 22, 16]           # every span <= 63 tokens < budget 64
+  plain = Engine(config, params, max_seq_len=64, prefix_caching=False, **SHAPES)
+  evicting = EvictingEngine(config, params, policy=make_policy('h2o', 64), **SHAPES)
+  assert evicting.request_pages == plain.pages_per_seq == 8     # same attention width
+  outs = []
+  for engine in (plain, evicting):
+    ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+    result = engine.run()
+    outs.append([result[i].tokens for i in ids])
+  assert outs[1] == outs[0]
+  assert [len(t) for t in outs[0]] == max_tokens
+
+
+def test_more_requests_run_at_once_than_plain_in_the_same_pages(tiny):
+  """Same 8 usable pages, long prompts (40 tokens + 16 new): the plain engine holds ~6-7 pages
+  per request and runs one at a time; under a budget of 12 (2 pages) four run at once."""
+  config, params = tiny
+  prompts = _prompts([40, 39, 40, 38, 40, 37], seed=4)
+  concurrency = {}
+  for name in ('plain', 'evicting'):
+    if name == 'plain':
+      engine = Engine(config, params, max_seq_len=64, prefix_caching=False, **SHAPES)
+    else:
+      engine = EvictingEngine(config, params, policy=make_policy('h2o', BUDGET), **SHAPES)
+    ids = [engine.add_request(p, max_tokens=16) for p in prompts]
+    running = []
+    while engine.has_unfinished():
+      engine.step()
+      _check_pool(engine)
+      running.append(len(engine.scheduler.running))
+      assert len(running) < 400
+    assert all(len(engine.outputs[i].tokens) == 16 for i in ids)
+    assert engine.prefix.num_held == 0
+    concurrency[name] = (max(running), float(np.mean(running)))
+  assert concurrency['plain'][0] == 1 and concurrency['evicting'][0] == 4, concurrency
+  assert concurrency['evicting'][1] > 2 * concurrency['plain'][1], concurrency
+
+
+def test_bad_evicting_engine_arguments(tiny):
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  bad = [
+      (dict(k=2, draft=config, draft_params=params), 'speculative decoding is not supported.*k=2'),
+      (dict(prefix_caching=True), 'prefix_caching=True'),
+      (dict(host_pages=4), 'host_pages=4'),
+      (dict(prefill_rows=2), 'prefill_rows=2 must equal num_slots=4'),
+      (dict(policy=make_policy('h2o', 80)), 'needs 10 pages of 8 per request.* = 8'),
+      (dict(policy=make_policy('full')), "policy 'full' has no budget"),
+      (dict(policy='h2o'), "policy must be an EvictionPolicy.*'h2o'"),
+      (dict(num_slots=0), 'num_slots must be an int >= 1, got 0'),
+  ]
+  for kwargs, message in bad:
+    args = dict(SHAPES, policy=policy)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+      EvictingEngine(config, params, **args)
+  engine = EvictingEngine(config, params, policy=policy, max_seq_len=64, **SHAPES)
+  with pytest.raises(ValueError, match="request 0: .* = 65 exceeds the engine's max_seq_len=64"):
+    engine.add_request([5] * 60, max_tokens=4)      # positions stay bounded by max_seq_len
+  assert engine.add_request([5] * 59, max_tokens=4) == 1    # far past the budget: accepted
