@@ -169,6 +169,7 @@ def test_bad_evicting_engine_arguments(tiny):
       (dict(policy=make_policy('full')), "policy 'full' has no budget"),
       (dict(policy='h2o'), "policy must be an EvictionPolicy.*'h2o'"),
       (dict(num_slots=0), 'num_slots must be an int >= 1, got 0'),
+      (dict(prefill_group=3), 'prefill_group must be an int >= 1 dividing chunk_size=8, got 3'),
   ]
   for kwargs, message in bad:
     args = dict(SHAPES, policy=policy)

@@ -38,14 +38,17 @@ def reset_rows(eviction: EvictionState, reset) -> EvictionState:
                           scores=jnp.where(r, 0.0, eviction.scores))
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target', 'sampling', 'group'),
                    donate_argnames=('target_cache', 'eviction'))
 def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, eviction, tokens,
-                           counts, rng, *, sampling: SamplingParams):
-  """One prefill chunk per slot under eviction.
+                           counts, rng, *, sampling: SamplingParams, group: int):
+  """One prefill chunk per slot under eviction, as a `lax.scan` over groups of `group` tokens.
 
   A row starting at length 0 with new tokens is a fresh admission: its eviction row is reset
   first (its previous occupant's slots and scores are forgotten; its pages were rewritten anyway).
+  Each scan step is one model call over [B, group] tokens; inside it the eviction step runs token
+  by token (unrolled), so `group` trades compile time (grows with group x layers) against weight
+  reads (one per group); it never changes a decision.
 
   Args:
     target: static config.
@@ -55,17 +58,31 @@ def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, evi
     tokens: [B, C] int32 new tokens, right-padded; counts: [B] int32 real tokens per row (0: an
       idle row, bound to the null page).
     rng: PRNG key.
+    group: static tokens per model call; must divide C.
   Returns:
     (next_token [B] int32 drawn at each row's last new token, target_cache, eviction).
   """
+  b, c = tokens.shape
   eviction = reset_rows(eviction, (counts > 0) & (target_cache.lengths == 0))
-  t = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  positions = jnp.where(t < counts[:, None], target_cache.lengths[:, None] + t, -1)
-  logits, target_cache, history = Transformer(target).apply(target_params, tokens, positions,
-                                                            target_cache, eviction)
-  last = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
-  # Padding leaves the state as it was, so the state after the last token is each row's.
-  return sample(rng, probabilities(last, sampling)), target_cache, last_token(history)
+  start = target_cache.lengths
+
+  def step(carry, g):
+    cache, eviction, last = carry
+    t = g * group + jnp.arange(group, dtype=jnp.int32)[None, :]                  # [1, group]
+    positions = jnp.where(t < counts[:, None], start[:, None] + t, -1)
+    chunk = jax.lax.dynamic_slice_in_dim(tokens, g * group, group, axis=1)
+    logits, cache, history = Transformer(target).apply(target_params, chunk, positions, cache,
+                                                       eviction)
+    # Padding leaves the state as it was, so the state after the group's last token is each row's.
+    at = counts - 1 - g * group                                                 # [B]
+    here = jnp.take_along_axis(logits, jnp.clip(at, 0, group - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.where(((at >= 0) & (at < group))[:, None], here, last)
+    return (cache, last_token(history), last), None
+
+  init = (target_cache, eviction, jnp.zeros((b, target.vocab_size), jnp.float32))
+  (target_cache, eviction, last), _ = jax.lax.scan(step, init,
+                                                   jnp.arange(c // group, dtype=jnp.int32))
+  return sample(rng, probabilities(last, sampling)), target_cache, eviction
 
 
 @functools.partial(jax.jit, static_argnames=('target', 'sampling'),

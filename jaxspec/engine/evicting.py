@@ -87,6 +87,9 @@ class EvictingEngine(Engine):
     page_size, chunk_size, sampling, max_stop_tokens, max_seq_len, seed: as `Engine`.
     use_kernel, interpret: Pallas kernels for selection and attention (interpret mode on CPU)
       instead of their jnp references (`jaxspec.cache.init_eviction`).
+    prefill_group: tokens per model call inside a prefill chunk (must divide chunk_size; default
+      its largest divisor up to 4). Compile time grows with it (the eviction step is unrolled
+      over those tokens and the layers), weight reads per chunk shrink; outputs do not change.
     draft, draft_params, k, prefix_caching, host_pages, prefill_rows: accepted only at their
       defaults (None, None, 0, False, 0, None = num_slots); see the module docstring.
   Attributes:
@@ -94,8 +97,9 @@ class EvictingEngine(Engine):
     eviction: the device `EvictionState`, arrays [layers, B, request_pages * L].
   Raises:
     ValueError: naming the value: a policy that is not an EvictionPolicy or has no budget;
-      speculation, prefix caching, a host tier or prefill_rows != num_slots; a budget whose
-      pages exceed the pool; and everything `Engine` refuses.
+      speculation, prefix caching, a host tier or prefill_rows != num_slots; a prefill_group
+      that does not divide chunk_size; a budget whose pages exceed the pool; and everything
+      `Engine` refuses.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, policy: EvictionPolicy,
@@ -104,7 +108,7 @@ class EvictingEngine(Engine):
                max_seq_len: Optional[int] = None, seed: int = 0, use_kernel: bool = False,
                interpret: bool = True, draft: Optional[ModelConfig] = None, draft_params=None,
                k: int = 0, prefix_caching: bool = False, host_pages: int = 0,
-               prefill_rows: Optional[int] = None):
+               prefill_rows: Optional[int] = None, prefill_group: Optional[int] = None):
     if not isinstance(policy, EvictionPolicy):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
                        f'got {policy!r}')
@@ -126,6 +130,13 @@ class EvictingEngine(Engine):
                      page_size=page_size, chunk_size=chunk_size, sampling=sampling,
                      prefix_caching=False, max_stop_tokens=max_stop_tokens,
                      max_seq_len=max_seq_len, seed=seed)
+    if prefill_group is None:   # the largest divisor of the chunk up to 4
+      prefill_group = next(g for g in range(min(chunk_size, 4), 0, -1) if chunk_size % g == 0)
+    if (isinstance(prefill_group, bool) or not isinstance(prefill_group, int) or prefill_group < 1
+        or chunk_size % prefill_group):
+      raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
+                       f'got {prefill_group!r}')
+    self.prefill_group = prefill_group
     self.policy = policy
     self.request_pages = pages_needed(policy.slots, page_size)
     if self.request_pages > num_pages - 1:
@@ -155,7 +166,8 @@ class EvictingEngine(Engine):
     cache = device.bind(self.caches, table, lengths)[0]
     first, cache, self.eviction = device_evicting.prefill_chunk_evicting(
         self.target, self.target_params, cache, self.eviction, jnp.asarray(tokens, jnp.int32),
-        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling=self.sampling)
+        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling=self.sampling,
+        group=self.prefill_group)
     self.caches = [cache]
     return np.asarray(first)
 
