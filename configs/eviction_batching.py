@@ -1,0 +1,53 @@
+"""Eviction against batching: at the same KV memory (num_pages), the plain continuous-batching
+engine (full caches) against the evicting engine (a budget per request, so more requests at once)
+for a few policies and budgets; throughput, concurrency, TTFT, TPOT, peak KV bytes and quality
+against the plain engine's outputs on the same requests.
+
+    python -m experiments.run --config=configs/eviction_batching.py
+    python -m experiments.run --config=configs/eviction_batching.py --config.budgets=64,128 \
+        --config.policies=h2o --config.repeats=3
+    python -m experiments.run --config=configs/eviction_batching.py:smoke         # < 1 min
+    python -m experiments.report runs/eviction_batching/RUN_ID/results.jsonl       # table + plot
+
+Memory: num_pages = memory_requests x (pages of one whole request: prompt_len + max_tokens + 1
+tokens) + 1 (the null page). The plain engine gets plain_slots batch slots (0: as many as the pool
+can admit at once with prompt pages only, so memory binds, not slots; lazy growth + preemption
+do the rest); each evicting setting gets min(num_requests, (num_pages - 1) // pages per request at
+its budget) slots.
+"""
+
+import ml_collections
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.experiment = 'eviction_batching'
+  c.target = ''              # model directory; '' = the shipped target
+  c.tokenizer = ''           # tokenizer.json; '' = the shipped one
+  c.workloads = 'code,json'  # held-out prompts, split evenly over these
+  c.num_requests = 16        # all submitted at once
+  c.prompt_len = 448         # tokens per prompt
+  c.max_tokens = 96          # tokens per request (no stop token: every request emits them all)
+  c.memory_requests = 4      # KV memory, in whole requests (prompt + max_tokens) of full cache
+  c.plain_slots = 0          # 0: what the pool admits with prompt pages only
+  c.policies = 'window,sinks,h2o'
+  c.budgets = '64,128,256'   # live tokens per request and layer
+  c.page_size = 16
+  c.chunk_size = 64          # prefill tokens per request per step (both engines)
+  c.prefill_group = 4        # evicting engine: tokens per model call inside a prefill chunk
+  c.repeats = 2              # timed runs per setting, interleaved across settings
+  c.score_reference = True   # log-prob of the plain engine's outputs under each evicting cache
+  c.seed = 0
+  if arg == 'smoke':
+    c.workloads = 'code'
+    c.num_requests = 3
+    c.prompt_len = 40
+    c.max_tokens = 8
+    c.memory_requests = 1
+    c.policies = 'h2o'
+    c.budgets = '16'
+    c.chunk_size = 16
+    c.repeats = 1
+  elif arg not in (None, ''):
+    raise ValueError(f'unknown variant {arg!r} of configs/eviction_batching.py (known: smoke)')
+  return c

@@ -1,0 +1,203 @@
+"""Eviction against batching (configs/eviction_batching.py): at the same KV memory, the plain
+continuous-batching engine against the evicting engine per policy and budget.
+
+Every setting serves the same requests (held-out prompts, greedy, no stop token, all submitted at
+once) from a pool of the same num_pages; settings run interleaved `repeats` times in this one
+process, so each throughput ratio compares runs taken side by side. One record per setting:
+
+* tokens_per_s: tokens emitted ÷ wall seconds of serving them (prefill, decode and the host-side
+  scheduler; compilation excluded by `warm_up`); throughput_vs_plain: mean over repeats of the
+  ratio to the plain engine's run of the same repeat (min / max beside it).
+* mean_running / max_running: requests admitted (prefilling or decoding) per step, read right
+  after each step is scheduled; mean_decoding: requests in each step's decode round.
+* ttft_s_mean / ttft_s_median (arrival to first token: queueing + prefill), tpot_s_mean.
+* kv_bytes_peak: most pages held at once × bytes per page (K and V, every layer); kv_bytes_pool:
+  the whole pool (the same for every setting).
+* quality against the plain engine's outputs on the same requests (its first repeat):
+  exact_match (fraction of requests with identical output), prefix_match (mean fraction of each
+  reference output matched before the first differing token), and with score_reference the
+  mean log-prob per reference output token when the prompt + reference are fed one token at a
+  time through the model with the cache under the policy (`score_tokens`), ref_logprob, beside
+  the full cache's, ref_logprob_full.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from experiments.eviction import _cache   # an empty cache of N slots per sequence, and its bytes
+from jaxspec.cache import init_eviction, make_policy, pages_needed
+from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.decoding.evicting import score_tokens
+from jaxspec.engine import Engine, EvictingEngine
+from jaxspec.models import load_model, shipped
+
+
+def _ints(text: str, name: str) -> list[int]:
+  try:
+    values = [int(x) for x in text.split(',') if x.strip()]
+  except ValueError:
+    raise ValueError(f'config.{name} must be comma-separated ints, got {text!r}') from None
+  if not values or min(values) < 1:
+    raise ValueError(f'config.{name} must list ints >= 1, got {text!r}')
+  return values
+
+
+def memory(config) -> dict:
+  """The shared pool and each engine's slot count.
+
+  Returns:
+    dict: span (tokens a request spans), num_pages, plain_slots, max_seq_len (span rounded up to
+    a page: both engines' position bound).
+  Raises:
+    ValueError: a size < 1.
+  """
+  for name in ('num_requests', 'prompt_len', 'max_tokens', 'memory_requests', 'page_size',
+               'chunk_size', 'repeats'):
+    if config[name] < 1:
+      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  span = config.prompt_len + config.max_tokens + 1
+  per_request = pages_needed(span, config.page_size)
+  num_pages = config.memory_requests * per_request + 1
+  plain_slots = config.plain_slots or (num_pages - 1) // pages_needed(config.prompt_len + 1,
+                                                                      config.page_size)
+  return dict(span=span, num_pages=num_pages,
+              plain_slots=max(1, min(config.num_requests, plain_slots)),
+              max_seq_len=per_request * config.page_size)
+
+
+def _settings(config, mem, model, params):
+  """[(name, policy or None, engine)] with every engine compiled (`warm_up`)."""
+  shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
+                chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
+  plain = Engine(model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared)
+  settings = [('plain', None, plain)]
+  for kind in [k.strip() for k in config.policies.split(',') if k.strip()]:
+    for budget in _ints(config.budgets, 'budgets'):
+      policy = make_policy(kind, budget)
+      slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
+      if slots < 1:
+        raise ValueError(f'budget {budget} needs more pages than the pool has '
+                         f'({mem["num_pages"] - 1})')
+      engine = EvictingEngine(model, params, policy=policy,
+                              num_slots=min(config.num_requests, slots),
+                              prefill_group=config.prefill_group, **shared)
+      settings.append((f'{kind}@{budget}', policy, engine))
+  for _, _, engine in settings:
+    engine.warm_up()
+  return settings
+
+
+def serve(engine, prompts, max_tokens: int) -> dict:
+  """Submit every prompt at once, step until idle; outputs and measurements of this run."""
+  trace = []
+  schedule = engine.scheduler.schedule
+
+  def traced(window):
+    prefills, decodes = schedule(window)
+    trace.append((len(engine.scheduler.running), len(decodes), engine.prefix.num_held))
+    return prefills, decodes
+
+  engine.scheduler.schedule = traced
+  try:
+    start = time.perf_counter()
+    ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+    while engine.has_unfinished():
+      engine.step()
+    seconds = time.perf_counter() - start
+  finally:
+    del engine.scheduler.schedule          # back to the class's method
+  outs = [engine.outputs.pop(i) for i in ids]
+  running, decoding, held = (np.array(x, float) for x in zip(*trace))
+  return dict(
+      tokens=[o.tokens for o in outs], seconds=seconds,
+      tokens_per_s=sum(len(o.tokens) for o in outs) / seconds,
+      mean_running=float(running.mean()), max_running=int(running.max()),
+      mean_decoding=float(decoding.mean()), peak_pages=int(held.max()), steps=len(trace),
+      ttft=[o.metrics.ttft_s for o in outs], tpot=[o.metrics.tpot_s for o in outs],
+      preemptions=sum(o.metrics.preemptions for o in outs))
+
+
+def match(tokens: list, reference: list) -> tuple[float, float]:
+  """(exact-match rate, mean fraction of each reference matched up to the first difference)."""
+  exact, prefix = [], []
+  for got, ref in zip(tokens, reference):
+    n = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+    exact.append(got == ref)
+    prefix.append(n / len(ref))
+  return float(np.mean(exact)), float(np.mean(prefix))
+
+
+def reference_logprob(model, params, policy, prompts, reference, page_size) -> float:
+  """Mean log p(reference token | prompt + earlier reference tokens) with the cache under
+  `policy` (None: the full cache), all requests in one batch, one token at a time."""
+  seqs = [list(p) + list(r) for p, r in zip(prompts, reference)]
+  width = max(map(len, seqs))
+  tokens = np.zeros((len(seqs), width), np.int32)
+  scored = np.zeros((len(seqs), width), bool)
+  for i, (p, seq) in enumerate(zip(prompts, seqs)):
+    tokens[i, :len(seq)] = seq
+    scored[i, len(p) - 1:len(seq) - 1] = True        # position t predicts token t + 1
+  lengths = np.array([len(s) for s in seqs], np.int32)
+  slots = width if policy is None else policy.slots
+  cache, _ = _cache(model, len(seqs), slots, page_size)
+  eviction = None if policy is None else init_eviction(policy, cache)
+  out = score_tokens(model, params, cache, eviction, tokens, lengths)
+  return float(np.asarray(out['logprob'])[scored].mean())
+
+
+def run(config, results) -> None:
+  """Serve the requests with every setting, interleaved `repeats` times; one record each."""
+  mem = memory(config)
+  workloads = [w.strip() for w in config.workloads.split(',') if w.strip()]
+  model, params = load_model(config.target or shipped('target'))
+  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  prompts = []
+  for i, workload in enumerate(workloads):
+    n = config.num_requests // len(workloads) + (i < config.num_requests % len(workloads))
+    if n:
+      prompts += [p.tokens for p in make_prompts(workload, tokenizer, n, config.prompt_len,
+                                                 split='test', seed=config.seed)]
+  settings = _settings(config, mem, model, params)
+  runs = {name: [] for name, _, _ in settings}
+  for _ in range(config.repeats):
+    for name, _, engine in settings:
+      runs[name].append(serve(engine, prompts, config.max_tokens))
+  reference = runs['plain'][0]['tokens']
+  page_bytes = config.page_size * model.kv_bytes_per_token(
+      settings[0][2].caches[0].k_pages.dtype.itemsize)
+  full_logprob = (reference_logprob(model, params, None, prompts, reference, config.page_size)
+                  if config.score_reference else None)
+  for name, policy, engine in settings:
+    rs = runs[name]
+    ratios = [r['tokens_per_s'] / p['tokens_per_s'] for r, p in zip(rs, runs['plain'])]
+    exact, prefix = match(rs[0]['tokens'], reference)
+    record = dict(
+        setting=name, policy=policy.kind if policy else 'plain',
+        budget=policy.budget if policy else None, num_slots=engine.num_slots,
+        num_pages=mem['num_pages'], pages_per_request=(engine.request_pages if policy else
+                                                      pages_needed(mem['span'], config.page_size)),
+        num_requests=len(prompts), prompt_len=config.prompt_len, max_tokens=config.max_tokens,
+        tokens_per_s=statistics.mean(r['tokens_per_s'] for r in rs),
+        throughput_vs_plain=statistics.mean(ratios), throughput_vs_plain_min=min(ratios),
+        throughput_vs_plain_max=max(ratios),
+        mean_running=statistics.mean(r['mean_running'] for r in rs),
+        max_running=max(r['max_running'] for r in rs),
+        mean_decoding=statistics.mean(r['mean_decoding'] for r in rs),
+        ttft_s_mean=statistics.mean(float(np.mean(r['ttft'])) for r in rs),
+        ttft_s_median=statistics.mean(float(np.median(r['ttft'])) for r in rs),
+        tpot_s_mean=statistics.mean(float(np.nanmean(r['tpot'])) for r in rs),
+        kv_bytes_peak=max(r['peak_pages'] for r in rs) * page_bytes,
+        kv_bytes_pool=(mem['num_pages'] - 1) * page_bytes,
+        preemptions=rs[0]['preemptions'], steps=rs[0]['steps'],
+        seconds=statistics.mean(r['seconds'] for r in rs),
+        repeats_identical=all(r['tokens'] == rs[0]['tokens'] for r in rs),
+        exact_match=exact, prefix_match=prefix)
+    if config.score_reference:
+      record['ref_logprob_full'] = full_logprob
+      record['ref_logprob'] = (full_logprob if policy is None else reference_logprob(
+          model, params, policy, prompts, reference, config.page_size))
+    results.write(record)
