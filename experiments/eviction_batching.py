@@ -201,3 +201,44 @@ def run(config, results) -> None:
       record['ref_logprob'] = (full_logprob if policy is None else reference_logprob(
           model, params, policy, prompts, reference, config.page_size))
     results.write(record)
+
+
+_PANELS = [('throughput_vs_plain', 'throughput ÷ plain engine (×)'),
+           ('mean_running', 'mean requests running'),
+           ('prefix_match', 'fraction of plain output matched\nbefore the first difference')]
+
+
+def plot_eviction_batching(records: list[dict], out_dir) -> list:
+  """eviction_vs_batching.png: throughput ratio, concurrency and quality vs budget, a line per
+  policy, the plain engine as a dashed line (registered in experiments.report.PLOTS).
+  Returns the PNG paths written (none without evicting records)."""
+  import pathlib   # pylint: disable=g-import-not-at-top
+  import matplotlib   # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt   # pylint: disable=g-import-not-at-top
+  evicting = [r for r in records if r.get('budget') is not None and r.get('policy')]
+  plain = [r for r in records if r.get('policy') == 'plain']
+  if not evicting:
+    return []
+  fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.6 * len(_PANELS), 3.6))
+  for ax, (metric, label) in zip(axes, _PANELS):
+    for policy in dict.fromkeys(r['policy'] for r in evicting):
+      pts = sorted((r['budget'], r[metric]) for r in evicting if r['policy'] == policy)
+      ax.plot([b for b, _ in pts], [v for _, v in pts], marker='o', label=policy)
+    if plain:
+      ax.axhline(plain[0][metric], color='gray', linestyle='--', linewidth=0.8, label='plain')
+    ax.set_xscale('log', base=2)
+    budgets = sorted({r['budget'] for r in evicting})
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel('budget (tokens per request and layer)')
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+  axes[-1].legend(fontsize='small')
+  fig.suptitle(f"same KV memory ({evicting[0]['num_pages'] - 1} pages): "
+               f"{evicting[0]['num_requests']} requests of {evicting[0]['prompt_len']} + "
+               f"{evicting[0]['max_tokens']} tokens", fontsize='medium')
+  fig.tight_layout()
+  path = pathlib.Path(out_dir) / 'eviction_vs_batching.png'
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return [path]

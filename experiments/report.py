@@ -151,11 +151,17 @@ def _plot_hydration(records, out_dir):
   return plot_hydration(records, out_dir)
 
 
+def _plot_eviction_batching(records, out_dir):
+  from experiments.eviction_batching import plot_eviction_batching  # pylint: disable=all
+  return plot_eviction_batching(records, out_dir)
+
+
 PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'speculative': plot_speculative,
     'hydration': _plot_hydration,
     'prefix_cache': plot_prefix_cache,
     'eviction': plot_eviction,
+    'eviction_batching': _plot_eviction_batching,
 }
 
 

@@ -180,3 +180,20 @@ def test_bad_evicting_engine_arguments(tiny):
   with pytest.raises(ValueError, match="request 0: .* = 65 exceeds the engine's max_seq_len=64"):
     engine.add_request([5] * 60, max_tokens=4)      # positions stay bounded by max_seq_len
   assert engine.add_request([5] * 59, max_tokens=4) == 1    # far past the budget: accepted
+
+
+def test_eviction_batching_metrics_and_memory():
+  """The experiment's quality metrics and pool sizing (configs/eviction_batching.py)."""
+  from configs.eviction_batching import get_config
+  from experiments.eviction_batching import match, memory
+  exact, prefix = match([[1, 2, 3, 4], [1, 5, 3, 4], [9, 9, 9, 9]],
+                        [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+  assert exact == pytest.approx(1 / 3) and prefix == pytest.approx((1 + 0.25 + 0) / 3)
+  config = get_config()
+  mem = memory(config)
+  # 448 + 96 + 1 = 545 tokens = 35 pages of 16; 4 whole requests + the null page; prompt + 1 =
+  # 449 tokens = 29 pages, so the pool admits 4 at once on prompt pages.
+  assert mem == dict(span=545, num_pages=141, plain_slots=4, max_seq_len=560)
+  config.max_tokens = 0
+  with pytest.raises(ValueError, match='config.max_tokens must be >= 1, got 0'):
+    memory(config)
