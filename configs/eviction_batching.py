@@ -13,7 +13,9 @@ Memory: num_pages = memory_requests x (pages of one whole request: prompt_len + 
 tokens) + 1 (the null page). The plain engine gets plain_slots batch slots (0: as many as the pool
 can admit at once with prompt pages only, so memory binds, not slots; lazy growth + preemption
 do the rest); each evicting setting gets min(num_requests, (num_pages - 1) // pages per request at
-its budget) slots.
+its budget) slots. The control setting (window at a budget of the whole span, so nothing is ever
+evicted) separates the evicting engine's own cost and its floating-point differences from the
+plain engine (the floor of the quality metrics) from what eviction changes.
 """
 
 import ml_collections
@@ -26,16 +28,18 @@ def get_config(arg=None):
   c.tokenizer = ''           # tokenizer.json; '' = the shipped one
   c.workloads = 'code,json'  # held-out prompts, split evenly over these
   c.num_requests = 16        # all submitted at once
-  c.prompt_len = 448         # tokens per prompt
-  c.max_tokens = 96          # tokens per request (no stop token: every request emits them all)
+  c.prompt_len = 384         # tokens per prompt (prompt + max_tokens <= 512, the target's
+  c.max_tokens = 128         # trained window); no stop token: every request emits max_tokens
   c.memory_requests = 4      # KV memory, in whole requests (prompt + max_tokens) of full cache
   c.plain_slots = 0          # 0: what the pool admits with prompt pages only
   c.policies = 'window,sinks,h2o'
   c.budgets = '64,128,256'   # live tokens per request and layer
+  c.control = True           # also the evicting engine at a budget covering every request
+                             # (window@span: nothing evicted, full-cache pages per request)
   c.page_size = 16
   c.chunk_size = 64          # prefill tokens per request per step (both engines)
   c.prefill_group = 4        # evicting engine: tokens per model call inside a prefill chunk
-  c.repeats = 2              # timed runs per setting, interleaved across settings
+  c.repeats = 3              # timed runs per setting, interleaved across settings
   c.score_reference = True   # log-prob of the plain engine's outputs under each evicting cache
   c.seed = 0
   if arg == 'smoke':
@@ -48,6 +52,7 @@ def get_config(arg=None):
     c.budgets = '16'
     c.chunk_size = 16
     c.repeats = 1
+    c.control = False
   elif arg not in (None, ''):
     raise ValueError(f'unknown variant {arg!r} of configs/eviction_batching.py (known: smoke)')
   return c

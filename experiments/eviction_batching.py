@@ -8,6 +8,8 @@ process, so each throughput ratio compares runs taken side by side. One record p
 * tokens_per_s: tokens emitted ÷ wall seconds of serving them (prefill, decode and the host-side
   scheduler; compilation excluded by `warm_up`); throughput_vs_plain: mean over repeats of the
   ratio to the plain engine's run of the same repeat (min / max beside it).
+* decode_tokens_per_s: tokens emitted by steps with a decode round and no prefill chunk ÷ those
+  steps' wall seconds (the batching effect without prefill); decode_vs_plain: its ratio.
 * mean_running / max_running: requests admitted (prefilling or decoding) per step, read right
   after each step is scheduled; mean_decoding: requests in each step's decode round.
 * ttft_s_mean / ttft_s_median (arrival to first token: queueing + prefill), tpot_s_mean.
@@ -75,17 +77,20 @@ def _settings(config, mem, model, params):
                 chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
   plain = Engine(model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared)
   settings = [('plain', None, plain)]
-  for kind in [k.strip() for k in config.policies.split(',') if k.strip()]:
-    for budget in _ints(config.budgets, 'budgets'):
-      policy = make_policy(kind, budget)
-      slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
-      if slots < 1:
-        raise ValueError(f'budget {budget} needs more pages than the pool has '
-                         f'({mem["num_pages"] - 1})')
-      engine = EvictingEngine(model, params, policy=policy,
-                              num_slots=min(config.num_requests, slots),
-                              prefill_group=config.prefill_group, **shared)
-      settings.append((f'{kind}@{budget}', policy, engine))
+  cases = [(k.strip(), b) for k in config.policies.split(',') if k.strip()
+           for b in _ints(config.budgets, 'budgets')]
+  if config.control:
+    cases.append(('window', mem['span']))
+  for kind, budget in cases:
+    policy = make_policy(kind, budget)
+    slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
+    if slots < 1:
+      raise ValueError(f'budget {budget} needs more pages than the pool has '
+                       f'({mem["num_pages"] - 1})')
+    engine = EvictingEngine(model, params, policy=policy,
+                            num_slots=min(config.num_requests, slots),
+                            prefill_group=config.prefill_group, **shared)
+    settings.append((f'{kind}@{budget}', policy, engine))
   for _, _, engine in settings:
     engine.warm_up()
   return settings
@@ -98,25 +103,33 @@ def serve(engine, prompts, max_tokens: int) -> dict:
 
   def traced(window):
     prefills, decodes = schedule(window)
-    trace.append((len(engine.scheduler.running), len(decodes), engine.prefix.num_held))
+    trace.append((len(engine.scheduler.running), len(decodes), engine.prefix.num_held,
+                  len(prefills)))
     return prefills, decodes
 
   engine.scheduler.schedule = traced
+  step_seconds = []
   try:
     start = time.perf_counter()
     ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
     while engine.has_unfinished():
+      t0 = time.perf_counter()
       engine.step()
+      step_seconds.append(time.perf_counter() - t0)
     seconds = time.perf_counter() - start
   finally:
     del engine.scheduler.schedule          # back to the class's method
   outs = [engine.outputs.pop(i) for i in ids]
-  running, decoding, held = (np.array(x, float) for x in zip(*trace))
+  running, decoding, held, prefilling = (np.array(x, float) for x in zip(*trace))
+  decode_only = prefilling == 0                  # steps with a decode round and no prefill
+  decode_seconds = float(np.sum(np.array(step_seconds)[decode_only]))
   return dict(
       tokens=[o.tokens for o in outs], seconds=seconds,
       tokens_per_s=sum(len(o.tokens) for o in outs) / seconds,
       mean_running=float(running.mean()), max_running=int(running.max()),
       mean_decoding=float(decoding.mean()), peak_pages=int(held.max()), steps=len(trace),
+      decode_tokens_per_s=(float(decoding[decode_only].sum()) / decode_seconds
+                           if decode_seconds else float('nan')),
       ttft=[o.metrics.ttft_s for o in outs], tpot=[o.metrics.tpot_s for o in outs],
       preemptions=sum(o.metrics.preemptions for o in outs))
 
@@ -177,6 +190,7 @@ def run(config, results) -> None:
     exact, prefix = match(rs[0]['tokens'], reference)
     record = dict(
         setting=name, policy=policy.kind if policy else 'plain',
+        control=bool(policy and policy.budget >= mem['span']),
         budget=policy.budget if policy else None, num_slots=engine.num_slots,
         num_pages=mem['num_pages'], pages_per_request=(engine.request_pages if policy else
                                                       pages_needed(mem['span'], config.page_size)),
@@ -184,6 +198,9 @@ def run(config, results) -> None:
         tokens_per_s=statistics.mean(r['tokens_per_s'] for r in rs),
         throughput_vs_plain=statistics.mean(ratios), throughput_vs_plain_min=min(ratios),
         throughput_vs_plain_max=max(ratios),
+        decode_tokens_per_s=statistics.mean(r['decode_tokens_per_s'] for r in rs),
+        decode_vs_plain=statistics.mean(r['decode_tokens_per_s'] / p['decode_tokens_per_s']
+                                        for r, p in zip(rs, runs['plain'])),
         mean_running=statistics.mean(r['mean_running'] for r in rs),
         max_running=max(r['max_running'] for r in rs),
         mean_decoding=statistics.mean(r['mean_decoding'] for r in rs),

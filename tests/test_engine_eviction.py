@@ -191,9 +191,9 @@ def test_eviction_batching_metrics_and_memory():
   assert exact == pytest.approx(1 / 3) and prefix == pytest.approx((1 + 0.25 + 0) / 3)
   config = get_config()
   mem = memory(config)
-  # 448 + 96 + 1 = 545 tokens = 35 pages of 16; 4 whole requests + the null page; prompt + 1 =
-  # 449 tokens = 29 pages, so the pool admits 4 at once on prompt pages.
-  assert mem == dict(span=545, num_pages=141, plain_slots=4, max_seq_len=560)
+  # 384 + 128 + 1 = 513 tokens = 33 pages of 16; 4 whole requests + the null page; prompt + 1 =
+  # 385 tokens = 25 pages, so the pool admits 5 at once on prompt pages.
+  assert mem == dict(span=513, num_pages=133, plain_slots=5, max_seq_len=528)
   config.max_tokens = 0
   with pytest.raises(ValueError, match='config.max_tokens must be >= 1, got 0'):
     memory(config)
