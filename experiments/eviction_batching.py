@@ -144,9 +144,14 @@ def match(tokens: list, reference: list) -> tuple[float, float]:
   return float(np.mean(exact)), float(np.mean(prefix))
 
 
-def reference_logprob(model, params, policy, prompts, reference, page_size) -> float:
-  """Mean log p(reference token | prompt + earlier reference tokens) with the cache under
-  `policy` (None: the full cache), all requests in one batch, one token at a time."""
+def score_reference(model, params, policy, prompts, reference, page_size) -> tuple[float, float]:
+  """Teacher-forced quality of the reference outputs with the cache under `policy` (None: the
+  full cache), all requests in one batch, one token at a time (`score_tokens`).
+
+  Returns:
+    (mean log p(reference token | prompt + earlier reference tokens) in nats, fraction of
+    reference tokens that are the model's top-1 prediction there).
+  """
   seqs = [list(p) + list(r) for p, r in zip(prompts, reference)]
   width = max(map(len, seqs))
   tokens = np.zeros((len(seqs), width), np.int32)
@@ -159,7 +164,9 @@ def reference_logprob(model, params, policy, prompts, reference, page_size) -> f
   cache, _ = _cache(model, len(seqs), slots, page_size)
   eviction = None if policy is None else init_eviction(policy, cache)
   out = score_tokens(model, params, cache, eviction, tokens, lengths)
-  return float(np.asarray(out['logprob'])[scored].mean())
+  nxt = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+  return (float(np.asarray(out['logprob'])[scored].mean()),
+          float((np.asarray(out['argmax']) == nxt)[scored].mean()))
 
 
 def run(config, results) -> None:
@@ -182,8 +189,8 @@ def run(config, results) -> None:
   reference = runs['plain'][0]['tokens']
   page_bytes = config.page_size * model.kv_bytes_per_token(
       settings[0][2].caches[0].k_pages.dtype.itemsize)
-  full_logprob = (reference_logprob(model, params, None, prompts, reference, config.page_size)
-                  if config.score_reference else None)
+  full = (score_reference(model, params, None, prompts, reference, config.page_size)
+          if config.score_reference else None)
   for name, policy, engine in settings:
     rs = runs[name]
     ratios = [r['tokens_per_s'] / p['tokens_per_s'] for r, p in zip(rs, runs['plain'])]
@@ -214,9 +221,10 @@ def run(config, results) -> None:
         repeats_identical=all(r['tokens'] == rs[0]['tokens'] for r in rs),
         exact_match=exact, prefix_match=prefix)
     if config.score_reference:
-      record['ref_logprob_full'] = full_logprob
-      record['ref_logprob'] = (full_logprob if policy is None else reference_logprob(
-          model, params, policy, prompts, reference, config.page_size))
+      got = full if policy is None else score_reference(model, params, policy, prompts,
+                                                        reference, config.page_size)
+      record.update(ref_logprob=got[0], ref_logprob_full=full[0], ref_top1=got[1],
+                    ref_top1_full=full[1])
     results.write(record)
 
 
