@@ -92,12 +92,18 @@ def test_greedy_every_request_equals_it_decoded_alone_under_eviction(tiny, alone
 
 def test_preempted_request_resumes_exactly_under_eviction(tiny, alone):
   """Preemption by recomputation: prefilling prompt + output again retraces the eviction
-  decisions, so the output continues exactly (also with a pool that queues requests)."""
+  decisions, so the output continues exactly (also with a pool that queues requests); a stop
+  token ends only its own request."""
   config, params = tiny
   policy = make_policy('h2o', BUDGET)
   engine = EvictingEngine(config, params, policy=policy, **SHAPES)
   prompts = _prompts([37, 11, 26, 44, 20], seed=2)
-  ids = [engine.add_request(p, max_tokens=M) for p in prompts]     # 5 requests, 4 fit at once
+  # Request 1 stops at a token first seen at index >= 3 of its output; the others run to M.
+  free = alone(policy, prompts[1], M)
+  index = next(i for i in range(3, M) if free.index(free[i]) == i)
+  stops = [(), (free[index],), (), (), ()]
+  ids = [engine.add_request(p, max_tokens=M, stop_tokens=s)      # 5 requests, 4 fit at once
+         for p, s in zip(prompts, stops)]
   a = ids[0]
   while len(engine._live[a].output) < 9:                           # past the budget by now
     engine.step()
@@ -105,10 +111,14 @@ def test_preempted_request_resumes_exactly_under_eviction(tiny, alone):
   emitted = list(request.output)
   engine.scheduler.preempt(request)
   assert request.state is State.WAITING and request.handle is None
-  outs = engine.run()
+  engine.run()
+  outs = engine.outputs                         # request 1 may have stopped before run()
   assert outs[a].tokens[:len(emitted)] == emitted
-  for i, p in zip(ids, prompts):
-    assert outs[i].tokens == alone(policy, p, M)
+  for i, p, stop in zip(ids, prompts, stops):
+    if stop:
+      assert outs[i].tokens == free[:index + 1] and outs[i].finish_reason == 'stop'
+    else:
+      assert outs[i].tokens == alone(policy, p, M) and outs[i].finish_reason == 'length'
   m = outs[a].metrics
   assert m.preemptions == 1 and engine.scheduler.num_preemptions == 1
   assert m.prefill_tokens == 2 * len(prompts[0]) + len(emitted) - 1    # all recomputed
