@@ -17,10 +17,13 @@ process, so each throughput ratio compares runs taken side by side. One record p
   the whole pool (the same for every setting).
 * quality against the plain engine's outputs on the same requests (its first repeat):
   exact_match (fraction of requests with identical output), prefix_match (mean fraction of each
-  reference output matched before the first differing token), and with score_reference the
-  mean log-prob per reference output token when the prompt + reference are fed one token at a
-  time through the model with the cache under the policy (`score_tokens`), ref_logprob, beside
-  the full cache's, ref_logprob_full.
+  reference output matched before the first differing token); with score_reference,
+  teacher-forced (prompt + reference fed one token at a time with the cache under the policy,
+  `score_tokens`): ref_logprob, the mean log-prob per reference token (nats), and ref_top1, the
+  fraction of reference tokens that are the model's top-1 prediction, beside the full cache's
+  (ref_logprob_full, ref_top1_full; the reference is the full cache's own greedy output, so
+  ref_top1_full is 1 up to floating-point near-ties).
+* control: the setting's budget covers a whole request (nothing is ever evicted).
 """
 
 from __future__ import annotations
