@@ -126,6 +126,18 @@ def test_preempted_request_resumes_exactly_under_eviction(tiny, alone):
   assert engine.prefix.num_held == 0 and engine.prefix.num_free == SHAPES['num_pages'] - 1
 
 
+def test_pallas_kernels_in_the_engine_match_decoding_alone(tiny, alone):
+  """use_kernel=True: selection and attention by the Pallas kernels (interpret mode on CPU)."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  engine = EvictingEngine(config, params, policy=policy, use_kernel=True, interpret=True, **SHAPES)
+  prompts = _prompts([30, 19], seed=5)
+  ids = [engine.add_request(p, max_tokens=16) for p in prompts]
+  outs = engine.run()
+  for i, p in zip(ids, prompts):
+    assert outs[i].tokens == alone(policy, p, 16)
+
+
 def test_budget_covering_the_sequence_equals_the_plain_engine(tiny):
   config, params = tiny
   prompts = _prompts([5, 30, 17, 40, 9], seed=3)
