@@ -1,7 +1,7 @@
 """The evicting engine: greedy outputs equal each request decoded alone by the evicting loops
 (staggered arrivals, prompts longer than the budget, a forced preemption), a budget covering the
 whole sequence equals the plain engine, fixed page accounting and more requests at once than the
-plain engine in the same pages, bad input."""
+plain engine in the same pages, the Pallas kernels in the engine, bad input."""
 
 import functools
 
