@@ -13,7 +13,8 @@ from scipy import stats
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample, sample
 from jaxspec.engine import Engine, compile_counts
 from jaxspec.engine.drafters import NGramDrafter, lookup
-from jaxspec.engine.k_policy import AlphaTracker, GoodputK, KPolicy, ScheduleK, expected_tokens
+from jaxspec.engine.k_policy import (AlphaTracker, GoodputK, KPolicy, ScheduleK, expected_tokens,
+                                     nondecreasing)
 from jaxspec.engine.spec_steps import host_q
 
 L, M, K = 8, 24, 3
@@ -281,6 +282,10 @@ def test_goodput_follows_alpha_and_the_cost_table():
     best = max(costs, key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / costs[k])
     assert _goodput(alpha, costs) == best
   assert [_goodput(a, costs) for a in (0.3, 0.9)] == [0, 4]
+  # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
+  assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
+  noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke
+  assert _goodput(0.3, noisy) == 0
   assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
 
 
