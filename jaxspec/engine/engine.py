@@ -270,8 +270,9 @@ class Engine:
 
   def measure_costs(self, repeats: int = 5) -> dict:
     """Time one decode round at every K the policy may choose (compiling it first if needed),
-    over idle rows, `repeats` times each; store the fastest in `step_costs` (seconds: timing
-    noise on a shared machine only adds) and give them to a policy that needs a cost table.
+    over idle rows, `repeats` times each (the K values interleaved); store the fastest in
+    `step_costs` (seconds: timing noise on a shared machine only adds) and give them to a
+    policy that needs a cost table.
 
     Returns:
       `step_costs`.
@@ -280,14 +281,15 @@ class Engine:
     ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
     stop = self._stop_table([])
-    for k in ks:
-      times = []
-      for _ in range(repeats + 1):                   # the first call compiles (or is warm)
+    times = {k: [] for k in ks}
+    for r in range(repeats + 1):       # round 0 compiles; K interleaved so load drifts hit all K
+      for k in ks:
         table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
         start = time.perf_counter()
         self._call_decode(table, lengths, zeros, zeros, stop, k=k, caps=zeros)
-        times.append(time.perf_counter() - start)
-      self.step_costs[k] = min(times[1:])
+        if r:
+          times[k].append(time.perf_counter() - start)
+    self.step_costs.update({k: min(t) for k, t in times.items()})
     if self.policy is not None and self.policy.needs_costs:
       self.policy.set_costs(self.step_costs)
     return self.step_costs

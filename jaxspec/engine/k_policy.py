@@ -8,7 +8,8 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
 - `ScheduleK`: Hugging Face assisted generation's "heuristic" schedule, per request: K_i += 2
   after a round in which all K_i proposals were accepted, else K_i -= 1 (floor `min_k` >= 1). The
   batch K is max_i K_i and row i's acceptance is capped at K_i, so every request follows its own
-  schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used).
+  schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used;
+  with prompt lookup a row that found fewer than K_i proposals counts as not all accepted).
 - `GoodputK`: SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
   Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
   E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
