@@ -122,6 +122,28 @@ def test_goodput_leaves_k0_when_the_draft_agrees(tiny):
   assert lengths[0] == 1 and K + 1 in lengths and set(lengths[:-1]) <= {1, K + 1}
 
 
+def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny):
+  # Draft = target at temperature 1 (exact-verify numerics): while the draft cache is in sync,
+  # every proposal is accepted and every K = 0 round observes Σ min(p, q) = 1. A K = 0 round
+  # that skipped the draft (or wrote the wrong token) would make later q differ from p.
+  config, params = tiny
+  seen = []
+
+  class Record(Scripted):
+    def observe(self, request_id, k, accepted, successes, trials):
+      seen.append((k, accepted, successes, trials))
+
+  engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
+                  k_policy=Record([K, 0, 0, 1]), sampling=SamplingParams(temperature=1.0),
+                  **SHAPES)
+  ids = [engine.add_request(p, max_tokens=M) for p in _prompts([6, 19, 11], seed=7)]
+  outs = engine.run()
+  assert all(len(outs[i].tokens) == M for i in ids)
+  zero = [s for k, _, s, t in seen if k == 0 and t > 0]       # K = 0 rounds (cap 0: no trial)
+  assert len(zero) > 10 and zero == pytest.approx([1.0] * len(zero), abs=1e-5)
+  assert all(a == k for k, a, _, _ in seen if k > 0)           # every capped proposal accepted
+
+
 def test_ngram_k0_rounds_observe_lookup_hits(tiny):
   # A prompt repeating one phrase: lookup proposals usually equal the emitted token only if
   # the model continues the phrase, which the tiny model does not reliably do; the observation
