@@ -304,6 +304,12 @@ def test_goodput_follows_alpha_and_the_cost_table():
     best = max(costs, key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / costs[k])
     assert _goodput(alpha, costs) == best
   assert [_goodput(a, costs) for a in (0.3, 0.9)] == [0, 4]
+  # Host work per round (the same at every K) makes a K > 0 round relatively cheaper.
+  policy = GoodputK(tracker=AlphaTracker(prior=0.6), costs={0: 1.0, 1: 2.0})
+  policy.setup(1)
+  assert policy.choose(['a'])[0] == 0                        # 1 / 1 > 1.6 / 2
+  policy.round_timing(0, 1.0, 10.0)
+  assert policy.choose(['a'])[0] == 1                        # 1 / 11 < 1.6 / 12
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke

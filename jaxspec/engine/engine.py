@@ -136,6 +136,7 @@ class Engine:
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
     self.k_rounds: collections.Counter = collections.Counter()
     self.step_costs: dict = {}
+    self._schedule_s = 0.0       # host seconds of the last step's scheduling
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
     if max_seq_len is not None:
@@ -230,7 +231,9 @@ class Engine:
       [(request_id, new token ids)] for every request that emitted tokens in this step
       (streaming); finished requests also appear in `outputs`.
     """
+    start = time.perf_counter()
     prefills, decodes = self.scheduler.schedule(self.window)
+    self._schedule_s = time.perf_counter() - start
     emitted: dict = {}
     if prefills:
       self._prefill(prefills, emitted)
@@ -372,6 +375,7 @@ class Engine:
         self._emit(request, [int(first[row])], now, emitted)
 
   def _decode(self, decodes, emitted) -> None:
+    start = time.perf_counter()
     table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
     pending = np.zeros((self.num_slots,), np.int32)
     room = np.zeros((self.num_slots,), np.int32)
@@ -387,8 +391,10 @@ class Engine:
     if getattr(self.drafter, 'uses_context', False):
       for request in decodes:
         contexts[request.slot] = request.context
+    call_start = time.perf_counter()
     result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes), k=k,
                                caps=caps, contexts=contexts)
+    device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
     for request in decodes:
@@ -403,6 +409,9 @@ class Engine:
         self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
                             float(result.trials[s]))
       self._emit(request, result.window[s, :e].tolist(), now, emitted)
+    if self.policy is not None:   # host seconds of this round besides the device call
+      host_s = time.perf_counter() - start - device_s + self._schedule_s
+      self.policy.round_timing(k, device_s, host_s)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
     request.output.extend(tokens)

@@ -77,6 +77,11 @@ class KPolicy(abc.ABC):
   def forget(self, request_id: Hashable) -> None:
     """The request finished: drop its state."""
 
+  def round_timing(self, k: int, device_s: float, host_s: float) -> None:
+    """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
+    dispatch, step, reading back) and the host work around it (`host_s`: scheduling, tables,
+    proposals, emitting)."""
+
 
 class FixedK(KPolicy):
   """K = K_max every round, every row capped at K_max."""
@@ -207,9 +212,13 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) is the measured wall time of one decode round at K for the engine's static shape: its
-  steps run all B slots, idle rows included, so t depends on K, not on how many rows are busy;
-  the batch size enters through Σ_i (more rows gain more tokens from the same round).
+  t(K) = d(K) + h: d(K) the measured wall time of the device call of one decode round at K for
+  the engine's static shape (its steps run all B slots, idle rows included, so d depends on K,
+  not on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens
+  from the same round), and h the host seconds per round around it (scheduling, tables,
+  proposals, emitting; the same at every K), an EMA of what the engine reports each round
+  (`round_timing`). Without h, a K > 0 round looks relatively dearer than it is when the host
+  work is a large part of a round (small models, small batches).
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -217,7 +226,8 @@ class GoodputK(KPolicy):
       (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
       K gains ~1 token and K = 0 is chosen).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
-    costs: the cost table {K: seconds}, if known (else the engine measures it).
+    costs: the cost table d(K) {K: seconds}, if known (else the engine measures it).
+    host_decay: weight of the past in the EMA of h (per round).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
       non-positive time, margin < 0.
@@ -225,10 +235,14 @@ class GoodputK(KPolicy):
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
-               costs: Optional[Mapping[int, float]] = None):
+               costs: Optional[Mapping[int, float]] = None, host_decay: float = 0.9):
     super().__init__()
     if not margin >= 0:
       raise ValueError(f'margin must be >= 0, got {margin!r}')
+    if not 0.0 <= host_decay < 1.0:
+      raise ValueError(f'host_decay must be in [0, 1), got {host_decay!r}')
+    self.host_decay = host_decay
+    self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -270,8 +284,8 @@ class GoodputK(KPolicy):
                           nondecreasing([float(costs[k]) for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
-    """Σ_i E[tokens_i | α_i, K] / t(K), tokens per second."""
-    return sum(expected_tokens(a, k) for a in alphas) / self.costs[k]
+    """Σ_i E[tokens_i | α_i, K] / (d(K) + h), tokens per second."""
+    return sum(expected_tokens(a, k) for a in alphas) / (self.costs[k] + (self.host_s or 0.0))
 
   def choose(self, request_ids):
     if self.costs is None:
@@ -287,6 +301,10 @@ class GoodputK(KPolicy):
 
   def forget(self, request_id):
     self.tracker.forget(request_id)
+
+  def round_timing(self, k, device_s, host_s):
+    self.host_s = host_s if self.host_s is None else \
+        self.host_decay * self.host_s + (1 - self.host_decay) * host_s
 
 
 POLICIES = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}
