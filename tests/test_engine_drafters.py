@@ -12,7 +12,7 @@ from scipy import stats
 
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample, sample
 from jaxspec.engine import Engine, compile_counts
-from jaxspec.engine.drafters import NGramDrafter, lookup
+from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
 from jaxspec.engine.k_policy import (AlphaTracker, GoodputK, KPolicy, ScheduleK, expected_tokens,
                                      nondecreasing)
 from jaxspec.engine.spec_steps import host_q
@@ -213,8 +213,8 @@ def test_one_hot_verification_keeps_the_target_distribution(sampling):
   n, nxt = jax.jit(rejection_sample)(jax.random.PRNGKey(1), proposals, q, p)
   n, nxt, num_proposed = np.asarray(n), np.asarray(nxt), np.asarray(num_proposed)
   assert (n <= num_proposed).all() and 0 < n.mean() < num_proposed.mean()
-  window = np.where(np.arange(3)[None] < n[:, None], np.pad(np.asarray(proposals), ((0, 0), (0, 1))),
-                    nxt[:, None])
+  padded = np.pad(np.asarray(proposals), ((0, 0), (0, 1)))
+  window = np.where(np.arange(3)[None] < n[:, None], padded, nxt[:, None])
   assert _pvalue(window[:, 0], p[0, 0]) > 1e-3
   assert _pvalue(window[n >= 1, 1], p[0, 1]) > 1e-3
   assert _pvalue(window[n >= 2, 2], p[0, 2]) > 1e-3
@@ -341,6 +341,7 @@ def test_bad_engine_arguments(tiny, tiny_draft):
       (dict(drafter='eagle', k=2), "unknown drafter 'eagle'"),
       (dict(drafter='ngram', k=2, **draft), "drafter='ngram'.*takes no draft model"),
       (dict(drafter='model', k=2), "drafter='model' needs a draft model"),
+      (dict(drafter=ModelDrafter(), k=2), 'needs a draft model, got draft=None'),
       (dict(drafter='ngram'), "drafter='ngram', k=0"),
       (dict(drafter='ngram', k=17), 'got k=17'),
       (dict(k_policy='goodput'), "k_policy='goodput' chooses K but the engine does not"),

@@ -112,8 +112,9 @@ class Engine:
     if isinstance(self.drafter, NGramDrafter) and draft is not None:
       raise ValueError(f'drafter={drafter!r} (prompt lookup) takes no draft model, got one')
     if self.drafter is not None and self.drafter.uses_draft_model != (draft is not None):
-      raise ValueError(f'drafter {drafter!r} {"needs" if self.drafter.uses_draft_model else "takes no"}'
-                       f' draft model, got draft={"None" if draft is None else "a model"}')
+      need = 'needs a' if self.drafter.uses_draft_model else 'takes no'
+      raise ValueError(f'drafter {drafter!r} {need} draft model, got draft='
+                       f'{"None" if draft is None else "a model"}')
     if k > MAX_K:
       raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
     self.policy = make_policy(k_policy)
