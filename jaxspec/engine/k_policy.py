@@ -13,7 +13,8 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
 - `GoodputK`: SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
   Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
   E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
-  estimate (`AlphaTracker`) and t(K) the measured seconds of one decode round at K.
+  estimate (`AlphaTracker`) and t(K) the seconds of one decode round at K (the device step
+  measured at start-up plus the host work per round measured online).
 
 Acceptance observations (`observe`): (successes, trials) of one round for one row, so α is the
 ratio of two EMAs (consistent, unlike an EMA of per-round ratios under the geometric stopping
@@ -143,7 +144,8 @@ class ScheduleK(KPolicy):
 class AlphaTracker:
   """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
   request's (successes, trials) observations (decay per observed round); a request with no
-  observation yet uses the global estimate, the same ratio over every request's observations.
+  observation yet uses the global estimate, the same ratio over every request's observations
+  (decayed per observation, of any request).
 
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
