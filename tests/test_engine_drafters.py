@@ -310,6 +310,10 @@ def test_goodput_follows_alpha_and_the_cost_table():
   assert policy.choose(['a'])[0] == 0                        # 1 / 1 > 1.6 / 2
   policy.round_timing(0, 1.0, 10.0)
   assert policy.choose(['a'])[0] == 1                        # 1 / 11 < 1.6 / 12
+  # Live rounds at K = 1 costing more than the start-up table said move the choice back.
+  for _ in range(30):
+    policy.round_timing(1, 20.0, 10.0)
+  assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke

@@ -214,13 +214,15 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) = d(K) + h: d(K) the measured wall time of the device call of one decode round at K for
-  the engine's static shape (its steps run all B slots, idle rows included, so d depends on K,
-  not on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens
-  from the same round), and h the host seconds per round around it (scheduling, tables,
-  proposals, emitting; the same at every K), an EMA of what the engine reports each round
-  (`round_timing`). Without h, a K > 0 round looks relatively dearer than it is when the host
-  work is a large part of a round (small models, small batches).
+  t(K) = d(K) + h: d(K) the wall time of the device call of one decode round at K for the
+  engine's static shape (its steps run all B slots, idle rows included, so d depends on K, not
+  on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens from
+  the same round), and h the host seconds per round around it (scheduling, tables, proposals,
+  emitting; the same at every K). d starts from the table measured over idle rows at start-up
+  and each K's entry follows an EMA of the rounds really run at it (`round_timing`; live rounds
+  also pay what idle ones skip, e.g. a draft model's extra step after a fully accepted round),
+  kept non-decreasing in K; h is an EMA of the reported host time. Without h, a K > 0 round
+  looks relatively dearer than it is when host work is a large part of a round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -229,7 +231,7 @@ class GoodputK(KPolicy):
       K gains ~1 token and K = 0 is chosen).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
     costs: the cost table d(K) {K: seconds}, if known (else the engine measures it).
-    host_decay: weight of the past in the EMA of h (per round).
+    timing_decay: weight of the past in the EMAs of d(K) and h (per round), in [0, 1).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
       non-positive time, margin < 0.
@@ -237,14 +239,15 @@ class GoodputK(KPolicy):
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
-               costs: Optional[Mapping[int, float]] = None, host_decay: float = 0.9):
+               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9):
     super().__init__()
     if not margin >= 0:
       raise ValueError(f'margin must be >= 0, got {margin!r}')
-    if not 0.0 <= host_decay < 1.0:
-      raise ValueError(f'host_decay must be in [0, 1), got {host_decay!r}')
-    self.host_decay = host_decay
+    if not 0.0 <= timing_decay < 1.0:
+      raise ValueError(f'timing_decay must be in [0, 1), got {timing_decay!r}')
+    self.timing_decay = timing_decay
     self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
+    self._device_s: dict = {}               # d(K) before the non-decreasing fit
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -282,8 +285,12 @@ class GoodputK(KPolicy):
     bad = {k: t for k, t in costs.items() if not t > 0}
     if bad:
       raise ValueError(f'cost table times must be > 0 seconds, got {bad}')
+    self._device_s = {k: float(costs[k]) for k in self.candidates}
+    self._fit()
+
+  def _fit(self):
     self.costs = dict(zip(self.candidates,
-                          nondecreasing([float(costs[k]) for k in self.candidates])))
+                          nondecreasing([self._device_s[k] for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
     """Σ_i E[tokens_i | α_i, K] / (d(K) + h), tokens per second."""
@@ -305,8 +312,11 @@ class GoodputK(KPolicy):
     self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
-    self.host_s = host_s if self.host_s is None else \
-        self.host_decay * self.host_s + (1 - self.host_decay) * host_s
+    d = self.timing_decay
+    self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
+    if k in self._device_s:
+      self._device_s[k] = d * self._device_s[k] + (1 - d) * device_s
+      self._fit()
 
 
 POLICIES = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}
