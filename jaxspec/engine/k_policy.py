@@ -234,7 +234,7 @@ class GoodputK(KPolicy):
     timing_decay: weight of the past in the EMAs of d(K) and h (per round), in [0, 1).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin < 0.
+      non-positive time, margin < 0, timing_decay outside [0, 1).
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
