@@ -134,7 +134,7 @@ def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny):
       seen.append((k, accepted, successes, trials))
 
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
-                  k_policy=Record([K, 0, 0, 1]), sampling=SamplingParams(temperature=1.0),
+                  k_policy=Record([K, 0, 0]), sampling=SamplingParams(temperature=1.0),
                   **SHAPES)
   ids = [engine.add_request(p, max_tokens=M) for p in _prompts([6, 19, 11], seed=7)]
   outs = engine.run()
