@@ -24,7 +24,7 @@ import numpy as np
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.decoding.generate import MAX_K, check_request
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import RowSampling, SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
@@ -49,7 +49,8 @@ class Engine:
     prefill_rows: requests prefilled per step at most (default: num_slots).
     draft, draft_params, k: draft model and speculation length K in [1, MAX_K]; K = 0 (and no
       draft) is plain continuous batching.
-    sampling: sampling parameters of every request (greedy by default).
+    sampling: default sampling parameters of a request (greedy); `add_request` may give each
+      request its own (one compile serves any mix: they reach the device as per-row arrays).
     host_pages: host-tier capacity of the prefix cache, in pages (0: none).
     prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
     max_stop_tokens: stop ids a request may have at most (the static width of the stop table).
@@ -116,7 +117,8 @@ class Engine:
 
   def add_request(self, prompt_tokens: Sequence[int], *, max_tokens: int,
                   stop_tokens: Sequence[int] = (), request_id: Optional[Hashable] = None,
-                  salt: bytes | str = b'') -> Hashable:
+                  salt: bytes | str = b'',
+                  sampling: Optional[SamplingParams] = None) -> Hashable:
     """Queue a request; callable at any time, also between steps of a running batch.
 
     Args:
@@ -127,13 +129,16 @@ class Engine:
       request_id: any hashable id not in use (live or in `outputs`); default: the next int
         (a refused request uses one up too, so the id in its error is never reused).
       salt: prefix-cache salt (requests of different salts never share pages).
+      sampling: this request's `SamplingParams` (temperature, top-k, top-p); default: the
+        engine's. Speculative rounds stay exact per request: its draft and target distributions
+        are both processed with its own parameters.
     Returns:
       The request id.
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
         (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
-        that is not str or bytes. The request is not queued;
+        that is not str or bytes, sampling that is not a SamplingParams. The request is not queued;
         the engine and its other requests are unaffected.
     """
     if request_id is None:
@@ -159,11 +164,14 @@ class Engine:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
       salt = _salt(salt)
+      sampling = self.sampling if sampling is None else sampling
+      if not isinstance(sampling, SamplingParams):
+        raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
     request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
-                      order=next(self._arrivals))
+                      order=next(self._arrivals), sampling=sampling)
     self._live[request_id] = request
     self.scheduler.add(request)
     return request_id
@@ -212,10 +220,12 @@ class Engine:
     c = self.chunk_size
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, c), np.int32)
-    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
+    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32),
+                       self._row_sampling([], self.prefill_rows))
     table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
     zeros = np.zeros((self.num_slots,), np.int32)
-    self._call_decode(table, lengths, zeros, zeros, self._stop_table([]))
+    self._call_decode(table, lengths, zeros, zeros, self._stop_table([]),
+                      self._row_sampling([], self.num_slots))
 
   # ---------------------------------------------------------------- internals
 
@@ -232,26 +242,33 @@ class Engine:
       stop[r.slot, :len(r.stop_tokens)] = r.stop_tokens
     return stop
 
-  def _call_prefill(self, table, lengths, tokens, counts):
+  def _row_sampling(self, rows, num_rows: int) -> RowSampling:
+    """Per-row parameters of a call: rows[i] = (row index, request); idle rows greedy."""
+    params = [SamplingParams()] * num_rows
+    for row, request in rows:
+      params[row] = request.sampling
+    return RowSampling.stack(params)
+
+  def _call_prefill(self, table, lengths, tokens, counts, sampling):
     caches = device.bind(self.caches + [None] * (2 - len(self.caches)), table, lengths)
     first, target_cache, draft_cache = device.prefill_chunk(
         self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        tokens, counts, self._next_rng(), sampling=self.sampling)
+        tokens, counts, self._next_rng(), sampling)
     self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
     return np.asarray(first)
 
-  def _call_decode(self, table, lengths, pending, room, stop):
+  def _call_decode(self, table, lengths, pending, room, stop, sampling):
     """Returns (window [B, W], num_accepted [B] or None, emitted [B]) as numpy."""
     caches = device.bind(self.caches, table, lengths)
     if self.draft is None:
       window, emitted, target_cache = device.decode_round(
           self.target, self.target_params, caches[0], pending, room, stop, self._next_rng(),
-          sampling=self.sampling)
+          sampling)
       self.caches = [target_cache]
       return np.asarray(window), None, np.asarray(emitted)
     window, n, emitted, target_cache, draft_cache = device.speculative_step(
         self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        pending, room, stop, self._next_rng(), k=self.k, sampling=self.sampling)
+        pending, room, stop, self._next_rng(), sampling, k=self.k)
     self.caches = [target_cache, draft_cache]
     return np.asarray(window), np.asarray(n), np.asarray(emitted)
 
@@ -265,7 +282,8 @@ class Engine:
       lengths[row] = request.num_computed
       tokens[row, :len(chunk)] = chunk
       counts[row] = len(chunk)
-    first = self._call_prefill(table, lengths, tokens, counts)
+    first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
+        [(row, request) for row, (request, _) in enumerate(prefills)], self.prefill_rows))
     now = time.perf_counter()
     for row, (request, chunk) in enumerate(prefills):
       request.num_computed += len(chunk)
@@ -288,7 +306,9 @@ class Engine:
       lengths[s] = request.num_computed
       pending[s] = request.output[-1]
       room[s] = request.room
-    window, n, counts = self._call_decode(table, lengths, pending, room, self._stop_table(decodes))
+    window, n, counts = self._call_decode(
+        table, lengths, pending, room, self._stop_table(decodes),
+        self._row_sampling([(r.slot, r) for r in decodes], self.num_slots))
     now = time.perf_counter()
     for request in decodes:
       s = request.slot
