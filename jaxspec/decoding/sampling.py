@@ -155,17 +155,8 @@ def _top_k_mask(probs, k, iterations: int = 32):
   Returns:
     [..., V] bool.
   """
-  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # count(p > lo) >= k
-  hi = jnp.max(probs, axis=-1, keepdims=True)                # count(p > hi) <  k
-
-  def halve(_, bounds):
-    lo, hi = bounds
-    mid = (lo + hi) / 2
-    few = jnp.sum(probs > mid, axis=-1, keepdims=True) < k
-    return jnp.where(few, lo, mid), jnp.where(few, mid, hi)
-
-  lo, _ = jax.lax.fori_loop(0, iterations, halve, (lo, hi))
-  return probs > lo
+  return _keep_above_cut(probs, lambda mid: jnp.sum(probs > mid, axis=-1, keepdims=True) >= k,
+                         iterations)
 
 
 def nucleus_mask(probs, top_p, iterations: int = 32):
@@ -182,16 +173,30 @@ def nucleus_mask(probs, top_p, iterations: int = 32):
   Returns:
     [..., V] bool.
   """
-  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # mass(p > lo) >= top_p
-  hi = jnp.max(probs, axis=-1, keepdims=True)                # mass(p > hi) <  top_p
+  return _keep_above_cut(
+      probs, lambda mid: jnp.sum(jnp.where(probs > mid, probs, 0.0), axis=-1, keepdims=True)
+      >= top_p, iterations)
+
+
+def _keep_above_cut(probs, enough_above, iterations: int):
+  """The tokens above a cut found by bisection, not by sorting: `enough_above(x)` (monotone,
+  true at 0, false at max(p)) turns false at the cut x*; bisecting [0, max(p)] leaves lo < x*
+  with enough_above(lo), and probs > lo keeps the token whose probability is x* itself.
+
+  Args:
+    probs: [..., V] float32; enough_above: [..., 1] float32 threshold -> [..., 1] bool.
+  Returns:
+    [..., V] bool.
+  """
+  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # enough_above(lo)
+  hi = jnp.max(probs, axis=-1, keepdims=True)                # not enough_above(hi)
 
   def halve(_, bounds):
     lo, hi = bounds
     mid = (lo + hi) / 2
-    below = jnp.sum(jnp.where(probs > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
-    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+    enough = enough_above(mid)
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-  # x* lies in (lo, hi]: keeping p > lo keeps the token whose probability is x* itself.
   lo, _ = jax.lax.fori_loop(0, iterations, halve, (lo, hi))
   return probs > lo
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
+from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import MAX_K, check_request
 from jaxspec.decoding.sampling import RowSampling, SamplingParams
 from jaxspec.engine import device
@@ -163,7 +164,7 @@ class Engine:
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
-      salt = _salt(salt)
+      salt = salt_bytes(salt)
       sampling = self.sampling if sampling is None else sampling
       if not isinstance(sampling, SamplingParams):
         raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
@@ -340,10 +341,3 @@ class Engine:
     self.outputs[request.id] = RequestOutput(request.id, request.prompt, list(request.output),
                                              reason, request.metrics)
 
-
-def _salt(salt) -> bytes:
-  if isinstance(salt, str):
-    return salt.encode()
-  if isinstance(salt, (bytes, bytearray)):
-    return bytes(salt)
-  raise ValueError(f'salt must be str or bytes, got {type(salt).__name__}')
