@@ -184,6 +184,8 @@ def test_bad_evicting_engine_arguments(tiny):
   policy = make_policy('h2o', BUDGET)
   bad = [
       (dict(k=2, draft=config, draft_params=params), 'speculative decoding is not supported.*k=2'),
+      (dict(drafter='ngram'), "not supported.*drafter='ngram'"),
+      (dict(k_policy='goodput'), "not supported.*k_policy='goodput'"),
       (dict(prefix_caching=True), 'prefix_caching=True'),
       (dict(host_pages=4), 'host_pages=4'),
       (dict(prefill_rows=2), 'prefill_rows=2 must equal num_slots=4'),

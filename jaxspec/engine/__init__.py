@@ -1,11 +1,15 @@
-"""Continuous batching: requests, the scheduler, the engine loop, batched speculative decoding,
-and the evicting engine (each request's KV cache under an eviction budget)."""
+"""Continuous batching: requests, the scheduler, the engine loop, batched speculative decoding
+with pluggable drafters (draft model, prompt lookup) and per-round K policies, and the evicting
+engine (each request's KV cache under an eviction budget)."""
 
 from jaxspec.engine.device import compile_counts
+from jaxspec.engine.drafters import Drafter, ModelDrafter, NGramDrafter, Round
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.evicting import EvictingEngine, EvictingScheduler
+from jaxspec.engine.k_policy import AlphaTracker, FixedK, GoodputK, KPolicy, ScheduleK
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 
-__all__ = ['Engine', 'EvictingEngine', 'EvictingScheduler', 'Request', 'RequestMetrics',
-           'RequestOutput', 'Scheduler', 'State', 'compile_counts']
+__all__ = ['AlphaTracker', 'Drafter', 'Engine', 'EvictingEngine', 'EvictingScheduler', 'FixedK',
+           'GoodputK', 'KPolicy', 'ModelDrafter', 'NGramDrafter', 'Request', 'RequestMetrics',
+           'RequestOutput', 'Round', 'ScheduleK', 'Scheduler', 'State', 'compile_counts']

@@ -7,8 +7,9 @@ nothing to do get the null page table row and length 0 (`idle_rows`): whatever t
 written to the null page 0 and discarded, so they never touch pages holding live data.
 
 Built from `jaxspec.decoding`: `prefill` (each row starts at its cache length; rows with zero new
-tokens are padding), `decode_step`, `speculative_round` (draft K, verify K+1 in one target pass,
-`rejection_sample`), `probabilities` / `sample`, and `cut_lengths` (stop tokens, max tokens).
+tokens are padding), `decode_step`, `probabilities` / `sample`, and `cut_lengths` (stop tokens,
+max tokens). The speculative steps (draft model, prompt lookup, K = 0 with a draft) are in
+`jaxspec.engine.spec_steps`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import NULL_PAGE
-from jaxspec.decoding.autoregressive import decode_step, prefill
+from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
-from jaxspec.decoding.speculative import speculative_round
+from jaxspec.decoding.sampling import RowSampling, probabilities, sample
 from jaxspec.models import ModelConfig
 
 
@@ -44,10 +44,10 @@ def idle_rows(rows: int, pages_per_seq: int):
   return (np.full((rows, pages_per_seq), NULL_PAGE, np.int32), np.zeros((rows,), np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target', 'draft'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, target_cache,
-                  draft_cache, tokens, counts, rng, *, sampling: SamplingParams):
+                  draft_cache, tokens, counts, rng, sampling: RowSampling):
   """One chunk of prefill for up to R requests, in the target and (when given) the draft.
 
   Args:
@@ -56,22 +56,20 @@ def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, targe
     tokens: [R, C] int32 new tokens, right-padded; counts: [R] int32 real tokens per row (0: an
       idle row, which must be bound to the null page).
     rng: PRNG key.
+    sampling: each row's request's parameters ([R] arrays; traced, so any mix shares a compile).
   Returns:
     (next_token [R] int32 drawn from the target at each row's last new token: the request's first
     token when this chunk ends its prompt; target_cache, draft_cache).
   """
-  first, target_cache = prefill(target, target_params, target_cache, tokens, counts, rng,
-                                sampling=sampling)
+  last, target_cache = prefill_logits(target, target_params, target_cache, tokens, counts)
   if draft is not None:
-    _, draft_cache = prefill(draft, draft_params, draft_cache, tokens, counts, rng,
-                             sampling=sampling)
-  return first, target_cache, draft_cache
+    _, draft_cache = prefill_logits(draft, draft_params, draft_cache, tokens, counts)
+  return sample(rng, probabilities(last, sampling)), target_cache, draft_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
-                   donate_argnames=('target_cache',))
-def decode_round(target: ModelConfig, target_params, target_cache, pending, room, stop, rng, *,
-                 sampling: SamplingParams):
+@functools.partial(jax.jit, static_argnames=('target',), donate_argnames=('target_cache',))
+def decode_round(target: ModelConfig, target_params, target_cache, pending, room, stop, rng,
+                 sampling: RowSampling):
   """One autoregressive step for every row (the K = 0 baseline of continuous batching).
 
   Args:
@@ -79,6 +77,7 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
     pending: [B] int32 last committed token per row (input of this step).
     room: [B] int32 tokens each row may still emit; 0 marks an idle row (bound to the null page).
     stop: [B, S] int32 stop ids per row, -1 padded.
+    sampling: [B] per-row parameters (traced).
   Returns:
     (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, target_cache).
   """
@@ -88,41 +87,8 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
   return window, emitted, target_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling'),
-                   donate_argnames=('target_cache', 'draft_cache'))
-def speculative_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
-                     target_cache, draft_cache, pending, room, stop, rng, *, k: int,
-                     sampling: SamplingParams):
-  """Batched speculative decoding: every row drafts K, one target pass verifies all rows, each row
-  accepts its own count (Leviathan et al. 2023, Alg. 1), then stop tokens and max tokens cut
-  each row's run.
-
-  Keeps the invariant of `jaxspec.decoding.speculative`: afterwards both caches hold, for each
-  row, its committed tokens up to lengths + emitted (the host rolls lengths back to that), and
-  the last emitted token is the next pending one. The draft wrote pending, x_1..x_{K-1}; rows
-  that emit all K+1 also need x_K, written by one more draft step (skipped when no row does).
-
-  Args:
-    target_cache, draft_cache: bound caches (donated), same page tables and lengths.
-    pending, room, stop: as `decode_round`.
-    k: static K >= 1.
-  Returns:
-    window: [B, K+1] int32 x_1..x_n then the correction/bonus token; num_accepted: [B] int32 n
-    before cuts; emitted: [B] int32 tokens to emit after cuts (0 for idle rows);
-    target_cache, draft_cache.
-  """
-  window, n, target_cache, draft_cache = speculative_round(
-      target, draft, target_params, draft_params, target_cache, draft_cache, pending, rng,
-      k=k, sampling=sampling)
-  emitted, _ = cut_lengths(window, n + 1, stop, room)
-  draft_cache = jax.lax.cond(
-      jnp.any(emitted == k + 1),
-      lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
-      lambda c: c, draft_cache)
-  return window, n, emitted, target_cache, draft_cache
-
-
 def compile_counts() -> dict:
   """Compiled variants of each device step in this process (the jit caches' sizes): a test
   checks that new requests of new lengths add none."""
-  return {f.__name__: f._cache_size() for f in (prefill_chunk, decode_round, speculative_step)}
+  from jaxspec.engine import spec_steps  # the drafters' steps (spec_steps imports nothing here)
+  return {f.__name__: f._cache_size() for f in (prefill_chunk, decode_round) + spec_steps.STEPS}

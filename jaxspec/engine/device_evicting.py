@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jaxspec.cache import EvictionState, last_token
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import RowSampling, probabilities, sample
 from jaxspec.models import ModelConfig, Transformer
 
 
@@ -38,10 +38,10 @@ def reset_rows(eviction: EvictionState, reset) -> EvictionState:
                           scores=jnp.where(r, 0.0, eviction.scores))
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling', 'group'),
+@functools.partial(jax.jit, static_argnames=('target', 'group'),
                    donate_argnames=('target_cache', 'eviction'))
 def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, eviction, tokens,
-                           counts, rng, *, sampling: SamplingParams, group: int):
+                           counts, rng, sampling: RowSampling, *, group: int):
   """One prefill chunk per slot under eviction, as a `lax.scan` over groups of `group` tokens.
 
   A row starting at length 0 with new tokens is a fresh admission: its eviction row is reset
@@ -58,6 +58,7 @@ def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, evi
     tokens: [B, C] int32 new tokens, right-padded; counts: [B] int32 real tokens per row (0: an
       idle row, bound to the null page).
     rng: PRNG key.
+    sampling: each row's request's parameters ([B] arrays; traced, so any mix shares a compile).
     group: static tokens per model call; must divide C.
   Returns:
     (next_token [B] int32 drawn at each row's last new token, target_cache, eviction).
@@ -85,10 +86,10 @@ def prefill_chunk_evicting(target: ModelConfig, target_params, target_cache, evi
   return sample(rng, probabilities(last, sampling)), target_cache, eviction
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target',),
                    donate_argnames=('target_cache', 'eviction'))
 def decode_round_evicting(target: ModelConfig, target_params, target_cache, eviction, pending,
-                          room, stop, rng, *, sampling: SamplingParams):
+                          room, stop, rng, sampling: RowSampling):
   """One autoregressive step for every decoding slot under eviction (K = 0).
 
   Args:
@@ -98,6 +99,7 @@ def decode_round_evicting(target: ModelConfig, target_params, target_cache, evic
     room: [B] int32 tokens each row may still emit; 0 marks an idle row (position -1: its
       eviction row is left as it was).
     stop: [B, S_stop] int32 stop ids per row, -1 padded.
+    sampling: [B] per-row parameters (traced).
   Returns:
     (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, target_cache, eviction).
   """

@@ -7,13 +7,18 @@ tokens stream out per request.
     rid = engine.add_request(prompt_ids, max_tokens=64, stop_tokens=[eos])
     for request_id, new_tokens in engine.step(): ...       # or: outputs = engine.run()
 
-Host side: `Scheduler` (slots, queue, pages through `PrefixCache`). Device side: the jitted steps
-of `jaxspec.engine.device`, compiled once per static shape. With K = 0 the engine is the plain
-continuous-batching baseline.
+    Engine(target, params, num_slots=8, num_pages=512, drafter='ngram', k=4)   # prompt lookup
+    Engine(..., draft=draft, draft_params=draft_params, k=8, k_policy='goodput')  # adaptive K
+
+Host side: `Scheduler` (slots, queue, pages through `PrefixCache`), the drafter
+(`jaxspec.engine.drafters`) and the K policy (`jaxspec.engine.k_policy`). Device side: the jitted
+steps of `jaxspec.engine.device` and `jaxspec.engine.spec_steps`, compiled once per static shape
+(and once per K a policy uses). With K = 0 the engine is the plain continuous-batching baseline.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from typing import Hashable, Optional, Sequence
@@ -23,9 +28,12 @@ import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
+from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import MAX_K, check_request
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import RowSampling, SamplingParams
 from jaxspec.engine import device
+from jaxspec.engine.drafters import Drafter, NGramDrafter, make_drafter, plain_round
+from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.models import ModelConfig, cache_for
@@ -47,9 +55,16 @@ class Engine:
     page_size: L tokens per page.
     chunk_size: C, prefill tokens per request per step (chunked prefill).
     prefill_rows: requests prefilled per step at most (default: num_slots).
-    draft, draft_params, k: draft model and speculation length K in [1, MAX_K]; K = 0 (and no
-      draft) is plain continuous batching.
-    sampling: sampling parameters of every request (greedy by default).
+    draft, draft_params: the draft model (for drafter 'model').
+    k: speculation length K in [1, MAX_K] (K_max for adaptive policies); K = 0 (no draft, no
+      drafter) is plain continuous batching.
+    drafter: None ('model' when a draft is given, else no speculation), 'model', 'ngram'
+      (prompt lookup, `NGramDrafter()`; no draft model, k >= 1), or a `Drafter` instance.
+    k_policy: how each decode round picks its K in {0, ..., k}: 'fixed' (always k), 'schedule'
+      (`ScheduleK`), 'goodput' (`GoodputK`), or a `KPolicy` instance (one per engine). Every K
+      a policy uses is one compiled step; pages grow by k + 1 slots per round whatever K is.
+    sampling: default sampling parameters of a request (greedy); `add_request` may give each
+      request its own (one compile serves any mix: they reach the device as per-row arrays).
     host_pages: host-tier capacity of the prefix cache, in pages (0: none).
     prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
     max_stop_tokens: stop ids a request may have at most (the static width of the stop table).
@@ -57,14 +72,26 @@ class Engine:
       models' context. Attention reads a request's whole page-table row each step, so a
       smaller bound makes every step cheaper.
     seed: PRNG seed of the sampler.
+  Attributes (besides the arguments):
+    outputs: {request_id: RequestOutput} of finished requests.
+    k_rounds: collections.Counter {K: decode rounds run at K}.
+    step_costs: {K: seconds} t(K), the fastest of a few timed decode rounds at K for this
+      engine's static shape (dispatch, device step and reading the tokens back), measured by
+      `warm_up` (or `measure_costs`) over idle rows; the steps run all B slots whether busy or
+      not, so t depends on K, not on how many rows are busy. Not included: the scheduler's host
+      work and prefill chunks (the same at every K), a draft model's extra step after a fully
+      accepted round, prompt lookup's host search. Empty until measured.
+    drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
   Raises:
-    ValueError: a bad size, K out of range, a draft without K (or K without a draft), draft and
-      target vocabularies that differ.
+    ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
+      an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
+      without speculation, draft and target vocabularies that differ.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
                page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
                draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
+               drafter: Optional[str | Drafter] = None, k_policy: str | KPolicy = 'fixed',
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0):
@@ -79,11 +106,29 @@ class Engine:
     if prefill_rows > num_slots:
       raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
     _positive_int('k', k, 0)
-    if (draft is None) != (k == 0):
-      raise ValueError(f'speculation needs both a draft and k >= 1; got draft='
-                       f'{"None" if draft is None else "a model"}, k={k}')
+    self.drafter = make_drafter(drafter, draft is not None)
+    if self.drafter is None and k != 0 or self.drafter is not None and k == 0:
+      raise ValueError(f'speculation needs a drafter (a draft model, or drafter=\'ngram\') and '
+                       f'k >= 1; got draft={"None" if draft is None else "a model"}, '
+                       f'drafter={drafter!r}, k={k}')
+    if isinstance(self.drafter, NGramDrafter) and draft is not None:
+      raise ValueError(f'drafter={drafter!r} (prompt lookup) takes no draft model, got one')
+    if self.drafter is not None and self.drafter.uses_draft_model != (draft is not None):
+      need = 'needs a' if self.drafter.uses_draft_model else 'takes no'
+      raise ValueError(f'drafter {drafter!r} {need} draft model, got draft='
+                       f'{"None" if draft is None else "a model"}')
+    if k > MAX_K:
+      raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
+    self.policy = make_policy(k_policy)
+    if self.drafter is None:
+      if not isinstance(self.policy, FixedK):
+        raise ValueError(f'k_policy={k_policy!r} chooses K but the engine does not speculate '
+                         f'(give a draft model or drafter=\'ngram\', and k >= 1)')
+      self.policy = None
+    else:
+      self.policy.setup(k)
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
-                  k=k or None)
+                  k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
     self.target, self.target_params = target, target_params
@@ -91,7 +136,10 @@ class Engine:
     self.sampling = sampling
     self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
     self.max_stop_tokens = max_stop_tokens
-    self.window = k + 1                       # cache slots one decode round writes per request
+    self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
+    self.k_rounds: collections.Counter = collections.Counter()
+    self.step_costs: dict = {}
+    self._schedule_s = 0.0       # host seconds of the last step's scheduling
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
     if max_seq_len is not None:
@@ -111,12 +159,15 @@ class Engine:
     self._arrivals = itertools.count()
     self._rng = jax.random.PRNGKey(seed)
     self.num_steps = 0
+    if self.drafter is not None:
+      self.drafter.check(self)
 
   # ---------------------------------------------------------------- requests
 
   def add_request(self, prompt_tokens: Sequence[int], *, max_tokens: int,
                   stop_tokens: Sequence[int] = (), request_id: Optional[Hashable] = None,
-                  salt: bytes | str = b'') -> Hashable:
+                  salt: bytes | str = b'',
+                  sampling: Optional[SamplingParams] = None) -> Hashable:
     """Queue a request; callable at any time, also between steps of a running batch.
 
     Args:
@@ -127,13 +178,16 @@ class Engine:
       request_id: any hashable id not in use (live or in `outputs`); default: the next int
         (a refused request uses one up too, so the id in its error is never reused).
       salt: prefix-cache salt (requests of different salts never share pages).
+      sampling: this request's `SamplingParams` (temperature, top-k, top-p); default: the
+        engine's. Speculative rounds stay exact per request: its draft and target distributions
+        are both processed with its own parameters.
     Returns:
       The request id.
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
         (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
-        that is not str or bytes. The request is not queued;
+        that is not str or bytes, sampling that is not a SamplingParams. The request is not queued;
         the engine and its other requests are unaffected.
     """
     if request_id is None:
@@ -145,7 +199,9 @@ class Engine:
     try:
       _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
                                      stop_tokens=stop_tokens, draft=self.draft,
-                                     draft_params=self.draft_params, k=self.k or None)
+                                     draft_params=self.draft_params,
+                                     k=self.k if self.draft is not None else None)
+      slack = max(slack, self.window)
       stop = tuple(stop.tolist())
       if len(stop) > self.max_stop_tokens:
         raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={self.max_stop_tokens}')
@@ -158,12 +214,15 @@ class Engine:
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
-      salt = _salt(salt)
+      salt = salt_bytes(salt)
+      sampling = self.sampling if sampling is None else sampling
+      if not isinstance(sampling, SamplingParams):
+        raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
     request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
-                      order=next(self._arrivals))
+                      order=next(self._arrivals), sampling=sampling)
     self._live[request_id] = request
     self.scheduler.add(request)
     return request_id
@@ -182,7 +241,9 @@ class Engine:
       [(request_id, new token ids)] for every request that emitted tokens in this step
       (streaming); finished requests also appear in `outputs`.
     """
+    start = time.perf_counter()
     prefills, decodes = self.scheduler.schedule(self.window)
+    self._schedule_s = time.perf_counter() - start
     emitted: dict = {}
     if prefills:
       self._prefill(prefills, emitted)
@@ -204,18 +265,49 @@ class Engine:
       steps += 1
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
-  def warm_up(self) -> None:
-    """Compile every device step with idle rows only (nothing is written but the null page),
-    and the host-tier copies when there is a host tier, so that timed steps do not compile."""
+  def warm_up(self, cost_repeats: int = 5) -> None:
+    """Compile every device step with idle rows only (nothing is written but the null page):
+    prefill, the decode round at every K the policy may choose, and the host-tier copies when
+    there is a host tier, so that timed steps do not compile; then measure `step_costs`.
+
+    Args:
+      cost_repeats: timed decode rounds per K (>= 1).
+    """
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
     c = self.chunk_size
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, c), np.int32)
-    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
-    table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32),
+                       self._row_sampling([], self.prefill_rows))
+    self.measure_costs(cost_repeats)
+
+  def measure_costs(self, repeats: int = 5) -> dict:
+    """Time one decode round at every K the policy may choose (compiling it first if needed),
+    over idle rows, `repeats` times each (the K values interleaved); store the fastest in
+    `step_costs` (seconds: timing noise on a shared machine only adds) and give them to a
+    policy that needs a cost table.
+
+    Returns:
+      `step_costs`.
+    """
+    _positive_int('repeats', repeats)
+    ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
-    self._call_decode(table, lengths, zeros, zeros, self._stop_table([]))
+    stop = self._stop_table([])
+    sampling = self._row_sampling([], self.num_slots)
+    times = {k: [] for k in ks}
+    for r in range(repeats + 1):       # round 0 compiles; K interleaved so load drifts hit all K
+      for k in ks:
+        table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+        start = time.perf_counter()
+        self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k, caps=zeros)
+        if r:
+          times[k].append(time.perf_counter() - start)
+    self.step_costs.update({k: min(t) for k, t in times.items()})
+    if self.policy is not None and self.policy.needs_costs:
+      self.policy.set_costs(self.step_costs)
+    return self.step_costs
 
   # ---------------------------------------------------------------- internals
 
@@ -241,28 +333,54 @@ class Engine:
       stop[r.slot, :len(r.stop_tokens)] = r.stop_tokens
     return stop
 
-  def _call_prefill(self, table, lengths, tokens, counts):
+  def _row_sampling(self, rows, num_rows: int) -> RowSampling:
+    """Per-row parameters of a call: rows[i] = (row index, request); idle rows greedy."""
+    params = [SamplingParams()] * num_rows
+    for row, request in rows:
+      params[row] = request.sampling
+    return RowSampling.stack(params)
+
+  def _call_prefill(self, table, lengths, tokens, counts, sampling):
     caches = device.bind(self.caches + [None] * (2 - len(self.caches)), table, lengths)
     first, target_cache, draft_cache = device.prefill_chunk(
         self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        tokens, counts, self._next_rng(), sampling=self.sampling)
+        tokens, counts, self._next_rng(), sampling)
     self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
     return np.asarray(first)
 
-  def _call_decode(self, table, lengths, pending, room, stop):
-    """Returns (window [B, W], num_accepted [B] or None, emitted [B]) as numpy."""
+  def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
+                   contexts=None):
+    """One decode round at K = k with per-row sampling (`RowSampling`), caps [B] (default k)
+    and contexts [B] (token lists or None; the drafters that read them need them for busy
+    rows). Returns a `drafters.Round`."""
     caches = device.bind(self.caches, table, lengths)
-    if self.draft is None:
-      window, emitted, target_cache = device.decode_round(
-          self.target, self.target_params, caches[0], pending, room, stop, self._next_rng(),
-          sampling=self.sampling)
-      self.caches = [target_cache]
-      return np.asarray(window), None, np.asarray(emitted)
-    window, n, emitted, target_cache, draft_cache = device.speculative_step(
-        self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        pending, room, stop, self._next_rng(), k=self.k, sampling=self.sampling)
-    self.caches = [target_cache, draft_cache]
-    return np.asarray(window), np.asarray(n), np.asarray(emitted)
+    rng = self._next_rng()
+    if self.drafter is None:
+      result, self.caches = plain_round(self, caches, pending, room, stop, rng, sampling)
+      return result
+    caps = np.full((self.num_slots,), k, np.int32) if caps is None else caps
+    contexts = [None] * self.num_slots if contexts is None else contexts
+    result, self.caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
+                                              stop=stop, caps=caps, contexts=contexts, rng=rng,
+                                              sampling=sampling)
+    return result
+
+  def _choose_k(self, decodes) -> tuple:
+    """(K, caps [B] int32) of this round from the policy, checked."""
+    caps = np.zeros((self.num_slots,), np.int32)
+    if self.policy is None:
+      return 0, caps
+    if self.policy.needs_costs:
+      self.measure_costs()
+    k, row_caps = self.policy.choose([r.id for r in decodes])
+    if k not in self.policy.candidates or len(row_caps) != len(decodes) or \
+        any(not 0 <= c <= k for c in row_caps):
+      raise ValueError(f'k_policy {self.policy!r} chose K={k!r} (candidates '
+                       f'{self.policy.candidates}) with caps {row_caps!r} for {len(decodes)} '
+                       f'requests: K must be a candidate and each cap in [0, K]')
+    for request, c in zip(decodes, row_caps):
+      caps[request.slot] = c
+    return int(k), caps
 
   def _prefill(self, prefills, emitted) -> None:
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
@@ -275,7 +393,9 @@ class Engine:
       lengths[row] = request.num_computed
       tokens[row, :len(chunk)] = chunk
       counts[row] = len(chunk)
-    first = self._call_prefill(table, lengths, tokens, counts)
+    first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
+        [(self._prefill_row(i, request), request) for i, (request, _) in enumerate(prefills)],
+        self.prefill_rows))
     now = time.perf_counter()
     for i, (request, chunk) in enumerate(prefills):
       row = self._prefill_row(i, request)
@@ -289,6 +409,7 @@ class Engine:
         self._emit(request, [int(first[row])], now, emitted)
 
   def _decode(self, decodes, emitted) -> None:
+    start = time.perf_counter()
     table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
     pending = np.zeros((self.num_slots,), np.int32)
     room = np.zeros((self.num_slots,), np.int32)
@@ -299,17 +420,33 @@ class Engine:
       lengths[s] = request.num_computed
       pending[s] = request.output[-1]
       room[s] = request.room
-    window, n, counts = self._call_decode(table, lengths, pending, room, self._stop_table(decodes))
+    k, caps = self._choose_k(decodes)
+    contexts = [None] * self.num_slots
+    if getattr(self.drafter, 'uses_context', False):
+      for request in decodes:
+        contexts[request.slot] = request.context
+    call_start = time.perf_counter()
+    result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes),
+                               self._row_sampling([(r.slot, r) for r in decodes], self.num_slots),
+                               k=k, caps=caps, contexts=contexts)
+    device_s = time.perf_counter() - call_start
+    self.k_rounds[k] += 1
     now = time.perf_counter()
     for request in decodes:
       s = request.slot
-      e = int(counts[s])
+      e = int(result.emitted[s])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached
       request.metrics.accepted_lengths.append(e)
-      if n is not None:
-        request.metrics.proposed += self.k
-        request.metrics.accepted += min(int(n[s]), e)
-      self._emit(request, window[s, :e].tolist(), now, emitted)
+      if self.policy is not None:
+        n = int(result.num_accepted[s])
+        request.metrics.proposed += int(result.num_proposed[s])
+        request.metrics.accepted += min(n, e)
+        self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
+                            float(result.trials[s]))
+      self._emit(request, result.window[s, :e].tolist(), now, emitted)
+    if self.policy is not None:   # host seconds of this round besides the device call
+      host_s = time.perf_counter() - start - device_s + self._schedule_s
+      self.policy.round_timing(k, device_s, host_s)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
     request.output.extend(tokens)
@@ -323,6 +460,8 @@ class Engine:
       self._finish(request, 'length', now)
 
   def _finish(self, request: Request, reason: str, now: float) -> None:
+    if self.policy is not None:
+      self.policy.forget(request.id)
     self.scheduler.release(request)
     request.state = State.FINISHED
     request.finish_reason = reason
@@ -331,10 +470,3 @@ class Engine:
     self.outputs[request.id] = RequestOutput(request.id, request.prompt, list(request.output),
                                              reason, request.metrics)
 
-
-def _salt(salt) -> bytes:
-  if isinstance(salt, str):
-    return salt.encode()
-  if isinstance(salt, (bytes, bytearray)):
-    return bytes(salt)
-  raise ValueError(f'salt must be str or bytes, got {type(salt).__name__}')

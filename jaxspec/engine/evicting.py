@@ -38,6 +38,7 @@ from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine import device_evicting
+from jaxspec.engine.drafters import Round
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.request import Request
 from jaxspec.engine.scheduler import Scheduler
@@ -84,15 +85,18 @@ class EvictingEngine(Engine):
     policy: an `EvictionPolicy` with a budget (`jaxspec.cache.make_policy`, not 'full').
     num_slots: B, requests decoded together.
     num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page).
-    page_size, chunk_size, sampling, max_stop_tokens, max_seq_len, seed: as `Engine`.
+    page_size, chunk_size, sampling, max_stop_tokens, max_seq_len, seed: as `Engine` (and, as
+      there, `add_request(..., sampling=)` gives a request its own sampling parameters).
     use_kernel, interpret: Pallas kernels for selection and attention (interpret mode on CPU)
       instead of their jnp references (`jaxspec.cache.init_eviction`).
     prefill_group: tokens per model call inside a prefill chunk (must divide chunk_size; default
       its largest divisor up to 4). Compile time grows with it (the eviction step is unrolled
       over those tokens and the layers), weight reads per chunk shrink; outputs do not change.
-    draft, draft_params, k, prefix_caching, host_pages, prefill_rows: accepted only at their
-      defaults (None, None, 0, False, 0, None = num_slots); see the module docstring.
+    draft, draft_params, k, drafter, k_policy, prefix_caching, host_pages, prefill_rows:
+      accepted only at their defaults (None, None, 0, None, 'fixed', False, 0, None = num_slots);
+      see the module docstring.
   Attributes:
+    eviction_policy: the `EvictionPolicy` (`policy` is the base class's K policy: None here).
     request_pages: pages a request longer than the budget holds (ceil(policy.slots / L)).
     eviction: the device `EvictionState`, arrays [layers, B, request_pages * L].
   Raises:
@@ -107,16 +111,19 @@ class EvictingEngine(Engine):
                sampling: SamplingParams = SamplingParams(), max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0, use_kernel: bool = False,
                interpret: bool = True, draft: Optional[ModelConfig] = None, draft_params=None,
-               k: int = 0, prefix_caching: bool = False, host_pages: int = 0,
-               prefill_rows: Optional[int] = None, prefill_group: Optional[int] = None):
+               k: int = 0, drafter=None, k_policy='fixed', prefix_caching: bool = False,
+               host_pages: int = 0, prefill_rows: Optional[int] = None,
+               prefill_group: Optional[int] = None):
     if not isinstance(policy, EvictionPolicy):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
                        f'got {policy!r}')
     if policy.slots is None:
       raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
-    if draft is not None or draft_params is not None or k != 0:
+    if draft is not None or draft_params is not None or k != 0 or drafter is not None or \
+        k_policy != 'fixed':
       raise ValueError(f'speculative decoding is not supported by EvictingEngine, got k={k!r}, '
-                       f'draft={"None" if draft is None else "a model"}')
+                       f'draft={"None" if draft is None else "a model"}, drafter={drafter!r}, '
+                       f'k_policy={k_policy!r}')
     if prefix_caching:
       raise ValueError('prefix_caching=True is not supported under eviction (pages are '
                        'rewritten in place; sharing them would need copy-on-write)')
@@ -137,7 +144,7 @@ class EvictingEngine(Engine):
       raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
                        f'got {prefill_group!r}')
     self.prefill_group = prefill_group
-    self.policy = policy
+    self.eviction_policy = policy
     self.request_pages = pages_needed(policy.slots, page_size)
     if self.request_pages > num_pages - 1:
       raise ValueError(f'budget {policy.budget} + reuse_delay {policy.reuse_delay} needs '
@@ -162,20 +169,26 @@ class EvictingEngine(Engine):
   def _prefill_row(self, index: int, request: Request) -> int:
     return request.slot
 
-  def _call_prefill(self, table, lengths, tokens, counts):
+  def _call_prefill(self, table, lengths, tokens, counts, sampling):
     cache = device.bind(self.caches, table, lengths)[0]
     first, cache, self.eviction = device_evicting.prefill_chunk_evicting(
         self.target, self.target_params, cache, self.eviction, jnp.asarray(tokens, jnp.int32),
-        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling=self.sampling,
-        group=self.prefill_group)
+        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling, group=self.prefill_group)
     self.caches = [cache]
     return np.asarray(first)
 
-  def _call_decode(self, table, lengths, pending, room, stop):
+  def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
+                   contexts=None):
+    """A K = 0 round under eviction (k must be 0; caps and contexts are ignored). Returns a
+    `drafters.Round`."""
+    if k != 0:
+      raise ValueError(f'EvictingEngine decodes at K = 0 only, got k={k!r}')
     cache = device.bind(self.caches, table, lengths)[0]
     window, emitted, cache, self.eviction = device_evicting.decode_round_evicting(
         self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
-        jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(),
-        sampling=self.sampling)
+        jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
     self.caches = [cache]
-    return np.asarray(window), None, np.asarray(emitted)
+    b = self.num_slots
+    zeros = np.zeros((b,), np.int32)
+    return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
+                 np.zeros((b,)))
