@@ -126,6 +126,26 @@ def test_preempted_request_resumes_exactly_under_eviction(tiny, alone):
   assert engine.prefix.num_held == 0 and engine.prefix.num_free == SHAPES['num_pages'] - 1
 
 
+def test_per_request_sampling_under_eviction(tiny, alone):
+  """A sampled request (temperature 1) beside greedy ones: the greedy ones still equal their
+  evicting decode alone, the sampled one differs from greedy, and a seed repeats it."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  prompts = _prompts([33, 21, 40], seed=6)
+
+  def run(seed):
+    engine = EvictingEngine(config, params, policy=policy, seed=seed, **SHAPES)
+    ids = [engine.add_request(p, max_tokens=M, sampling=SamplingParams(temperature=1.0) if i == 1
+                              else None) for i, p in enumerate(prompts)]
+    outs = engine.run()
+    return [outs[i].tokens for i in ids]
+
+  first, again = run(0), run(0)
+  assert first == again
+  assert first[0] == alone(policy, prompts[0], M) and first[2] == alone(policy, prompts[2], M)
+  assert first[1] != alone(policy, prompts[1], M) and len(first[1]) == M
+
+
 def test_pallas_kernels_in_the_engine_match_decoding_alone(tiny, alone):
   """use_kernel=True: selection and attention by the Pallas kernels (interpret mode on CPU)."""
   config, params = tiny
