@@ -202,7 +202,7 @@ def test_bad_input_fails_that_request_only(tiny, alone):
       engine.add_request(**kwargs)
     engine.step()                                   # the engine keeps serving
   second = engine.add_request(good[1], max_tokens=10, request_id='second')
-  outs = engine.run()
+  engine.run()
   assert set(engine.outputs) == {first, 'second'}
   assert engine.outputs[first].tokens == alone(good[0], 10)
   assert engine.outputs[second].tokens == alone(good[1], 10)
