@@ -37,9 +37,10 @@ def get_config(arg=None):
   c.workloads = 'json,code,retrieval'
   c.batch_size = 8         # B, engine slots
   c.requests_per_slot = 2  # N = requests_per_slot x B requests per (workload, setting, repeat)
-  c.prompt_len = 96        # tokens (retrieval: at most)
-  c.max_tokens = 48        # tokens emitted per request at most (stops earlier at <|eos|>)
-  c.repeats = 2            # passes over every (workload, setting), order rotated per pass
+  c.prompt_len = 64        # tokens (retrieval: at most); one prefill chunk
+  c.max_tokens = 32        # tokens emitted per request at most (stops earlier at <|eos|>)
+  c.repeats = 1            # passes over every (workload, setting); the order of the settings
+                           # rotates per (repeat, workload), so 3 workloads x 1 pass = 3 orders
   c.chunk_size = 64        # prefill chunk per request per step (tokens)
   c.page_size = 16
   c.pool_pages = 0         # device pool in pages; 0 = B requests at full length (no preemption)

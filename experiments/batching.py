@@ -5,8 +5,9 @@ setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft mo
 policies and other drafters are more settings), all built from the same target/draft pair and
 compiled by `warm_up` before anything is timed. For each repeat and workload, the same
 N = requests_per_slot x B held-out prompts (`make_prompts`) are submitted at once to every
-setting, one setting after another in an order that rotates by one per repeat, so every ratio
-against K = 0 is taken within one run under the same machine conditions.
+setting, one setting after another in an order that rotates by one per (repeat, workload), so
+every ratio against K = 0 is taken within one run under the same machine conditions and no
+setting always runs first.
 
 One record per (workload, setting, repeat):
   tokens_per_s        tokens emitted / wall seconds of the whole run (prefill, decode, host work)
@@ -252,9 +253,9 @@ def run(config, results) -> None:
   base = baseline_name(settings)
   names = list(settings)
   for repeat in range(int(config.repeats)):
-    for workload in workloads:
+    for w, workload in enumerate(workloads):
       runs = {}
-      for name in rotated(names, repeat):
+      for name in rotated(names, repeat * len(workloads) + w):
         engine, kinds = engines[name]
         runs[name] = measure(engine, kinds, prompts[workload],
                              max_tokens=int(config.max_tokens), stop_tokens=stop)
