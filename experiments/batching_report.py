@@ -10,6 +10,9 @@ in a round, so a round's cost depends on B and K, not on the workload; measured 
 
     c(B, K) = t_round(B, K) / t_round(B, 0)    (seconds of a decode-only engine step)
 
+(Leviathan et al.'s own c, `jaxspec.eval.expected_speedup`, is a draft step over a target step
+at batch 1; here the whole round, K draft steps + one (K + 1)-token verify of B slots, is timed.)
+
 Speculation at (B, K) pays iff τ(α, K) > c(B, K). The threshold α*(B) is the smallest α at which
 some K >= 1 pays (0 when a round at some K costs no more than a plain one), and the best K at a
 given α maximises τ(α, K) / c(B, K) (K = 0, ratio 1, included). As B grows the verify pass of
@@ -29,6 +32,8 @@ import json
 import math
 import pathlib
 
+from jaxspec.eval import expected_tokens_per_round
+
 ALPHAS = (0.5, 0.7, 0.9)  # α values at which the best K is reported
 
 
@@ -43,9 +48,7 @@ def expected_tokens(alpha: float, k: int) -> float:
     raise ValueError(f'acceptance rate α must be in [0, 1], got {alpha!r}')
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f'K must be an int >= 0, got {k!r}')
-  if alpha == 1.0:
-    return float(k + 1)
-  return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+  return expected_tokens_per_round(alpha, k)
 
 
 def alpha_to_pay(cost: float, k: int, tol: float = 1e-9) -> float:

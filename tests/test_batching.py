@@ -157,3 +157,27 @@ def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
   data = json.loads((tmp_path / 'threshold.json').read_text())
   assert data['thresholds'][1]['alpha_star'] is None        # never pays: null in JSON
   assert [p.name for p in files] == ['threshold.md', 'threshold.json']
+
+
+# ------------------------------------------------------------------ one measured run
+
+
+def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
+  """3 requests of 12 tokens, 2 slots, chunk 8, 5 tokens each: steps 1-2 prefill requests 0 and
+  1 (the first token comes with the last chunk), decode rounds follow until both finish, then
+  request 2 prefills in 2 steps and decodes alone. Exactly the steps without a prefill chunk
+  are timed as rounds; every emitted token is counted."""
+  from jaxspec.engine import Engine
+  config, params = tiny
+  engine = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
+  engine.warm_up()
+  kinds = batching.StepKinds(engine)
+  prompts = [list(range(3 + i, 15 + i)) for i in range(3)]
+  steps_before = engine.num_steps
+  m = batching.measure(engine, kinds, prompts, max_tokens=5, stop_tokens=())
+  steps = engine.num_steps - steps_before
+  assert m['num_requests'] == 3 and m['tokens'] == 15 and not engine.outputs
+  assert m['decode_steps'] == steps - 4                  # 2 prefill steps per wave
+  assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
+  assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['wall_s'])
+  assert m['ttft_s'] > 0 and m['tpot_s'] > 0
