@@ -23,7 +23,9 @@ def rejection_sample(rng, draft_tokens, q, p):
   Args:
     rng: PRNG key.
     draft_tokens: [B, K] int32 proposed tokens x_1..x_K.
-    q: [B, K, V] float32, the exact distribution each x_i was drawn from.
+    q: [B, K, V] float32, the exact distribution each x_i was drawn from; a position whose q is
+      all zeros is not a proposal: it is rejected and its token drawn from p (one-hot q is the
+      host-proposal case, e.g. prompt lookup: accept x with probability p(x)).
     p: [B, K+1, V] float32, the target's processed distribution at each of the K+1 positions.
   Returns:
     num_accepted: [B] int32 in [0, K], the length of the accepted prefix.
@@ -34,8 +36,10 @@ def rejection_sample(rng, draft_tokens, q, p):
   p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
   q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]         # [B, K]
   r = jax.random.uniform(rng_accept, (b, k))
-  # r < p/q written as r * q < p: no division, and q = 0 (impossible for a sampled token) rejects.
-  accepted = r * q_draft < p_draft
+  # r < p/q written as r * q < p (no division). A token with q = 0 was not drawn from q (a
+  # position that is not a proposal, e.g. past a row's num_proposed): it is always rejected, and
+  # the residual max(0, p - 0) = p then draws that position from p itself.
+  accepted = (q_draft > 0) & (r * q_draft < p_draft)
   num_accepted = jnp.sum(jnp.cumprod(accepted.astype(jnp.int32), axis=1), axis=1)    # [B]
 
   p_at = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]           # [B, V]

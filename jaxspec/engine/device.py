@@ -7,8 +7,9 @@ nothing to do get the null page table row and length 0 (`idle_rows`): whatever t
 written to the null page 0 and discarded, so they never touch pages holding live data.
 
 Built from `jaxspec.decoding`: `prefill` (each row starts at its cache length; rows with zero new
-tokens are padding), `decode_step`, `speculative_round` (draft K, verify K+1 in one target pass,
-`rejection_sample`), `probabilities` / `sample`, and `cut_lengths` (stop tokens, max tokens).
+tokens are padding), `decode_step`, `probabilities` / `sample`, and `cut_lengths` (stop tokens,
+max tokens). The speculative steps (draft model, prompt lookup, K = 0 with a draft) are in
+`jaxspec.engine.spec_steps`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from jaxspec.cache import NULL_PAGE
 from jaxspec.decoding.autoregressive import decode_step, prefill
 from jaxspec.decoding.output import cut_lengths
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
-from jaxspec.decoding.speculative import speculative_round
 from jaxspec.models import ModelConfig
 
 
@@ -88,41 +88,8 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
   return window, emitted, target_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling'),
-                   donate_argnames=('target_cache', 'draft_cache'))
-def speculative_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
-                     target_cache, draft_cache, pending, room, stop, rng, *, k: int,
-                     sampling: SamplingParams):
-  """Batched speculative decoding: every row drafts K, one target pass verifies all rows, each row
-  accepts its own count (Leviathan et al. 2023, Alg. 1), then stop tokens and max tokens cut
-  each row's run.
-
-  Keeps the invariant of `jaxspec.decoding.speculative`: afterwards both caches hold, for each
-  row, its committed tokens up to lengths + emitted (the host rolls lengths back to that), and
-  the last emitted token is the next pending one. The draft wrote pending, x_1..x_{K-1}; rows
-  that emit all K+1 also need x_K, written by one more draft step (skipped when no row does).
-
-  Args:
-    target_cache, draft_cache: bound caches (donated), same page tables and lengths.
-    pending, room, stop: as `decode_round`.
-    k: static K >= 1.
-  Returns:
-    window: [B, K+1] int32 x_1..x_n then the correction/bonus token; num_accepted: [B] int32 n
-    before cuts; emitted: [B] int32 tokens to emit after cuts (0 for idle rows);
-    target_cache, draft_cache.
-  """
-  window, n, target_cache, draft_cache = speculative_round(
-      target, draft, target_params, draft_params, target_cache, draft_cache, pending, rng,
-      k=k, sampling=sampling)
-  emitted, _ = cut_lengths(window, n + 1, stop, room)
-  draft_cache = jax.lax.cond(
-      jnp.any(emitted == k + 1),
-      lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
-      lambda c: c, draft_cache)
-  return window, n, emitted, target_cache, draft_cache
-
-
 def compile_counts() -> dict:
   """Compiled variants of each device step in this process (the jit caches' sizes): a test
   checks that new requests of new lengths add none."""
-  return {f.__name__: f._cache_size() for f in (prefill_chunk, decode_round, speculative_step)}
+  from jaxspec.engine import spec_steps  # the drafters' steps (spec_steps imports nothing here)
+  return {f.__name__: f._cache_size() for f in (prefill_chunk, decode_round) + spec_steps.STEPS}

@@ -7,14 +7,20 @@ tokens stream out per request.
     rid = engine.add_request(prompt_ids, max_tokens=64, stop_tokens=[eos])
     for request_id, new_tokens in engine.step(): ...       # or: outputs = engine.run()
 
-Host side: `Scheduler` (slots, queue, pages through `PrefixCache`). Device side: the jitted steps
-of `jaxspec.engine.device`, compiled once per static shape. With K = 0 the engine is the plain
-continuous-batching baseline.
+    Engine(target, params, num_slots=8, num_pages=512, drafter='ngram', k=4)   # prompt lookup
+    Engine(..., draft=draft, draft_params=draft_params, k=8, k_policy='goodput')  # adaptive K
+
+Host side: `Scheduler` (slots, queue, pages through `PrefixCache`), the drafter
+(`jaxspec.engine.drafters`) and the K policy (`jaxspec.engine.k_policy`). Device side: the jitted
+steps of `jaxspec.engine.device` and `jaxspec.engine.spec_steps`, compiled once per static shape
+(and once per K a policy uses). With K = 0 the engine is the plain continuous-batching baseline.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import statistics
 import time
 from typing import Hashable, Optional, Sequence
 
@@ -26,6 +32,8 @@ from jaxspec.cache import host as host_lib
 from jaxspec.decoding.generate import MAX_K, check_request
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
+from jaxspec.engine.drafters import Drafter, NGramDrafter, make_drafter, plain_round
+from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.models import ModelConfig, cache_for
@@ -47,8 +55,14 @@ class Engine:
     page_size: L tokens per page.
     chunk_size: C, prefill tokens per request per step (chunked prefill).
     prefill_rows: requests prefilled per step at most (default: num_slots).
-    draft, draft_params, k: draft model and speculation length K in [1, MAX_K]; K = 0 (and no
-      draft) is plain continuous batching.
+    draft, draft_params: the draft model (for drafter 'model').
+    k: speculation length K in [1, MAX_K] (K_max for adaptive policies); K = 0 (no draft, no
+      drafter) is plain continuous batching.
+    drafter: None ('model' when a draft is given, else no speculation), 'model', 'ngram'
+      (prompt lookup, `NGramDrafter()`; no draft model, k >= 1), or a `Drafter` instance.
+    k_policy: how each decode round picks its K in {0, ..., k}: 'fixed' (always k), 'schedule'
+      (`ScheduleK`), 'goodput' (`GoodputK`), or a `KPolicy` instance (one per engine). Every K
+      a policy uses is one compiled step; pages grow by k + 1 slots per round whatever K is.
     sampling: sampling parameters of every request (greedy by default).
     host_pages: host-tier capacity of the prefix cache, in pages (0: none).
     prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
@@ -57,14 +71,24 @@ class Engine:
       models' context. Attention reads a request's whole page-table row each step, so a
       smaller bound makes every step cheaper.
     seed: PRNG seed of the sampler.
+  Attributes (besides the arguments):
+    outputs: {request_id: RequestOutput} of finished requests.
+    k_rounds: collections.Counter {K: decode rounds run at K}.
+    step_costs: {K: seconds} t(K), the median wall time of one decode round at K for this
+      engine's static shape, measured by `warm_up` (or `measure_costs`) over idle rows; the steps
+      run all B slots whether busy or not, so t depends on K, not on how many rows are busy.
+      Empty until measured.
+    drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
   Raises:
-    ValueError: a bad size, K out of range, a draft without K (or K without a draft), draft and
-      target vocabularies that differ.
+    ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
+      an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
+      without speculation, draft and target vocabularies that differ.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
                page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
                draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
+               drafter: Optional[str | Drafter] = None, k_policy: str | KPolicy = 'fixed',
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0):
@@ -79,11 +103,28 @@ class Engine:
     if prefill_rows > num_slots:
       raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
     _positive_int('k', k, 0)
-    if (draft is None) != (k == 0):
-      raise ValueError(f'speculation needs both a draft and k >= 1; got draft='
-                       f'{"None" if draft is None else "a model"}, k={k}')
+    self.drafter = make_drafter(drafter, draft is not None)
+    if self.drafter is None and k != 0 or self.drafter is not None and k == 0:
+      raise ValueError(f'speculation needs a drafter (a draft model, or drafter=\'ngram\') and '
+                       f'k >= 1; got draft={"None" if draft is None else "a model"}, '
+                       f'drafter={drafter!r}, k={k}')
+    if isinstance(self.drafter, NGramDrafter) and draft is not None:
+      raise ValueError(f'drafter={drafter!r} (prompt lookup) takes no draft model, got one')
+    if self.drafter is not None and self.drafter.uses_draft_model != (draft is not None):
+      raise ValueError(f'drafter {drafter!r} {"needs" if self.drafter.uses_draft_model else "takes no"}'
+                       f' draft model, got draft={"None" if draft is None else "a model"}')
+    if k > MAX_K:
+      raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
+    self.policy = make_policy(k_policy)
+    if self.drafter is None:
+      if not isinstance(self.policy, FixedK):
+        raise ValueError(f'k_policy={k_policy!r} chooses K but the engine does not speculate '
+                         f'(give a draft model or drafter=\'ngram\', and k >= 1)')
+      self.policy = None
+    else:
+      self.policy.setup(k)
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
-                  k=k or None)
+                  k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
     self.target, self.target_params = target, target_params
@@ -91,7 +132,9 @@ class Engine:
     self.sampling = sampling
     self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
     self.max_stop_tokens = max_stop_tokens
-    self.window = k + 1                       # cache slots one decode round writes per request
+    self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
+    self.k_rounds: collections.Counter = collections.Counter()
+    self.step_costs: dict = {}
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
     if max_seq_len is not None:
@@ -111,6 +154,8 @@ class Engine:
     self._arrivals = itertools.count()
     self._rng = jax.random.PRNGKey(seed)
     self.num_steps = 0
+    if self.drafter is not None:
+      self.drafter.check(self)
 
   # ---------------------------------------------------------------- requests
 
@@ -145,7 +190,9 @@ class Engine:
     try:
       _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
                                      stop_tokens=stop_tokens, draft=self.draft,
-                                     draft_params=self.draft_params, k=self.k or None)
+                                     draft_params=self.draft_params,
+                                     k=self.k if self.draft is not None else None)
+      slack = max(slack, self.window)
       stop = tuple(stop.tolist())
       if len(stop) > self.max_stop_tokens:
         raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={self.max_stop_tokens}')
@@ -204,18 +251,45 @@ class Engine:
       steps += 1
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
-  def warm_up(self) -> None:
-    """Compile every device step with idle rows only (nothing is written but the null page),
-    and the host-tier copies when there is a host tier, so that timed steps do not compile."""
+  def warm_up(self, cost_repeats: int = 3) -> None:
+    """Compile every device step with idle rows only (nothing is written but the null page):
+    prefill, the decode round at every K the policy may choose, and the host-tier copies when
+    there is a host tier, so that timed steps do not compile; then measure `step_costs`.
+
+    Args:
+      cost_repeats: timed decode rounds per K (>= 1).
+    """
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
     c = self.chunk_size
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, c), np.int32)
     self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
-    table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+    self.measure_costs(cost_repeats)
+
+  def measure_costs(self, repeats: int = 3) -> dict:
+    """Time one decode round at every K the policy may choose (compiling it first if needed),
+    over idle rows, `repeats` times each; store the medians in `step_costs` (seconds) and give
+    them to a policy that needs a cost table.
+
+    Returns:
+      `step_costs`.
+    """
+    _positive_int('repeats', repeats)
+    ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
-    self._call_decode(table, lengths, zeros, zeros, self._stop_table([]))
+    stop = self._stop_table([])
+    for k in ks:
+      times = []
+      for _ in range(repeats + 1):                   # the first call compiles (or is warm)
+        table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+        start = time.perf_counter()
+        self._call_decode(table, lengths, zeros, zeros, stop, k=k, caps=zeros)
+        times.append(time.perf_counter() - start)
+      self.step_costs[k] = statistics.median(times[1:])
+    if self.policy is not None and self.policy.needs_costs:
+      self.policy.set_costs(self.step_costs)
+    return self.step_costs
 
   # ---------------------------------------------------------------- internals
 
@@ -240,20 +314,37 @@ class Engine:
     self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
     return np.asarray(first)
 
-  def _call_decode(self, table, lengths, pending, room, stop):
-    """Returns (window [B, W], num_accepted [B] or None, emitted [B]) as numpy."""
+  def _call_decode(self, table, lengths, pending, room, stop, k=0, caps=None, contexts=None):
+    """One decode round at K = k with per-row caps [B] (default k) and contexts [B] (token
+    lists or None; the drafters that read them need them for busy rows). Returns a
+    `drafters.Round`."""
     caches = device.bind(self.caches, table, lengths)
-    if self.draft is None:
-      window, emitted, target_cache = device.decode_round(
-          self.target, self.target_params, caches[0], pending, room, stop, self._next_rng(),
-          sampling=self.sampling)
-      self.caches = [target_cache]
-      return np.asarray(window), None, np.asarray(emitted)
-    window, n, emitted, target_cache, draft_cache = device.speculative_step(
-        self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        pending, room, stop, self._next_rng(), k=self.k, sampling=self.sampling)
-    self.caches = [target_cache, draft_cache]
-    return np.asarray(window), np.asarray(n), np.asarray(emitted)
+    rng = self._next_rng()
+    if self.drafter is None:
+      result, self.caches = plain_round(self, caches, pending, room, stop, rng)
+      return result
+    caps = np.full((self.num_slots,), k, np.int32) if caps is None else caps
+    contexts = [None] * self.num_slots if contexts is None else contexts
+    result, self.caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
+                                              stop=stop, caps=caps, contexts=contexts, rng=rng)
+    return result
+
+  def _choose_k(self, decodes) -> tuple:
+    """(K, caps [B] int32) of this round from the policy, checked."""
+    caps = np.zeros((self.num_slots,), np.int32)
+    if self.policy is None:
+      return 0, caps
+    if self.policy.needs_costs:
+      self.measure_costs()
+    k, row_caps = self.policy.choose([r.id for r in decodes])
+    if k not in self.policy.candidates or len(row_caps) != len(decodes) or \
+        any(not 0 <= c <= k for c in row_caps):
+      raise ValueError(f'k_policy {self.policy!r} chose K={k!r} (candidates '
+                       f'{self.policy.candidates}) with caps {row_caps!r} for {len(decodes)} '
+                       f'requests: K must be a candidate and each cap in [0, K]')
+    for request, c in zip(decodes, row_caps):
+      caps[request.slot] = c
+    return int(k), caps
 
   def _prefill(self, prefills, emitted) -> None:
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
@@ -288,17 +379,27 @@ class Engine:
       lengths[s] = request.num_computed
       pending[s] = request.output[-1]
       room[s] = request.room
-    window, n, counts = self._call_decode(table, lengths, pending, room, self._stop_table(decodes))
+    k, caps = self._choose_k(decodes)
+    contexts = [None] * self.num_slots
+    if getattr(self.drafter, 'uses_context', False):
+      for request in decodes:
+        contexts[request.slot] = request.context
+    result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes), k=k,
+                               caps=caps, contexts=contexts)
+    self.k_rounds[k] += 1
     now = time.perf_counter()
     for request in decodes:
       s = request.slot
-      e = int(counts[s])
+      e = int(result.emitted[s])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached
       request.metrics.accepted_lengths.append(e)
-      if n is not None:
-        request.metrics.proposed += self.k
-        request.metrics.accepted += min(int(n[s]), e)
-      self._emit(request, window[s, :e].tolist(), now, emitted)
+      if self.policy is not None:
+        n = int(result.num_accepted[s])
+        request.metrics.proposed += int(result.num_proposed[s])
+        request.metrics.accepted += min(n, e)
+        self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
+                            float(result.trials[s]))
+      self._emit(request, result.window[s, :e].tolist(), now, emitted)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
     request.output.extend(tokens)
@@ -312,6 +413,8 @@ class Engine:
       self._finish(request, 'length', now)
 
   def _finish(self, request: Request, reason: str, now: float) -> None:
+    if self.policy is not None:
+      self.policy.forget(request.id)
     self.scheduler.release(request)
     request.state = State.FINISHED
     request.finish_reason = reason

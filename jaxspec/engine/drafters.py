@@ -1,0 +1,232 @@
+"""Drafters: how the engine proposes up to K tokens per slot and verifies them, behind one
+interface (`Drafter.decode`), so the scheduler, the K policy and the metrics do not care where
+proposals come from.
+
+- `ModelDrafter`: a draft model drafts K autoregressively on device, one target pass verifies
+  (Leviathan et al. 2023; `spec_steps.model_step`).
+- `NGramDrafter`: prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; vLLM's `ngram`
+  speculator): no model; on the host, the most recent earlier occurrence of the last n tokens of
+  a request's context (prompt + output), n from `max_ngram` down to `min_ngram`, and the (up to)
+  K tokens that followed it. Verified with one-hot q (`spec_steps.lookup_step`).
+
+Every decode round returns a `Round` with static width K + 1; rows that propose fewer than K
+(`num_proposed`) accept at most that many.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from jaxspec.engine import device, spec_steps
+
+
+@dataclasses.dataclass
+class Round:
+  """What one decode round did, per slot (numpy, host side).
+
+  Attributes:
+    window: [B, K+1] int32, x_1..x_n then the correction/bonus token (K = 0: [B, 1]).
+    num_accepted: [B] int32 n, proposals accepted by rejection sampling (before cuts).
+    emitted: [B] int32 tokens to emit after stop-token / max-token cuts (0 for idle rows).
+    num_proposed: [B] int32 proposals each row really had (<= its cap; 0 in K = 0 rounds).
+    successes, trials: [B] float64, the round's acceptance observation per row for the K policy
+      (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
+  """
+
+  window: np.ndarray
+  num_accepted: np.ndarray
+  emitted: np.ndarray
+  num_proposed: np.ndarray
+  successes: np.ndarray
+  trials: np.ndarray
+
+
+def plain_round(engine, caches, pending, room, stop, rng):
+  """A K = 0 round without any drafter: `device.decode_round`. Returns (Round, caches)."""
+  window, emitted, target_cache = device.decode_round(
+      engine.target, engine.target_params, caches[0], pending, room, stop, rng,
+      sampling=engine.sampling)
+  b = pending.shape[0]
+  zeros = np.zeros((b,), np.int32)
+  return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
+               np.zeros((b,))), [target_cache]
+
+
+def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):
+  """(successes, trials) [B] float64 of a K >= 1 round: n accepted, and one rejected position
+  unless n reached the row's cap (idle rows and rows capped at 0: no observation)."""
+  n = n.astype(np.float64)
+  trials = np.where(busy & (caps > 0), n + (n < caps), 0.0)
+  return np.where(trials > 0, n, 0.0), trials
+
+
+class Drafter(abc.ABC):
+  """Interface: one decode round at a given K for every slot.
+
+  Attributes:
+    uses_draft_model: whether the engine must hold a draft model and its cache (prefilled with
+      the target's, same page tables).
+    uses_context: whether `decode` reads `contexts` (the engine builds them only then).
+  """
+
+  uses_draft_model = False
+  uses_context = False
+
+  def check(self, engine) -> None:
+    """Raise ValueError if this drafter cannot serve `engine` (called once by the engine)."""
+
+  @abc.abstractmethod
+  def decode(self, engine, caches: list, *, k: int, pending: np.ndarray, room: np.ndarray,
+             stop: np.ndarray, caps: np.ndarray, contexts: Sequence, rng):
+    """One decode round.
+
+    Args:
+      engine: the `Engine` (models, params, sampling).
+      caches: [target cache, (draft cache)] bound to this round's page tables and lengths
+        (donated: use the returned ones).
+      k: the round's K in [0, K_max] (static: one compile per value).
+      pending: [B] int32 last committed token per slot; room: [B] int32 tokens a slot may still
+        emit (0: idle); stop: [B, S] int32 stop ids, -1 padded.
+      caps: [B] int32 in [0, K], proposals each row may accept at most.
+      contexts: [B] token lists, prompt + output (pending last) of busy slots, None for idle.
+      rng: PRNG key.
+    Returns:
+      (Round, caches).
+    """
+
+
+class ModelDrafter(Drafter):
+  """The draft model drafts K on device (`spec_steps.model_step`). K = 0 rounds run the draft on
+  the pending token too (`spec_steps.model_sync_step`): its cache stays in sync, and
+  Σ min(p, q) is the round's acceptance observation (trials 1)."""
+
+  uses_draft_model = True
+
+  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng):
+    busy = room > 0
+    if k == 0:
+      window, emitted, beta, target_cache, draft_cache = spec_steps.model_sync_step(
+          engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
+          caches[1], pending, room, stop, rng, sampling=engine.sampling)
+      b = pending.shape[0]
+      zeros = np.zeros((b,), np.int32)
+      beta = np.where(busy, np.asarray(beta, np.float64), 0.0)
+      return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, beta,
+                   busy.astype(np.float64)), [target_cache, draft_cache]
+    window, n, emitted, target_cache, draft_cache = spec_steps.model_step(
+        engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
+        caches[1], pending, room, stop, caps, rng, k=k, sampling=engine.sampling)
+    n = np.asarray(n)
+    successes, trials = observation(n, caps, busy)
+    return Round(np.asarray(window), n, np.asarray(emitted), np.where(busy, caps, 0),
+                 successes, trials), [target_cache, draft_cache]
+
+
+def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list:
+  """Prompt-lookup proposals: for n = max_ngram down to min_ngram, the most recent occurrence of
+  the context's last n tokens that starts earlier than the suffix itself, and the (at most k)
+  tokens that followed it; the first n with a match wins (longest match).
+
+  Args:
+    context: token ids (prompt + output); k >= 0.
+  Returns:
+    up to k token ids ([] when no n-gram of the allowed sizes recurs, or k = 0).
+  """
+  ctx = np.asarray(context, np.int64)
+  size = len(ctx)
+  if k <= 0:
+    return []
+  for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+    windows = np.lib.stride_tricks.sliding_window_view(ctx[:size - 1], n)   # starts 0..size-1-n
+    hits = np.flatnonzero((windows == ctx[size - n:]).all(axis=1))
+    if hits.size:
+      start = int(hits[-1]) + n
+      return ctx[start:start + k].tolist()
+  return []
+
+
+class NGramDrafter(Drafter):
+  """Prompt lookup / n-gram drafting (Saxena 2023; vLLM `ngram` speculator), no draft model.
+
+  Rows with fewer than K proposals verify at the same static width K + 1 and accept at most
+  `num_proposed`; positions past it draw from p. K = 0 rounds look up one proposal per row and
+  observe [proposal == emitted token] (0 without a proposal), an unbiased estimate of the
+  probability that a proposed token is accepted.
+
+  Args:
+    max_ngram, min_ngram: n-gram sizes tried, longest first (1 <= min_ngram <= max_ngram).
+  Raises:
+    ValueError: bad n-gram sizes; `check` raises for an engine with a draft model.
+  """
+
+  def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    for name, v in (('max_ngram', max_ngram), ('min_ngram', min_ngram)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f'{name} must be an int >= 1, got {v!r}')
+    if min_ngram > max_ngram:
+      raise ValueError(f'min_ngram={min_ngram} exceeds max_ngram={max_ngram}')
+    self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+  uses_context = True
+
+  def check(self, engine):
+    if engine.draft is not None:
+      raise ValueError('drafter=ngram drafts from the context, not a draft model: got a draft '
+                       'model too (pass draft=None)')
+
+  def propose(self, contexts: Sequence, caps: np.ndarray, k: int):
+    """(proposals [B, max(k, 1)] int32, num_proposed [B] int32 <= caps) for busy rows."""
+    b = len(contexts)
+    proposals = np.zeros((b, max(k, 1)), np.int32)
+    num = np.zeros((b,), np.int32)
+    for row, context in enumerate(contexts):
+      if context is None or caps[row] <= 0:
+        continue
+      tokens = lookup(context, int(caps[row]), self.max_ngram, self.min_ngram)
+      proposals[row, :len(tokens)] = tokens
+      num[row] = len(tokens)
+    return proposals, num
+
+  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng):
+    busy = room > 0
+    if k == 0:
+      proposals, num = self.propose(contexts, np.where(busy, 1, 0), 1)
+      result, caches = plain_round(engine, caches, pending, room, stop, rng)
+      hit = (num > 0) & (proposals[:, 0] == result.window[:, 0])
+      result.successes = np.where(busy, hit, 0).astype(np.float64)
+      result.trials = (busy & (result.emitted > 0)).astype(np.float64)
+      return result, caches
+    proposals, num = self.propose(contexts, caps, k)
+    window, n, emitted, target_cache = spec_steps.lookup_step(
+        engine.target, engine.target_params, caches[0], pending, proposals, num, room, stop, rng,
+        sampling=engine.sampling)
+    n = np.asarray(n)
+    successes, trials = observation(n, caps, busy)
+    return Round(np.asarray(window), n, np.asarray(emitted), num, successes, trials), \
+        [target_cache]
+
+
+DRAFTERS = {'model': ModelDrafter, 'ngram': NGramDrafter}
+
+
+def make_drafter(drafter, has_draft_model: bool):
+  """The engine's drafter: None (a `ModelDrafter` when a draft model is given, else no
+  speculation: returns None), 'model', 'ngram', or a `Drafter` instance.
+
+  Raises:
+    ValueError: an unknown name or type, 'model' without a draft model.
+  """
+  if drafter is None:
+    return ModelDrafter() if has_draft_model else None
+  if isinstance(drafter, Drafter):
+    return drafter
+  if isinstance(drafter, str) and drafter in DRAFTERS:
+    if drafter == 'model' and not has_draft_model:
+      raise ValueError("drafter='model' needs a draft model: pass draft= and draft_params=")
+    return DRAFTERS[drafter]()
+  raise ValueError(f'unknown drafter {drafter!r}: expected None, one of {sorted(DRAFTERS)} or a '
+                   f'Drafter instance')

@@ -1,0 +1,282 @@
+"""Choosing the speculation length K of each decode round (host side, plain Python).
+
+The engine asks its policy once per decode round for one K in {0, ..., K_max} for the whole batch
+(each K is one compiled step, so the batch shares it) and a per-row cap <= K on how many of the
+K proposals a row may accept; after the round it reports each row's outcome. Policies:
+
+- `FixedK`: K = K_max every round (the engine's behaviour before adaptive K).
+- `ScheduleK`: Hugging Face assisted generation's "heuristic" schedule, per request: K_i += 2
+  after a round in which all K_i proposals were accepted, else K_i -= 1 (floor `min_k` >= 1). The
+  batch K is max_i K_i and row i's acceptance is capped at K_i, so every request follows its own
+  schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used).
+- `GoodputK`: SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
+  Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
+  E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
+  estimate (`AlphaTracker`) and t(K) the measured seconds of one decode round at K.
+
+Acceptance observations (`observe`): (successes, trials) of one round for one row, so α is the
+ratio of two EMAs (consistent, unlike an EMA of per-round ratios under the geometric stopping
+of a round). A round at K_i >= 1 that accepted n gives (n, n + [n < K_i]): n accepted positions
+and one rejected one unless all were accepted (a missing proposal counts as rejected, so for
+prompt lookup α is "a proposal exists and is accepted"). A K = 0 round gives the drafter's own
+estimate of one drafted token's acceptance: Σ min(p, q) for a draft model, [lookup proposal ==
+emitted token] for prompt lookup (both with expectation α), so α keeps being estimated and the
+policy can leave K = 0 again.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Hashable, Mapping, Optional, Sequence
+
+
+class KPolicy(abc.ABC):
+  """Interface of a K policy. The engine calls `setup` once, `choose` before and `observe` after
+  each decode round, `forget` when a request finishes.
+
+  Attributes:
+    k_max: K_max (set by `setup`).
+    needs_costs: whether `set_costs` must still be called before `choose` (the engine measures
+      the cost table at `warm_up`, or before its first decode round).
+  """
+
+  needs_costs = False
+
+  def __init__(self):
+    self.k_max: Optional[int] = None
+
+  def setup(self, k_max: int) -> None:
+    """Bind K_max (>= 1). Raises ValueError for a bad K_max or a policy already bound to
+    another one (one policy instance per engine)."""
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+      raise ValueError(f'{type(self).__name__} needs K_max >= 1, got {k_max!r}')
+    if self.k_max is not None and self.k_max != k_max:
+      raise ValueError(f'{type(self).__name__} is already set up with K_max={self.k_max}, '
+                       f'got {k_max}')
+    self.k_max = k_max
+
+  @property
+  def candidates(self) -> tuple:
+    """Every K this policy may choose (the engine compiles and times these at warm_up)."""
+    return tuple(range(self.k_max + 1))
+
+  def set_costs(self, costs: Mapping[int, float]) -> None:
+    """The cost table t(K) in seconds per decode round (ignored unless `needs_costs`)."""
+
+  @abc.abstractmethod
+  def choose(self, request_ids: Sequence[Hashable]) -> tuple:
+    """(K: int in `candidates`, caps: list of int, each in [0, K], one per request)."""
+
+  def observe(self, request_id: Hashable, k: int, accepted: int, successes: float,
+              trials: float) -> None:
+    """Outcome of one round for one request: its cap k (0 in a K = 0 round), proposals it
+    accepted, and the acceptance observation (successes, trials) described in the module doc
+    (trials 0: nothing observed)."""
+
+  def forget(self, request_id: Hashable) -> None:
+    """The request finished: drop its state."""
+
+
+class FixedK(KPolicy):
+  """K = K_max every round, every row capped at K_max."""
+
+  @property
+  def candidates(self) -> tuple:
+    return (self.k_max,)
+
+  def choose(self, request_ids):
+    return self.k_max, [self.k_max] * len(request_ids)
+
+
+class ScheduleK(KPolicy):
+  """Per request K_i: start at `initial` (default K_max), +2 after a round that accepted all K_i,
+  -1 otherwise, kept in [min_k, K_max] (Hugging Face transformers, assisted generation,
+  `num_assistant_tokens_schedule='heuristic'`). Batch K = max_i K_i; row i capped at K_i.
+
+  Raises:
+    ValueError: min_k < 1 (a K_i of 0 would count as "all accepted" and bounce back) or
+      initial outside [min_k, K_max].
+  """
+
+  def __init__(self, initial: Optional[int] = None, min_k: int = 1):
+    super().__init__()
+    if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1:
+      raise ValueError(f'ScheduleK min_k must be an int >= 1, got {min_k!r}')
+    self.initial, self.min_k = initial, min_k
+    self.k_of: dict = {}
+
+  def setup(self, k_max: int) -> None:
+    super().setup(k_max)
+    if self.min_k > k_max:
+      raise ValueError(f'ScheduleK min_k={self.min_k} exceeds K_max={k_max}')
+    if self.initial is not None and not self.min_k <= self.initial <= k_max:
+      raise ValueError(f'ScheduleK initial={self.initial!r} outside [{self.min_k}, {k_max}]')
+
+  @property
+  def candidates(self) -> tuple:
+    return tuple(range(self.min_k, self.k_max + 1))
+
+  def k_for(self, request_id) -> int:
+    """The request's current K_i."""
+    return self.k_of.get(request_id, self.k_max if self.initial is None else self.initial)
+
+  def choose(self, request_ids):
+    caps = [self.k_for(r) for r in request_ids]
+    return (max(caps) if caps else self.k_max), caps
+
+  def observe(self, request_id, k, accepted, successes, trials):
+    if k < 1:
+      return
+    step = 2 if accepted >= k else -1
+    self.k_of[request_id] = min(self.k_max, max(self.min_k, k + step))
+
+  def forget(self, request_id):
+    self.k_of.pop(request_id, None)
+
+
+class AlphaTracker:
+  """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
+  request's (successes, trials) observations (decay per observed round); a request with no
+  observation yet uses the global estimate, the same ratio over every request's observations.
+
+  Args:
+    decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
+    prior: α before any observation at all, in [0, 1].
+    prior_trials: pseudo-trials of the global estimate mixed into each request's (so one
+      unlucky first round does not pin a new request to α = 0).
+  Raises:
+    ValueError: a value out of range.
+  """
+
+  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 1.0):
+    if not 0.0 <= decay < 1.0:
+      raise ValueError(f'decay must be in [0, 1), got {decay!r}')
+    if not 0.0 <= prior <= 1.0:
+      raise ValueError(f'prior must be in [0, 1], got {prior!r}')
+    if not prior_trials >= 0.0:
+      raise ValueError(f'prior_trials must be >= 0, got {prior_trials!r}')
+    self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
+    self._sums: dict = {}
+    self._global = [0.0, 0.0]
+
+  @property
+  def global_alpha(self) -> float:
+    s, n = self._global
+    return s / n if n > 0 else self.prior
+
+  def alpha(self, request_id) -> float:
+    """The request's α estimate in [0, 1]."""
+    g = self.global_alpha
+    s, n = self._sums.get(request_id, (0.0, 0.0))
+    return (s + self.prior_trials * g) / (n + self.prior_trials) if n + self.prior_trials > 0 \
+        else g
+
+  def observe(self, request_id, successes: float, trials: float) -> None:
+    if trials <= 0:
+      return
+    s, n = self._sums.get(request_id, (0.0, 0.0))
+    self._sums[request_id] = (self.decay * s + successes, self.decay * n + trials)
+    gs, gn = self._global
+    self._global = [self.decay * gs + successes, self.decay * gn + trials]
+
+  def forget(self, request_id) -> None:
+    self._sums.pop(request_id, None)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+  """E[tokens emitted by one round] = (1 - α^{K+1}) / (1 - α) = Σ_{j=0..K} α^j (Leviathan et
+  al. 2023, Eq. 1; K + 1 at α = 1)."""
+  return sum(alpha ** j for j in range(k + 1))
+
+
+class GoodputK(KPolicy):
+  """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
+  TurboSpec), every row capped at K.
+
+  t(K) is the measured wall time of one decode round at K for the engine's static shape: its
+  steps run all B slots, idle rows included, so t depends on K, not on how many rows are busy;
+  the batch size enters through Σ_i (more rows gain more tokens from the same round).
+
+  Args:
+    tracker: the `AlphaTracker` (default: a new one).
+    margin: a larger K must beat the smallest near-best K by more than this fraction of goodput
+      (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
+      K gains ~1 token and K = 0 is chosen).
+    candidates: the K values considered (default 0..K_max; each is one compiled step).
+    costs: the cost table {K: seconds}, if known (else the engine measures it).
+  Raises:
+    ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
+      non-positive time, margin < 0.
+  """
+
+  def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
+               candidates: Optional[Sequence[int]] = None,
+               costs: Optional[Mapping[int, float]] = None):
+    super().__init__()
+    if not margin >= 0:
+      raise ValueError(f'margin must be >= 0, got {margin!r}')
+    self.tracker = AlphaTracker() if tracker is None else tracker
+    self.margin = margin
+    self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
+    self.costs: Optional[dict] = None
+    self._pending_costs = costs
+
+  @property
+  def needs_costs(self) -> bool:
+    return self.costs is None
+
+  def setup(self, k_max: int) -> None:
+    super().setup(k_max)
+    if self._candidates is not None:
+      bad = [k for k in self._candidates if isinstance(k, bool) or not isinstance(k, int) or
+             not 0 <= k <= k_max]
+      if bad or not self._candidates:
+        raise ValueError(f'GoodputK candidates {self._candidates} must be ints in [0, {k_max}]')
+    if self._pending_costs is not None:
+      self.set_costs(self._pending_costs)
+
+  @property
+  def candidates(self) -> tuple:
+    return self._candidates if self._candidates is not None else tuple(range(self.k_max + 1))
+
+  def set_costs(self, costs):
+    missing = [k for k in self.candidates if k not in costs]
+    if missing:
+      raise ValueError(f'cost table {dict(costs)} misses K in {missing}')
+    bad = {k: t for k, t in costs.items() if not t > 0}
+    if bad:
+      raise ValueError(f'cost table times must be > 0 seconds, got {bad}')
+    self.costs = {k: float(costs[k]) for k in self.candidates}
+
+  def goodput(self, alphas: Sequence[float], k: int) -> float:
+    """Σ_i E[tokens_i | α_i, K] / t(K), tokens per second."""
+    return sum(expected_tokens(a, k) for a in alphas) / self.costs[k]
+
+  def choose(self, request_ids):
+    if self.costs is None:
+      raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
+    alphas = [self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha]
+    scores = {k: self.goodput(alphas, k) for k in self.candidates}
+    best = max(scores.values())
+    k = min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
+    return k, [k] * len(request_ids)
+
+  def observe(self, request_id, k, accepted, successes, trials):
+    self.tracker.observe(request_id, successes, trials)
+
+  def forget(self, request_id):
+    self.tracker.forget(request_id)
+
+
+POLICIES = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}
+
+
+def make_policy(policy) -> KPolicy:
+  """A policy from its name ('fixed', 'schedule', 'goodput') or a `KPolicy` instance (returned
+  as is). Raises ValueError naming an unknown value."""
+  if isinstance(policy, KPolicy):
+    return policy
+  if isinstance(policy, str) and policy in POLICIES:
+    return POLICIES[policy]()
+  raise ValueError(f'unknown k_policy {policy!r}: expected one of {sorted(POLICIES)} or a '
+                   f'KPolicy instance')

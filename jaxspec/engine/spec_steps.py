@@ -1,0 +1,142 @@
+"""Device steps of the engine's drafters (`jaxspec.engine.drafters`): verify proposals of a draft
+model or of the host, with a per-row cap on how many of the K proposals count, and the K = 0
+round that keeps a draft model's cache in sync. Jitted once per static shape (rows, K), never per
+request; rows are bound as in `jaxspec.engine.device` (idle rows: null page, room 0).
+
+Verification is modified rejection sampling (Leviathan et al. 2023, Alg. 1) over the target's
+[B, K+1] pass on [pending, x_1..x_K]. Positions at or past a row's cap get q = 0: they are not
+proposals, so `rejection_sample` rejects them and draws that position from p itself, which is
+what capping a row's acceptance at `caps[b]` means. Host proposals (prompt lookup) have one-hot
+q: x is accepted with probability p(x); after a rejection the token is drawn from p with x
+removed, renormalised (the residual max(0, p - onehot(x))).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxspec.decoding.autoregressive import decode_step
+from jaxspec.decoding.output import cut_lengths
+from jaxspec.decoding.rejection import rejection_sample
+from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.speculative import draft_tokens
+from jaxspec.models import ModelConfig, Transformer
+
+
+def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng, *,
+           sampling: SamplingParams):
+  """One target pass over [pending, x_1..x_K] and modified rejection sampling.
+
+  Args:
+    target_cache: bound cache; row b holds every committed token but pending[b].
+    pending: [B] int32; xs: [B, K] int32 proposals; q: [B, K, V] float32 the distribution each
+      x_i was drawn from (all zeros: not a proposal).
+    rng: PRNG key of the acceptance test.
+  Returns:
+    (window [B, K+1] int32 x_1..x_n then the correction/bonus token, num_accepted [B] int32 n,
+    target_cache with K+1 slots written per row).
+  """
+  k = xs.shape[1]
+  tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
+  positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+  logits, target_cache = Transformer(target).apply(target_params, tokens, positions, target_cache)
+  p = probabilities(logits, sampling)                                          # [B, K+1, V]
+  n, next_token = rejection_sample(rng, xs, q, p)
+  idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+  return window, n, target_cache
+
+
+def _capped(q, caps):
+  """q with every position at or past caps[b] zeroed. q: [B, K, V]; caps: [B] int32."""
+  k = q.shape[1]
+  return jnp.where(jnp.arange(k)[None, :, None] < caps[:, None, None], q, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling'),
+                   donate_argnames=('target_cache', 'draft_cache'))
+def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params, target_cache,
+               draft_cache, pending, room, stop, caps, rng, *, k: int, sampling: SamplingParams):
+  """Batched speculative decoding with a draft model, each row's acceptance capped at caps[b].
+
+  The draft drafts K for every row (the static shape); a row with caps[b] < K accepts at most
+  caps[b] of them. With caps = K this is `jaxspec.decoding.speculative.speculative_round` (same
+  random stream, same tokens). Cache invariant of `jaxspec.decoding.speculative`: the draft
+  wrote pending, x_1..x_{K-1}, plus x_K by one more draft step when some row emits all K + 1;
+  the host rolls both caches back to lengths + emitted (the next call's bound lengths).
+
+  Args:
+    target_cache, draft_cache: bound caches (donated), same page tables and lengths.
+    pending: [B] int32; room: [B] int32 tokens a row may still emit (0: idle row);
+    stop: [B, S] int32 stop ids, -1 padded; caps: [B] int32 in [0, K].
+    k: static K >= 1.
+  Returns:
+    (window [B, K+1] int32, num_accepted [B] int32 n <= caps, emitted [B] int32 after stop /
+    max-token cuts, target_cache, draft_cache).
+  """
+  rng_draft, rng_accept = jax.random.split(rng)
+  xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft, k=k,
+                                     sampling=sampling)
+  window, n, target_cache = verify(target, target_params, target_cache, pending, xs,
+                                   _capped(qs, caps), rng_accept, sampling=sampling)
+  emitted, _ = cut_lengths(window, n + 1, stop, room)
+  draft_cache = jax.lax.cond(
+      jnp.any(emitted == k + 1),
+      lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
+      lambda c: c, draft_cache)
+  return window, n, emitted, target_cache, draft_cache
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'sampling'),
+                   donate_argnames=('target_cache', 'draft_cache'))
+def model_sync_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
+                    target_cache, draft_cache, pending, room, stop, rng, *,
+                    sampling: SamplingParams):
+  """A K = 0 round with a draft model: one target step, and one draft step on the same pending
+  token so the draft cache keeps the target's context. The draft's q for the next position
+  gives this round's acceptance probability of one drafted token, β = Σ_v min(p(v), q(v))
+  (Leviathan et al. 2023, Def. 3.1, α = E[β]), so an adaptive K can see α rise again while
+  it does not speculate.
+
+  Args:
+    as `model_step` without caps and K.
+  Returns:
+    (window [B, 1] int32 the token drawn from p, emitted [B] int32 0 or 1, beta [B] float32 in
+    [0, 1], target_cache, draft_cache), both caches with pending written.
+  """
+  logits, target_cache = decode_step(target, target_params, target_cache, pending)
+  p = probabilities(logits, sampling)
+  draft_logits, draft_cache = decode_step(draft, draft_params, draft_cache, pending)
+  beta = jnp.minimum(p, probabilities(draft_logits, sampling)).sum(axis=-1)
+  window = sample(rng, p)[:, None]
+  emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
+  return window, emitted, beta, target_cache, draft_cache
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
+                   donate_argnames=('target_cache',))
+def lookup_step(target: ModelConfig, target_params, target_cache, pending, proposals,
+                num_proposed, room, stop, rng, *, sampling: SamplingParams):
+  """Verify host proposals (prompt lookup): q = one-hot(proposal) on each row's first
+  num_proposed[b] positions, zero after (those positions draw from p).
+
+  Args:
+    target_cache: bound cache (donated).
+    pending, room, stop: as `model_step`.
+    proposals: [B, K] int32 (any id in [0, V) past num_proposed); num_proposed: [B] int32 in
+      [0, K]. K (static) is proposals.shape[1] >= 1.
+  Returns:
+    (window [B, K+1] int32, num_accepted [B] int32 <= num_proposed, emitted [B] int32,
+    target_cache).
+  """
+  q = _capped(jax.nn.one_hot(proposals, target.vocab_size, dtype=jnp.float32), num_proposed)
+  window, n, target_cache = verify(target, target_params, target_cache, pending, proposals, q,
+                                   rng, sampling=sampling)
+  emitted, _ = cut_lengths(window, n + 1, stop, room)
+  return window, n, emitted, target_cache
+
+
+STEPS = (model_step, model_sync_step, lookup_step)
