@@ -16,13 +16,19 @@ which speculation starts to pay, best K, model-vs-measured speedups, adaptive vs
 experiments/batching_report.py, written by the sweep (and `experiments.report`) to
 threshold.md / threshold.json beside summary.md, plots in plots/.
 
-settings: 'name=key:value,...;name2=...', keys are `Engine` keyword arguments (k, chunk_size,
-prefix_caching, ...); k >= 1 uses the draft model. The first K = 0 setting is the baseline.
+settings: 'name=key:value,...;name2=...', keys are `Engine` keyword arguments (k, drafter,
+k_policy, chunk_size, prefix_caching, ...); k >= 1 uses the draft model unless drafter:ngram
+(prompt lookup). The first K = 0 setting is the baseline. Default: K in {0, 1, 2, 4, 8} with the
+draft model; goodput (SmartSpec-style K per round from per-request α estimates and the round
+costs `warm_up` measures, K_max = 8); schedule (+2 if all accepted, −1 otherwise, K_max = 8);
+ngram4 (prompt lookup, K = 4).
 """
 
 import ml_collections
 
 STATIC = 'k0=k:0;k1=k:1;k2=k:2;k4=k:4;k8=k:8'
+ADAPTIVE = 'goodput=k:8,k_policy:goodput;schedule=k:8,k_policy:schedule'
+NGRAM = 'ngram4=k:4,drafter:ngram'
 
 
 def get_config(arg=None):
@@ -33,7 +39,7 @@ def get_config(arg=None):
   c.tokenizer = ''         # '' = the target's own (Hugging Face dir) or the shipped one
   c.dtype = 'float32'
   c.exact_verify = False
-  c.settings = STATIC
+  c.settings = ';'.join([STATIC, ADAPTIVE, NGRAM])
   c.workloads = 'json,code,retrieval'
   c.batch_size = 8         # B, engine slots
   c.requests_per_slot = 2  # N = requests_per_slot x B requests per (workload, setting, repeat)
@@ -41,6 +47,7 @@ def get_config(arg=None):
   c.max_tokens = 32        # tokens emitted per request at most (stops earlier at <|eos|>)
   c.repeats = 1            # passes over every (workload, setting); the order of the settings
                            # rotates per (repeat, workload), so 3 workloads x 1 pass = 3 orders
+  c.cost_rounds = 30      # interleaved idle decode rounds per fixed setting (round-cost ratios)
   c.chunk_size = 64        # prefill chunk per request per step (tokens)
   c.page_size = 16
   c.pool_pages = 0         # device pool in pages; 0 = B requests at full length (no preemption)
@@ -56,6 +63,7 @@ def get_config(arg=None):
     c.prompt_len = 48
     c.max_tokens = 8
     c.repeats = 1
+    c.cost_rounds = 3
   elif arg not in (None, ''):
     raise ValueError(f'unknown variant {arg!r} of configs/batching.py (known: smoke)')
   return c

@@ -19,6 +19,12 @@ One record per (workload, setting, repeat):
   decode_tokens_per_s tokens emitted in decode-only steps / their seconds
   speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
                       the baseline setting's (K = 0) in the same repeat and workload
+  rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
+  idle_round_s, idle_round_cost  one decode round of all B slots on idle rows, timed
+                      `cost_rounds` times with the settings interleaved round by round (median
+                      seconds; median ratio to the baseline's), the same for every workload of
+                      the run; fixed-K settings only
+  warmup_step_costs   the engine's own {K: seconds} from `warm_up` (what `goodput` plans with)
 The α-threshold analysis over these records is `experiments.batching_report`.
 
 Settings are data (`parse_settings`): 'name=key:value,key:value;name2=...', each key an `Engine`
@@ -154,6 +160,7 @@ def measure(engine: Engine, kinds: StepKinds, prompts, *, max_tokens: int, stop_
     The per-run fields of a record (see the module docstring); times in seconds.
   """
   engine.prefix.reset()                 # every run prefills its prompts (no cross-run hits)
+  rounds_before = dict(engine.k_rounds)
   ids = [engine.add_request(p, max_tokens=max_tokens, stop_tokens=stop_tokens) for p in prompts]
   decode_s, decode_tokens = [], 0
   start = time.perf_counter()
@@ -170,6 +177,8 @@ def measure(engine: Engine, kinds: StepKinds, prompts, *, max_tokens: int, stop_
   tokens = sum(len(o.tokens) for o in outs)
   proposed = sum(m.proposed for m in metrics)
   rounds = [n for m in metrics for n in m.accepted_lengths]
+  by_k = {str(k): n - rounds_before.get(k, 0) for k, n in sorted(engine.k_rounds.items())
+          if n > rounds_before.get(k, 0)}
   return dict(
       num_requests=len(outs), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
       ttft_s=_mean(m.ttft_s for m in metrics), tpot_s=_mean(m.tpot_s for m in metrics),
@@ -177,7 +186,7 @@ def measure(engine: Engine, kinds: StepKinds, prompts, *, max_tokens: int, stop_
       mean_accepted_length=sum(rounds) / len(rounds) if rounds else None,
       decode_steps=len(decode_s), round_s=statistics.median(decode_s) if decode_s else None,
       decode_tokens_per_s=decode_tokens / sum(decode_s) if decode_s else None,
-      preemptions=sum(m.preemptions for m in metrics))
+      preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
 
 
 def _ratio(num, den):
@@ -220,6 +229,31 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   return engines
 
 
+def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: int) -> dict:
+  """Seconds of one decode round on idle rows per fixed-policy setting, interleaved.
+
+  `rounds` times, the settings in rotated order each take one timed round
+  (`Engine.measure_costs(1)`: one warm call, one timed; all B slots computed, as in a busy
+  round), so a ratio to the baseline compares rounds taken milliseconds apart, which keeps it
+  steady on a loaded machine where whole runs are not. Adaptive policies are skipped (they run
+  several K).
+
+  Returns:
+    {name: (median seconds, median of the per-round ratios to the baseline's or None)}.
+  """
+  names = [n for n in engines if describe(settings[n])['k_policy'] == 'fixed']
+  times = {n: [] for n in names}
+  for r in range(rounds):
+    for name in rotated(names, r):
+      engine = engines[name][0]
+      times[name].append(engine.measure_costs(1)[engine.k])
+  out = {}
+  for name in names:
+    ratios = ([t / b for t, b in zip(times[name], times[base])] if base in times else [])
+    out[name] = (statistics.median(times[name]), statistics.median(ratios) if ratios else None)
+  return out
+
+
 def baseline_name(settings: dict) -> str | None:
   """The first setting with K = 0 (plain continuous batching), else None."""
   return next((n for n, s in settings.items() if int(s.get('k', 0)) == 0), None)
@@ -230,14 +264,16 @@ def run(config, results) -> None:
   each, written after all settings of a (repeat, workload) ran so speedups can be attached.
 
   Raises:
-    ValueError: bad settings, workloads, batch_size, requests_per_slot, max_tokens or repeats
-      (before any model is loaded), or a setting the Engine refuses.
+    ValueError: bad settings, workloads, batch_size, requests_per_slot, max_tokens, repeats,
+      prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
   """
   settings = parse_settings(config.settings)
   workloads = _workloads(config)
   for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
     if int(config[field]) < 1:
       raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
+  if int(config.cost_rounds) < 0:
+    raise ValueError(f'config.cost_rounds must be >= 0, got {config.cost_rounds}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   b = int(config.batch_size)
   n = int(config.requests_per_slot) * b
@@ -252,6 +288,8 @@ def run(config, results) -> None:
     measure(engine, kinds, warm, max_tokens=min(4, int(config.max_tokens)), stop_tokens=stop)
   base = baseline_name(settings)
   names = list(settings)
+  idle = (idle_round_costs(engines, settings, base, int(config.cost_rounds))
+          if int(config.cost_rounds) > 0 else {})
   for repeat in range(int(config.repeats)):
     for w, workload in enumerate(workloads):
       runs = {}
@@ -262,8 +300,12 @@ def run(config, results) -> None:
       ref = runs.get(base, {})
       for name in names:
         m = runs[name]
+        engine = engines[name][0]
+        idle_s, idle_cost = idle.get(name, (None, None))
         results.write(dict(
             workload=workload, setting=name, repeat=repeat, batch_size=b, **describe(settings[name]),
             **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),
             decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
-            round_cost=_ratio(m['round_s'], ref.get('round_s'))))
+            round_cost=_ratio(m['round_s'], ref.get('round_s')),
+            idle_round_s=idle_s, idle_round_cost=idle_cost,
+            warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())}))

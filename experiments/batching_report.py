@@ -31,6 +31,7 @@ import collections
 import json
 import math
 import pathlib
+import statistics
 
 from jaxspec.eval import expected_tokens_per_round
 
@@ -109,18 +110,32 @@ def _static_model(r: dict) -> bool:
   return r.get('k_policy', 'fixed') == 'fixed' and r.get('drafter') in ('model', 'none')
 
 
-def cost_table(records: list[dict]) -> dict[int, dict[int, float]]:
-  """{B: {K: c(B, K)}}: the per-repeat round-cost ratios (`round_cost`, round_s over the
-  baseline's in the same repeat and workload) of fixed-K draft-model settings, averaged over
-  workloads and repeats; K = 0 is 1 by definition."""
+COST_FIELDS = {'idle': 'idle_round_cost', 'steps': 'round_cost'}
+
+
+def cost_table(records: list[dict], source: str = 'idle') -> dict[int, dict[int, float]]:
+  """{B: {K: c(B, K)}} from fixed-K draft-model settings (K = 0 is 1 by definition).
+
+  Args:
+    source: 'idle': each run's `idle_round_cost` (decode rounds on idle rows, the settings
+      interleaved round by round; robust on a loaded machine); 'steps': the per-(repeat,
+      workload) `round_cost` of the decode-only steps of the runs. Either is the median over
+      the records of a (B, K), so one disturbed run does not move it. A B whose records lack
+      the field gets no entry.
+  Raises:
+    ValueError: an unknown source.
+  """
+  if source not in COST_FIELDS:
+    raise ValueError(f'unknown cost source {source!r}; expected one of {sorted(COST_FIELDS)}')
+  field = COST_FIELDS[source]
   groups = collections.defaultdict(list)
   for r in records:
-    if _static_model(r) and r.get('round_cost') is not None and r.get('k') is not None:
-      groups[(int(r['batch_size']), int(r['k']))].append(r['round_cost'])
+    if _static_model(r) and r.get(field) is not None and r.get('k') is not None:
+      groups[(int(r['batch_size']), int(r['k']))].append(float(r[field]))
   table = collections.defaultdict(dict)
   for (b, k), values in sorted(groups.items()):
-    table[b][k] = 1.0 if k == 0 else _mean(values)
-  return dict(table)
+    table[b][k] = 1.0 if k == 0 else statistics.median(values)
+  return {b: t for b, t in table.items() if any(k >= 1 for k in t)}
 
 
 def _by_setting(records):
@@ -136,14 +151,18 @@ def analyze(records: list[dict]) -> dict:
   """The threshold analysis of batching records (any subset of batch sizes and settings).
 
   Returns:
-    {'costs': {B: {K: c}}, 'thresholds': [row per B: alpha_star, k_at_threshold, best_k_at_α,
-    per-K α to pay], 'settings': [row per (B, workload, setting): means over repeats of
+    {'cost_source': 'idle' (interleaved idle rounds, when the records have them) or 'steps',
+    'costs': {B: {K: c}} from that source, 'thresholds': [row per B: alpha_star,
+    k_at_threshold, best_k_at_α, per-K cost and α to pay; with idle costs also alpha_star_steps
+    and cost_steps_kK from the decode-only steps of the runs], 'settings': [row per (B, workload, setting): means over repeats of
     tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
     the model's predicted speedup τ(α, K) / c(B, K)], 'adaptive': [row per (B, workload,
     non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included)]}.
     α* is math.inf where no K pays.
   """
-  costs = cost_table(records)
+  source = 'idle' if any(r.get('idle_round_cost') is not None for r in records) else 'steps'
+  costs = cost_table(records, source)
+  steps = cost_table(records, 'steps')
   thresholds = []
   for b, table in sorted(costs.items()):
     a, k = threshold(table)
@@ -151,6 +170,9 @@ def analyze(records: list[dict]) -> dict:
     row.update({f'best_k_at_{x}': best_k(table, x) for x in ALPHAS})
     row.update({f'cost_k{k}': c for k, c in sorted(table.items()) if k})
     row.update({f'alpha_to_pay_k{k}': alpha_to_pay(c, k) for k, c in sorted(table.items()) if k})
+    if source != 'steps' and b in steps:
+      row['alpha_star_steps'] = threshold(steps[b])[0]
+      row.update({f'cost_steps_k{k}': c for k, c in sorted(steps[b].items()) if k})
     thresholds.append(row)
   rows = []
   for (b, workload, setting), rs in _by_setting(records).items():
@@ -176,7 +198,8 @@ def analyze(records: list[dict]) -> dict:
       adaptive.append(dict(batch_size=row['batch_size'], workload=row['workload'],
                            setting=row['setting'], best_static=top['setting'],
                            fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s']))
-  return dict(costs=costs, thresholds=thresholds, settings=rows, adaptive=adaptive)
+  return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
+              adaptive=adaptive)
 
 
 def _fmt(value, digits=2) -> str:
@@ -198,14 +221,24 @@ def markdown(result: dict) -> str:
   """The analysis as markdown: threshold table, measured speedups per workload (end to end and
   decode-only, with the model's prediction), adaptive vs best static."""
   ks = sorted({k for t in result['costs'].values() for k in t if k})
+  idle = result.get('cost_source') == 'idle'
+  how = ('decode rounds on idle rows, settings interleaved round by round; in brackets: the '
+         'decode-only engine steps of the runs, and α* from those' if idle else
+         'decode-only engine steps of the runs')
   lines = ['## α threshold per batch size', '',
-           'c(B, K) = seconds of a decode round at K ÷ at K = 0 (same run); α* = smallest α '
-           'with τ(α, K) > c(B, K) for some K ≥ 1; best K maximises τ(α, K) / c(B, K).', '']
+           f'c(B, K) = seconds of a decode round at K ÷ at K = 0, same run ({how}); α* = '
+           'smallest α with τ(α, K) > c(B, K) for some K ≥ 1; best K maximises '
+           'τ(α, K) / c(B, K).', '']
+
+  def both(t, main, steps):
+    cell = _fmt(t.get(main))
+    return f'{cell} ({_fmt(t[steps])})' if idle and t.get(steps) is not None else cell
+
   lines += _table(
       ['B', 'α*', 'K at α*'] + [f'best K @ α={a}' for a in ALPHAS] + [f'c(K={k})' for k in ks],
-      [[t['batch_size'], t['alpha_star'], t['k_at_threshold']]
-       + [t[f'best_k_at_{a}'] for a in ALPHAS] + [t.get(f'cost_k{k}') for k in ks]
-       for t in result['thresholds']])
+      [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_steps'), t['k_at_threshold']]
+       + [t[f'best_k_at_{a}'] for a in ALPHAS]
+       + [both(t, f'cost_k{k}', f'cost_steps_k{k}') for k in ks] for t in result['thresholds']])
   for workload in dict.fromkeys(r['workload'] for r in result['settings']):
     rows = [r for r in result['settings'] if r['workload'] == workload]
     lines += ['', f'## Measured: workload {workload}', '',

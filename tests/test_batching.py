@@ -181,3 +181,19 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
   assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
   assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['wall_s'])
   assert m['ttft_s'] > 0 and m['tpot_s'] > 0
+
+
+def test_idle_round_costs_take_precedence_and_steps_are_kept_beside_them():
+  records = _records()
+  for r in records:
+    r['idle_round_cost'] = {0: 1.0, 2: 1.2}.get(r['k']) if r['k_policy'] == 'fixed' else None
+  records[1]['idle_round_cost'] = 50.0        # one disturbed run: the median ignores it
+  result = br.analyze(records)
+  assert result['cost_source'] == 'idle'
+  assert result['costs'][1][2] == pytest.approx(1.2) and result['costs'][8][2] == pytest.approx(1.2)
+  rows = {t['batch_size']: t for t in result['thresholds']}
+  assert rows[8]['alpha_star'] < 0.2 and rows[8]['alpha_star_steps'] == math.inf
+  assert rows[8]['cost_steps_k2'] == pytest.approx(3.0)
+  assert '| 8 | 0.17 (never) |' in br.markdown(result)
+  with pytest.raises(ValueError, match="'wall'"):
+    br.cost_table(records, 'wall')
