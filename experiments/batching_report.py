@@ -78,6 +78,15 @@ def alpha_to_pay(cost: float, k: int, tol: float = 1e-9) -> float:
   return hi
 
 
+def equivalent_alpha(tau: float, k: int) -> float:
+  """The i.i.d. α whose τ(α, K) equals a measured τ (0 for τ <= 1, 1 for τ >= K + 1): the α to
+  hold against α* when acceptances are correlated (copying runs accept in streaks, so the
+  measured per-token α understates τ). Raises ValueError for K < 1 or a τ that is not a positive
+  finite number."""
+  a = alpha_to_pay(tau, k)
+  return 1.0 if math.isinf(a) else a
+
+
 def threshold(costs: dict) -> tuple[float, int | None]:
   """(α*, K reaching it) over costs {K: c(B, K)} of one B: the smallest α at which some K >= 1
   pays; (math.inf, None) when none can (or no K >= 1 was measured). Ties go to the smaller K."""
@@ -113,15 +122,17 @@ def _static_model(r: dict) -> bool:
 COST_FIELDS = {'idle': 'idle_round_cost', 'steps': 'round_cost'}
 
 
-def cost_table(records: list[dict], source: str = 'idle') -> dict[int, dict[int, float]]:
+def cost_table(records: list[dict], source: str = 'steps') -> dict[int, dict[int, float]]:
   """{B: {K: c(B, K)}} from fixed-K draft-model settings (K = 0 is 1 by definition).
 
   Args:
-    source: 'idle': each run's `idle_round_cost` (decode rounds on idle rows, the settings
-      interleaved round by round; robust on a loaded machine); 'steps': the per-(repeat,
-      workload) `round_cost` of the decode-only steps of the runs. Either is the median over
-      the records of a (B, K), so one disturbed run does not move it. A B whose records lack
-      the field gets no entry.
+    source: 'steps': the per-(repeat, workload) `round_cost` of the decode-only engine steps of
+      the runs (what serving pays: device round + the engine's host work per step); 'idle':
+      each run's `idle_round_cost` (device rounds on idle rows, the settings interleaved round
+      by round: steadier on a loaded machine, but without the host work, which adds the same
+      seconds at every K, so it overstates c where host work is a large part of a step, at
+      small B). Either is the median over the records of a (B, K), so one disturbed run does
+      not move it. A B whose records lack the field gets no entry.
   Raises:
     ValueError: an unknown source.
   """
@@ -147,22 +158,23 @@ def _by_setting(records):
   return groups
 
 
-def analyze(records: list[dict]) -> dict:
+def analyze(records: list[dict], source: str = 'steps') -> dict:
   """The threshold analysis of batching records (any subset of batch sizes and settings).
 
+  Args:
+    source: where c(B, K) comes from (`cost_table`); the other source is reported beside it.
   Returns:
-    {'cost_source': 'idle' (interleaved idle rounds, when the records have them) or 'steps',
-    'costs': {B: {K: c}} from that source, 'thresholds': [row per B: alpha_star,
-    k_at_threshold, best_k_at_α, per-K cost and α to pay; with idle costs also alpha_star_steps
-    and cost_steps_kK from the decode-only steps of the runs], 'settings': [row per (B, workload, setting): means over repeats of
+    {'cost_source': source, 'costs': {B: {K: c}} from it, 'thresholds': [row per B:
+    alpha_star, k_at_threshold, best_k_at_α, per-K cost_kK and alpha_to_pay_kK; where the
+    records have the other source too, alpha_star_other and cost_other_kK from it], 'settings': [row per (B, workload, setting): means over repeats of
     tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
-    the model's predicted speedup τ(α, K) / c(B, K)], 'adaptive': [row per (B, workload,
+    the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
+    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)], 'adaptive': [row per (B, workload,
     non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included)]}.
     α* is math.inf where no K pays.
   """
-  source = 'idle' if any(r.get('idle_round_cost') is not None for r in records) else 'steps'
   costs = cost_table(records, source)
-  steps = cost_table(records, 'steps')
+  other = cost_table(records, 'idle' if source == 'steps' else 'steps')
   thresholds = []
   for b, table in sorted(costs.items()):
     a, k = threshold(table)
@@ -170,9 +182,9 @@ def analyze(records: list[dict]) -> dict:
     row.update({f'best_k_at_{x}': best_k(table, x) for x in ALPHAS})
     row.update({f'cost_k{k}': c for k, c in sorted(table.items()) if k})
     row.update({f'alpha_to_pay_k{k}': alpha_to_pay(c, k) for k, c in sorted(table.items()) if k})
-    if source != 'steps' and b in steps:
-      row['alpha_star_steps'] = threshold(steps[b])[0]
-      row.update({f'cost_steps_k{k}': c for k, c in sorted(steps[b].items()) if k})
+    if b in other:
+      row['alpha_star_other'] = threshold(other[b])[0]
+      row.update({f'cost_other_k{k}': c for k, c in sorted(other[b].items()) if k})
     thresholds.append(row)
   rows = []
   for (b, workload, setting), rs in _by_setting(records).items():
@@ -185,6 +197,10 @@ def analyze(records: list[dict]) -> dict:
     if _static_model(rs[0]) and k and alpha is not None and c:
       row['cost'] = c
       row['predicted_speedup'] = expected_tokens(min(max(alpha, 0.0), 1.0), int(k)) / c
+      tau = row['mean_accepted_length']
+      if tau is not None:
+        row['predicted_from_tau'] = tau / c
+        row['alpha_equivalent'] = equivalent_alpha(tau, int(k))
     rows.append(row)
   adaptive = []
   for row in rows:
@@ -221,34 +237,38 @@ def markdown(result: dict) -> str:
   """The analysis as markdown: threshold table, measured speedups per workload (end to end and
   decode-only, with the model's prediction), adaptive vs best static."""
   ks = sorted({k for t in result['costs'].values() for k in t if k})
-  idle = result.get('cost_source') == 'idle'
-  how = ('decode rounds on idle rows, settings interleaved round by round; in brackets: the '
-         'decode-only engine steps of the runs, and α* from those' if idle else
-         'decode-only engine steps of the runs')
+  steps = result.get('cost_source', 'steps') == 'steps'
+  how = ('decode-only engine steps of the runs' if steps else
+         'device rounds on idle rows, interleaved') + '; in brackets, where measured: ' + (
+         'device rounds on idle rows, settings interleaved round by round (no host work)'
+         if steps else 'decode-only engine steps of the runs') + ', and α* from those'
   lines = ['## α threshold per batch size', '',
            f'c(B, K) = seconds of a decode round at K ÷ at K = 0, same run ({how}); α* = '
            'smallest α with τ(α, K) > c(B, K) for some K ≥ 1; best K maximises '
            'τ(α, K) / c(B, K).', '']
 
-  def both(t, main, steps):
+  def both(t, main, other):
     cell = _fmt(t.get(main))
-    return f'{cell} ({_fmt(t[steps])})' if idle and t.get(steps) is not None else cell
+    return f'{cell} ({_fmt(t[other])})' if t.get(other) is not None else cell
 
   lines += _table(
       ['B', 'α*', 'K at α*'] + [f'best K @ α={a}' for a in ALPHAS] + [f'c(K={k})' for k in ks],
-      [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_steps'), t['k_at_threshold']]
+      [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_other'), t['k_at_threshold']]
        + [t[f'best_k_at_{a}'] for a in ALPHAS]
-       + [both(t, f'cost_k{k}', f'cost_steps_k{k}') for k in ks] for t in result['thresholds']])
+       + [both(t, f'cost_k{k}', f'cost_other_k{k}') for k in ks] for t in result['thresholds']])
   for workload in dict.fromkeys(r['workload'] for r in result['settings']):
     rows = [r for r in result['settings'] if r['workload'] == workload]
     lines += ['', f'## Measured: workload {workload}', '',
               'speedup = tokens/s ÷ K = 0 tokens/s (whole run, prefill included); decode = '
-              'the same over decode-only steps; predicted = τ(α, K) ÷ c(B, K).', '']
+              'the same over decode-only steps; predicted (α) = τ(α, K) ÷ c(B, K) with the '
+              'measured α (i.i.d. model); predicted (τ) = measured τ ÷ c(B, K); α_eq = the '
+              'i.i.d. α with τ(α_eq, K) = measured τ, the α to hold against α*.', '']
     lines += _table(
-        ['B', 'setting', 'tokens/s', 'speedup', 'decode speedup', 'predicted', 'α', 'τ',
-         'TTFT ms', 'TPOT ms'],
+        ['B', 'setting', 'tokens/s', 'speedup', 'decode speedup', 'predicted (α)',
+         'predicted (τ)', 'α', 'α_eq', 'τ', 'TTFT ms', 'TPOT ms'],
         [[r['batch_size'], r['setting'], _fmt(r['tokens_per_s'], 0), r['speedup'],
-          r['decode_speedup'], r.get('predicted_speedup'), r['acceptance_rate'],
+          r['decode_speedup'], r.get('predicted_speedup'), r.get('predicted_from_tau'),
+          r['acceptance_rate'], r.get('alpha_equivalent'),
           r['mean_accepted_length'], None if r['ttft_s'] is None else r['ttft_s'] * 1e3,
           None if r['tpot_s'] is None else r['tpot_s'] * 1e3] for r in rows])
   if result['adaptive']:

@@ -180,20 +180,30 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
   assert m['decode_steps'] == steps - 4                  # 2 prefill steps per wave
   assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
   assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['wall_s'])
-  assert m['ttft_s'] > 0 and m['tpot_s'] > 0
+  assert m['ttft_s'] > 0 and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
+  idle = batching.idle_round_costs({'k0': (engine, kinds)}, {'k0': {'k': 0}}, 'k0', rounds=3)
+  assert idle['k0'][0] > 0 and idle['k0'][1] == 1.0
 
 
-def test_idle_round_costs_take_precedence_and_steps_are_kept_beside_them():
+def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
   records = _records()
   for r in records:
     r['idle_round_cost'] = {0: 1.0, 2: 1.2}.get(r['k']) if r['k_policy'] == 'fixed' else None
   records[1]['idle_round_cost'] = 50.0        # one disturbed run: the median ignores it
-  result = br.analyze(records)
+  result = br.analyze(records, source='idle')
   assert result['cost_source'] == 'idle'
   assert result['costs'][1][2] == pytest.approx(1.2) and result['costs'][8][2] == pytest.approx(1.2)
   rows = {t['batch_size']: t for t in result['thresholds']}
-  assert rows[8]['alpha_star'] < 0.2 and rows[8]['alpha_star_steps'] == math.inf
-  assert rows[8]['cost_steps_k2'] == pytest.approx(3.0)
+  assert rows[8]['alpha_star'] < 0.2 and rows[8]['alpha_star_other'] == math.inf
+  assert rows[8]['cost_other_k2'] == pytest.approx(3.0)
   assert '| 8 | 0.17 (never) |' in br.markdown(result)
+  default = br.analyze(records)             # the decode-only steps, idle rounds in brackets
+  assert default['cost_source'] == 'steps' and default['costs'][8][2] == pytest.approx(3.0)
+  assert '| 8 | never (0.17) |' in br.markdown(default)
   with pytest.raises(ValueError, match="'wall'"):
     br.cost_table(records, 'wall')
+
+
+def test_equivalent_alpha_inverts_tau():
+  assert br.equivalent_alpha(br.expected_tokens(0.7, 4), 4) == pytest.approx(0.7, abs=1e-7)
+  assert br.equivalent_alpha(5.0, 4) == 1.0 and br.equivalent_alpha(1.0, 4) == 0.0
