@@ -5,13 +5,17 @@ setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft mo
 policies and other drafters are more settings), all built from the same target/draft pair and
 compiled by `warm_up` before anything is timed. For each repeat and workload, the same
 N = requests_per_slot x B held-out prompts (`make_prompts`) are submitted at once to every
-setting, one setting after another in an order that rotates by one per (repeat, workload), so
-every ratio against K = 0 is taken within one run under the same machine conditions and no
-setting always runs first.
+setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
+order that rotates by one per (repeat, workload), so every setting's steps are timed
+milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
+interleave='runs' runs the settings one after another instead (whole runs, same rotation).
 
-One record per (workload, setting, repeat):
-  tokens_per_s        tokens emitted / wall seconds of the whole run (prefill, decode, host work)
-  ttft_s, tpot_s      mean over the requests of `RequestMetrics.ttft_s` / `tpot_s` (seconds)
+One record per (workload, setting, repeat); "engine seconds" = the sum of that engine's own
+`step()` wall times (all requests arrive at 0 on that clock):
+  engine_s, tokens_per_s  engine seconds of the run; tokens emitted / engine_s (prefill, decode,
+                      host-side scheduling: everything `step()` does)
+  ttft_s, tpot_s      mean over the requests of first-token time, and of (last − first token
+                      time) / (tokens − 1), on the engine clock (seconds)
   acceptance_rate     alpha = accepted / proposed draft tokens over all requests (None at K = 0)
   mean_accepted_length  tau = tokens emitted per request per decode round (1 at K = 0)
   round_s             median seconds of one decode-only engine step (a step that ran no prefill
@@ -150,42 +154,70 @@ def _mean(values) -> float | None:
   return sum(values) / len(values) if values else None
 
 
-def measure(engine: Engine, kinds: StepKinds, prompts, *, max_tokens: int, stop_tokens) -> dict:
-  """Submit every prompt at once, step the engine until all finish, and measure.
+def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str, dict]:
+  """Submit every prompt at once to each engine, then step the engines in turn (one step of
+  each, in the dict's order, round after round) until all finish, timing every step.
+
+  Stepping round-robin puts every setting's steps milliseconds apart, so a burst of load from
+  other processes slows all settings alike (a ratio of whole runs taken one after another
+  moves by 2-3x on a shared machine). Each engine's clock is the sum of its own step seconds:
+  tokens/s, TTFT and TPOT are measured on it (all requests arrive at 0), so the other engines'
+  steps in between do not count. With one engine this is an ordinary run.
 
   Args:
-    engine: a warmed-up engine with no live requests; kinds: its `StepKinds`.
+    engines: {name: (Engine, StepKinds)}, warmed up, no live requests.
     prompts: token-id lists; max_tokens, stop_tokens: per request.
   Returns:
-    The per-run fields of a record (see the module docstring); times in seconds.
+    {name: the per-run fields of a record (see the module docstring)}; times in seconds.
   """
-  engine.prefix.reset()                 # every run prefills its prompts (no cross-run hits)
-  rounds_before = dict(engine.k_rounds)
-  ids = [engine.add_request(p, max_tokens=max_tokens, stop_tokens=stop_tokens) for p in prompts]
-  decode_s, decode_tokens = [], 0
-  start = time.perf_counter()
-  while engine.has_unfinished():
-    t0 = time.perf_counter()
-    emitted = engine.step()
-    seconds = time.perf_counter() - t0
-    if kinds.decode_only:
-      decode_s.append(seconds)
-      decode_tokens += sum(len(t) for _, t in emitted)
-  wall = time.perf_counter() - start
-  outs = [engine.outputs.pop(i) for i in ids]
+  runs = {}
+  for name, (engine, _) in engines.items():
+    engine.prefix.reset()               # every run prefills its prompts (no cross-run hits)
+    runs[name] = dict(rounds=dict(engine.k_rounds), clock=0.0, first={}, last={}, decode_s=[],
+                      decode_tokens=0, ids=[engine.add_request(p, max_tokens=max_tokens,
+                                                               stop_tokens=stop_tokens)
+                                            for p in prompts])
+  live = [n for n, (e, _) in engines.items() if e.has_unfinished()]
+  while live:
+    for name in live:
+      engine, kinds = engines[name]
+      run = runs[name]
+      t0 = time.perf_counter()
+      emitted = engine.step()
+      seconds = time.perf_counter() - t0
+      run['clock'] += seconds
+      for rid, tokens in emitted:
+        if tokens:
+          run['first'].setdefault(rid, run['clock'])
+          run['last'][rid] = run['clock']
+      if kinds.decode_only:
+        run['decode_s'].append(seconds)
+        run['decode_tokens'] += sum(len(t) for _, t in emitted)
+    live = [n for n in live if engines[n][0].has_unfinished()]
+  return {name: _summary(engines[name][0], runs[name]) for name in engines}
+
+
+def _summary(engine: Engine, run: dict) -> dict:
+  """The record fields of one engine's run (`measure`); pops its outputs from the engine."""
+  outs = [engine.outputs.pop(i) for i in run['ids']]
   metrics = [o.metrics for o in outs]
   tokens = sum(len(o.tokens) for o in outs)
   proposed = sum(m.proposed for m in metrics)
   rounds = [n for m in metrics for n in m.accepted_lengths]
-  by_k = {str(k): n - rounds_before.get(k, 0) for k, n in sorted(engine.k_rounds.items())
-          if n > rounds_before.get(k, 0)}
+  before = run['rounds']
+  by_k = {str(k): n - before.get(k, 0) for k, n in sorted(engine.k_rounds.items())
+          if n > before.get(k, 0)}
+  first, last, decode_s = run['first'], run['last'], run['decode_s']
+  tpots = [(last[o.request_id] - first[o.request_id]) / (len(o.tokens) - 1)
+           for o in outs if len(o.tokens) > 1]
   return dict(
-      num_requests=len(outs), tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
-      ttft_s=_mean(m.ttft_s for m in metrics), tpot_s=_mean(m.tpot_s for m in metrics),
+      num_requests=len(outs), tokens=tokens, engine_s=run['clock'],
+      tokens_per_s=tokens / run['clock'],
+      ttft_s=_mean(first.get(o.request_id) for o in outs), tpot_s=_mean(tpots),
       acceptance_rate=sum(m.accepted for m in metrics) / proposed if proposed else None,
       mean_accepted_length=sum(rounds) / len(rounds) if rounds else None,
       decode_steps=len(decode_s), round_s=statistics.median(decode_s) if decode_s else None,
-      decode_tokens_per_s=decode_tokens / sum(decode_s) if decode_s else None,
+      decode_tokens_per_s=run['decode_tokens'] / sum(decode_s) if decode_s else None,
       preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
 
 
@@ -272,6 +304,8 @@ def run(config, results) -> None:
   for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
     if int(config[field]) < 1:
       raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
+  if config.interleave not in ('steps', 'runs'):
+    raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
   if int(config.cost_rounds) < 0:
     raise ValueError(f'config.cost_rounds must be >= 0, got {config.cost_rounds}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
@@ -284,19 +318,21 @@ def run(config, results) -> None:
   stop = tokenizer.eos_ids
   # One untimed pass per engine: short prompts, few tokens (first-call host work, cond branches).
   warm = [list(p[:config.chunk_size]) for p in prompts[workloads[0]][:b]]
-  for engine, kinds in engines.values():
-    measure(engine, kinds, warm, max_tokens=min(4, int(config.max_tokens)), stop_tokens=stop)
+  for name in engines:
+    measure({name: engines[name]}, warm, max_tokens=min(4, int(config.max_tokens)),
+            stop_tokens=stop)
   base = baseline_name(settings)
   names = list(settings)
   idle = (idle_round_costs(engines, settings, base, int(config.cost_rounds))
           if int(config.cost_rounds) > 0 else {})
   for repeat in range(int(config.repeats)):
     for w, workload in enumerate(workloads):
+      order = rotated(names, repeat * len(workloads) + w)
+      groups = [order] if config.interleave == 'steps' else [[n] for n in order]
       runs = {}
-      for name in rotated(names, repeat * len(workloads) + w):
-        engine, kinds = engines[name]
-        runs[name] = measure(engine, kinds, prompts[workload],
-                             max_tokens=int(config.max_tokens), stop_tokens=stop)
+      for group in groups:
+        runs.update(measure({n: engines[n] for n in group}, prompts[workload],
+                            max_tokens=int(config.max_tokens), stop_tokens=stop))
       ref = runs.get(base, {})
       for name in names:
         m = runs[name]

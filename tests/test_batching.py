@@ -166,23 +166,27 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
   """3 requests of 12 tokens, 2 slots, chunk 8, 5 tokens each: steps 1-2 prefill requests 0 and
   1 (the first token comes with the last chunk), decode rounds follow until both finish, then
   request 2 prefills in 2 steps and decodes alone. Exactly the steps without a prefill chunk
-  are timed as rounds; every emitted token is counted."""
+  are timed as rounds; every emitted token is counted; two engines stepped in turn each get
+  their own clock. No warm_up: the first steps compile, which only slows this run."""
   from jaxspec.engine import Engine
   config, params = tiny
   engine = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
-  engine.warm_up()
-  kinds = batching.StepKinds(engine)
+  twin = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
+  engines = {'a': (engine, batching.StepKinds(engine)), 'b': (twin, batching.StepKinds(twin))}
   prompts = [list(range(3 + i, 15 + i)) for i in range(3)]
   steps_before = engine.num_steps
-  m = batching.measure(engine, kinds, prompts, max_tokens=5, stop_tokens=())
+  both = batching.measure(engines, prompts, max_tokens=5, stop_tokens=())   # stepped in turn
   steps = engine.num_steps - steps_before
-  assert m['num_requests'] == 3 and m['tokens'] == 15 and not engine.outputs
-  assert m['decode_steps'] == steps - 4                  # 2 prefill steps per wave
-  assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
-  assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['wall_s'])
-  assert m['ttft_s'] > 0 and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
-  idle = batching.idle_round_costs({'k0': (engine, kinds)}, {'k0': {'k': 0}}, 'k0', rounds=3)
-  assert idle['k0'][0] > 0 and idle['k0'][1] == 1.0
+  assert twin.num_steps == steps == 12
+  for m in both.values():
+    assert m['num_requests'] == 3 and m['tokens'] == 15
+    assert m['decode_steps'] == steps - 4                  # 2 prefill steps per wave
+    assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
+    assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['engine_s'])
+    assert 0 < m['ttft_s'] < m['engine_s'] and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
+  assert not engine.outputs and not twin.outputs
+  idle = batching.idle_round_costs(engines, {'a': {'k': 0}, 'b': {'k': 0}}, 'a', rounds=3)
+  assert idle['a'][1] == 1.0 and idle['b'][0] > 0 and idle['b'][1] > 0
 
 
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
