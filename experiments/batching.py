@@ -28,7 +28,9 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       `cost_rounds` times with the settings interleaved round by round (median
                       seconds; median ratio to the baseline's), the same for every workload of
                       the run; fixed-K settings only
-  warmup_step_costs   the engine's own {K: seconds} from `warm_up` (what `goodput` plans with)
+  warmup_step_costs   the engine's `step_costs` {K: seconds} after the run: for adaptive settings
+                      the cost table `warm_up` measured (what `goodput` plans with); for fixed
+                      ones the last idle round of the interleaved benchmark
 The α-threshold analysis over these records is `experiments.batching_report`.
 
 Settings are data (`parse_settings`): 'name=key:value,key:value;name2=...', each key an `Engine`
