@@ -21,6 +21,8 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
   round_s             median seconds of one decode-only engine step (a step that ran no prefill
                       chunk): one decode round of all B slots, host work included
   decode_tokens_per_s tokens emitted in decode-only steps / their seconds
+  decode_steps, prefill_steps  steps without / with a prefill chunk (a prefill call computes
+                      `prefill_rows` x `chunk_size` tokens however few rows are real)
   speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
                       the baseline setting's (K = 0) in the same repeat and workload
   rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
@@ -176,7 +178,7 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str
   for name, (engine, _) in engines.items():
     engine.prefix.reset()               # every run prefills its prompts (no cross-run hits)
     runs[name] = dict(rounds=dict(engine.k_rounds), clock=0.0, first={}, last={}, decode_s=[],
-                      decode_tokens=0, ids=[engine.add_request(p, max_tokens=max_tokens,
+                      decode_tokens=0, prefill_steps=0, ids=[engine.add_request(p, max_tokens=max_tokens,
                                                                stop_tokens=stop_tokens)
                                             for p in prompts])
   live = [n for n, (e, _) in engines.items() if e.has_unfinished()]
@@ -192,6 +194,7 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str
         if tokens:
           run['first'].setdefault(rid, run['clock'])
           run['last'][rid] = run['clock']
+      run['prefill_steps'] += kinds.prefill_rows > 0
       if kinds.decode_only:
         run['decode_s'].append(seconds)
         run['decode_tokens'] += sum(len(t) for _, t in emitted)
@@ -218,7 +221,7 @@ def _summary(engine: Engine, run: dict) -> dict:
       ttft_s=_mean(first.get(o.request_id) for o in outs), tpot_s=_mean(tpots),
       acceptance_rate=sum(m.accepted for m in metrics) / proposed if proposed else None,
       mean_accepted_length=sum(rounds) / len(rounds) if rounds else None,
-      decode_steps=len(decode_s), round_s=statistics.median(decode_s) if decode_s else None,
+      decode_steps=len(decode_s), prefill_steps=run['prefill_steps'], round_s=statistics.median(decode_s) if decode_s else None,
       decode_tokens_per_s=run['decode_tokens'] / sum(decode_s) if decode_s else None,
       preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
 

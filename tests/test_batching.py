@@ -180,7 +180,7 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
   assert twin.num_steps == steps == 12
   for m in both.values():
     assert m['num_requests'] == 3 and m['tokens'] == 15
-    assert m['decode_steps'] == steps - 4                  # 2 prefill steps per wave
+    assert m['decode_steps'] == steps - 4 and m['prefill_steps'] == 4   # 2 per wave
     assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
     assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['engine_s'])
     assert 0 < m['ttft_s'] < m['engine_s'] and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
