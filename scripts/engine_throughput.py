@@ -2,9 +2,14 @@
 shipped pair on held-out JSON prompts; ratios are taken within this one run.
 
     PYTHONPATH=$PWD python scripts/engine_throughput.py [--batch 1,4] [--k 4] [--requests 8]
+        [--drafter model|ngram] [--k_policy fixed|schedule|goodput]
 
 For each batch size B: one engine per K (compiled by `warm_up` before timing), the same requests
 (greedy, stop at <|eos|>) submitted at once, K = 0 and K = k runs alternated `--repeats` times.
+`--k 1,2,4` times several fixed K; `--k_policy schedule|goodput` adds an engine with that policy
+(K_max = the largest k) to the alternation, and prints its throughput against the best static
+choice (K = 0 included) and how often it chose each K. `--drafter ngram` drafts by prompt lookup
+instead of the shipped draft model.
 tokens/s = tokens emitted ÷ wall seconds of `Engine.run()` (prefill, decode and the host-side
 scheduler included). At B = 1 it also times one request through the engine against
 `generate`'s compiled loop (the engine's host overhead). A first measurement, not the issue's
@@ -26,7 +31,9 @@ from jaxspec.models import load_model, shipped
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--batch', default='1,4')
-  parser.add_argument('--k', type=int, default=4)
+  parser.add_argument('--k', default='4', help='fixed K values, comma-separated')
+  parser.add_argument('--drafter', default='model', choices=['model', 'ngram'])
+  parser.add_argument('--k_policy', default='fixed', choices=['fixed', 'schedule', 'goodput'])
   parser.add_argument('--requests', type=int, default=8)
   parser.add_argument('--prompt_len', type=int, default=128)
   parser.add_argument('--max_tokens', type=int, default=64)
@@ -36,19 +43,33 @@ def main():
   draft, draft_params = load_model(shipped('draft'))
   tok = Tokenizer.load(shipped('tokenizer.json'))
   prompts = [p.tokens for p in make_prompts('json', tok, args.requests, args.prompt_len)]
-  per_request = -(-(args.prompt_len + args.max_tokens + args.k + 1) // 16)
+  ks = [int(x) for x in args.k.split(',')]
+  k_max = max(ks)
+  per_request = -(-(args.prompt_len + args.max_tokens + k_max + 1) // 16)
+  adaptive = args.k_policy != 'fixed'
   print(f'{args.requests} json prompts of {args.prompt_len} tokens, max_tokens '
-        f'{args.max_tokens}, greedy, stop at eos')
-  print('| B | K=0 tokens/s | K=%d tokens/s | ratio K=%d / K=0 | α (K=%d) |' % ((args.k,) * 3))
-  print('|---|---|---|---|---|')
+        f'{args.max_tokens}, greedy, stop at eos, drafter {args.drafter}')
+  names = [0] + ks + ([args.k_policy] if adaptive else [])
+  header = (['B'] + [f'{_label(n)} tokens/s' for n in names] +
+            [f'{_label(n)} ÷ K=0' for n in names[1:]] + [f'α (K={ks[-1]})'])
+  if adaptive:
+    header += [f'{args.k_policy} ÷ best static', f'{args.k_policy} rounds per K']
+  print('| ' + ' | '.join(header) + ' |')
+  print('|---' * len(header) + '|')
   for b in [int(x) for x in args.batch.split(',')]:
     engines = {}
-    for k in (0, args.k):
-      spec = dict(draft=draft, draft_params=draft_params, k=k) if k else {}
-      engines[k] = Engine(target, target_params, num_slots=b, num_pages=b * per_request + 1,
-                          chunk_size=64, max_seq_len=per_request * 16, **spec)
-      engines[k].warm_up()
-    rates = {0: [], args.k: []}
+    for name in names:
+      k = k_max if name == args.k_policy else name
+      spec = dict(k=k, k_policy=name if name == args.k_policy else 'fixed') if k else {}
+      if k and args.drafter == 'model':
+        spec.update(draft=draft, draft_params=draft_params)
+      elif k:
+        spec.update(drafter='ngram')
+      engines[name] = Engine(target, target_params, num_slots=b,
+                             num_pages=b * per_request + 1, chunk_size=64,
+                             max_seq_len=per_request * 16, **spec)
+      engines[name].warm_up()
+    rates = {name: [] for name in names}
     alpha = []
     for _ in range(args.repeats):
       for k, engine in engines.items():
@@ -59,21 +80,37 @@ def main():
         outs = engine.run()
         seconds = time.perf_counter() - start
         rates[k].append(sum(len(outs[i].tokens) for i in ids) / seconds)
-        if k:
+        if k == ks[-1]:
           alpha.append(sum(outs[i].metrics.accepted for i in ids) /
-                       sum(outs[i].metrics.proposed for i in ids))
+                       max(1, sum(outs[i].metrics.proposed for i in ids)))
         for i in ids:
           del engine.outputs[i]
     if b == 1:
       overhead = engine_vs_generate(engines[0], target, target_params, prompts[0],
                                     args.max_tokens, args.repeats)
-    r0, rk = statistics.mean(rates[0]), statistics.mean(rates[args.k])
-    ratios = [y / x for x, y in zip(rates[0], rates[args.k])]
-    print(f'| {b} | {r0:.0f} | {rk:.0f} | {statistics.mean(ratios):.2f} '
-          f'({min(ratios):.2f}–{max(ratios):.2f}) | {statistics.mean(alpha):.2f} |', flush=True)
+    mean = {n: statistics.mean(r) for n, r in rates.items()}
+    row = f'| {b} | ' + ' | '.join(f'{mean[n]:.0f}' for n in names)
+    for n in names[1:]:
+      ratios = [y / x for x, y in zip(rates[0], rates[n])]
+      row += f' | {statistics.mean(ratios):.2f} ({min(ratios):.2f}–{max(ratios):.2f})'
+    row += f' | {statistics.mean(alpha):.2f} |'
+    if adaptive:
+      best = max(mean[n] for n in names if n != args.k_policy)
+      policy = engines[args.k_policy]
+      row += (f' {mean[args.k_policy] / best:.2f} | ' +
+              ', '.join(f'{k}: {c}' for k, c in sorted(policy.k_rounds.items())) + ' |')
+    print(row, flush=True)
+    if adaptive:
+      costs = engines[args.k_policy].step_costs
+      print(f'  t(K) of the {args.k_policy} engine at B={b}, ms: ' +
+            ', '.join(f'{k}: {t * 1e3:.1f}' for k, t in sorted(costs.items())), flush=True)
   if 1 in [int(x) for x in args.batch.split(',')]:
     print(f'one request of {args.max_tokens} tokens, engine (B=1, K=0) seconds ÷ generate '
           f'seconds: {statistics.mean(overhead):.2f} ({min(overhead):.2f}–{max(overhead):.2f})')
+
+
+def _label(name) -> str:
+  return f'K={name}' if isinstance(name, int) else str(name)
 
 
 def engine_vs_generate(engine, target, target_params, prompt, max_tokens, repeats):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import statistics
 import time
 from typing import Hashable, Optional, Sequence
 
@@ -74,10 +73,12 @@ class Engine:
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
-    step_costs: {K: seconds} t(K), the median wall time of one decode round at K for this
-      engine's static shape, measured by `warm_up` (or `measure_costs`) over idle rows; the steps
-      run all B slots whether busy or not, so t depends on K, not on how many rows are busy.
-      Empty until measured.
+    step_costs: {K: seconds} t(K), the fastest of a few timed decode rounds at K for this
+      engine's static shape (dispatch, device step and reading the tokens back), measured by
+      `warm_up` (or `measure_costs`) over idle rows; the steps run all B slots whether busy or
+      not, so t depends on K, not on how many rows are busy. Not included: the scheduler's host
+      work and prefill chunks (the same at every K), a draft model's extra step after a fully
+      accepted round, prompt lookup's host search. Empty until measured.
     drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
   Raises:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
@@ -251,7 +252,7 @@ class Engine:
       steps += 1
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
-  def warm_up(self, cost_repeats: int = 3) -> None:
+  def warm_up(self, cost_repeats: int = 5) -> None:
     """Compile every device step with idle rows only (nothing is written but the null page):
     prefill, the decode round at every K the policy may choose, and the host-tier copies when
     there is a host tier, so that timed steps do not compile; then measure `step_costs`.
@@ -267,10 +268,11 @@ class Engine:
     self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
     self.measure_costs(cost_repeats)
 
-  def measure_costs(self, repeats: int = 3) -> dict:
+  def measure_costs(self, repeats: int = 5) -> dict:
     """Time one decode round at every K the policy may choose (compiling it first if needed),
-    over idle rows, `repeats` times each; store the medians in `step_costs` (seconds) and give
-    them to a policy that needs a cost table.
+    over idle rows, `repeats` times each (the K values interleaved); store the fastest in
+    `step_costs` (seconds: timing noise on a shared machine only adds) and give them to a
+    policy that needs a cost table.
 
     Returns:
       `step_costs`.
@@ -279,14 +281,15 @@ class Engine:
     ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
     stop = self._stop_table([])
-    for k in ks:
-      times = []
-      for _ in range(repeats + 1):                   # the first call compiles (or is warm)
+    times = {k: [] for k in ks}
+    for r in range(repeats + 1):       # round 0 compiles; K interleaved so load drifts hit all K
+      for k in ks:
         table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
         start = time.perf_counter()
         self._call_decode(table, lengths, zeros, zeros, stop, k=k, caps=zeros)
-        times.append(time.perf_counter() - start)
-      self.step_costs[k] = statistics.median(times[1:])
+        if r:
+          times[k].append(time.perf_counter() - start)
+    self.step_costs.update({k: min(t) for k, t in times.items()})
     if self.policy is not None and self.policy.needs_costs:
       self.policy.set_costs(self.step_costs)
     return self.step_costs

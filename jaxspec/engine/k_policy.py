@@ -8,7 +8,8 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
 - `ScheduleK`: Hugging Face assisted generation's "heuristic" schedule, per request: K_i += 2
   after a round in which all K_i proposals were accepted, else K_i -= 1 (floor `min_k` >= 1). The
   batch K is max_i K_i and row i's acceptance is capped at K_i, so every request follows its own
-  schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used).
+  schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used;
+  with prompt lookup a row that found fewer than K_i proposals counts as not all accepted).
 - `GoodputK`: SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
   Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
   E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
@@ -183,6 +184,19 @@ class AlphaTracker:
     self._sums.pop(request_id, None)
 
 
+def nondecreasing(values: Sequence[float]) -> list:
+  """The least-squares non-decreasing fit of `values` (isotonic regression, pool adjacent
+  violators): runs that decrease are replaced by their mean."""
+  blocks = []                                    # [sum, count] per pooled block
+  for v in values:
+    blocks.append([v, 1])
+    while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+      s, n = blocks.pop()
+      blocks[-1][0] += s
+      blocks[-1][1] += n
+  return [s / n for s, n in blocks for _ in range(n)]
+
+
 def expected_tokens(alpha: float, k: int) -> float:
   """E[tokens emitted by one round] = (1 - α^{K+1}) / (1 - α) = Σ_{j=0..K} α^j (Leviathan et
   al. 2023, Eq. 1; K + 1 at α = 1)."""
@@ -240,13 +254,20 @@ class GoodputK(KPolicy):
     return self._candidates if self._candidates is not None else tuple(range(self.k_max + 1))
 
   def set_costs(self, costs):
+    """Take the cost table {K: seconds}, made non-decreasing in K (`nondecreasing`: a round at
+    a larger K does strictly more work, so a measured dip is timing noise).
+
+    Raises:
+      ValueError: a candidate K missing, a time that is not > 0.
+    """
     missing = [k for k in self.candidates if k not in costs]
     if missing:
       raise ValueError(f'cost table {dict(costs)} misses K in {missing}')
     bad = {k: t for k, t in costs.items() if not t > 0}
     if bad:
       raise ValueError(f'cost table times must be > 0 seconds, got {bad}')
-    self.costs = {k: float(costs[k]) for k in self.candidates}
+    self.costs = dict(zip(self.candidates,
+                          nondecreasing([float(costs[k]) for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
     """Σ_i E[tokens_i | α_i, K] / t(K), tokens per second."""

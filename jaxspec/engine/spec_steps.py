@@ -56,6 +56,18 @@ def _capped(q, caps):
   return jnp.where(jnp.arange(k)[None, :, None] < caps[:, None, None], q, 0.0)
 
 
+def host_q(proposals, num_proposed, vocab: int):
+  """q of host proposals: one-hot(proposal) on each row's first num_proposed[b] positions, zero
+  after (not proposals).
+
+  Args:
+    proposals: [B, K] int32; num_proposed: [B] int32 in [0, K]; vocab: V.
+  Returns:
+    [B, K, V] float32.
+  """
+  return _capped(jax.nn.one_hot(proposals, vocab, dtype=jnp.float32), num_proposed)
+
+
 @functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params, target_cache,
@@ -132,7 +144,7 @@ def lookup_step(target: ModelConfig, target_params, target_cache, pending, propo
     (window [B, K+1] int32, num_accepted [B] int32 <= num_proposed, emitted [B] int32,
     target_cache).
   """
-  q = _capped(jax.nn.one_hot(proposals, target.vocab_size, dtype=jnp.float32), num_proposed)
+  q = host_q(proposals, num_proposed, target.vocab_size)
   window, n, target_cache = verify(target, target_params, target_cache, pending, proposals, q,
                                    rng, sampling=sampling)
   emitted, _ = cut_lengths(window, n + 1, stop, room)
