@@ -215,7 +215,20 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
                            setting=row['setting'], best_static=top['setting'],
                            fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s']))
   return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
-              adaptive=adaptive)
+              adaptive=adaptive, validation=validation(rows))
+
+
+def validation(rows: list[dict]) -> dict:
+  """How well the model predicts the decode-only speedup of the fixed-K draft-model rows of
+  `analyze`: the median and range of measured ÷ predicted, for τ(α, K) / c (i.i.d. α) and for
+  τ_measured / c (rows without a prediction are skipped; {} when none has one)."""
+  out = {}
+  for name, field in (('iid_alpha', 'predicted_speedup'), ('measured_tau', 'predicted_from_tau')):
+    q = sorted(r['decode_speedup'] / r[field] for r in rows
+               if r.get(field) and r.get('decode_speedup') is not None)
+    if q:
+      out[name] = dict(rows=len(q), median=statistics.median(q), min=q[0], max=q[-1])
+  return out
 
 
 def _fmt(value, digits=2) -> str:
@@ -271,6 +284,10 @@ def markdown(result: dict) -> str:
           r['acceptance_rate'], r.get('alpha_equivalent'),
           r['mean_accepted_length'], None if r['ttft_s'] is None else r['ttft_s'] * 1e3,
           None if r['tpot_s'] is None else r['tpot_s'] * 1e3] for r in rows])
+  for name, v in result.get('validation', {}).items():
+    what = {'iid_alpha': 'τ(α, K) / c (i.i.d. α)', 'measured_tau': 'τ_measured / c'}[name]
+    lines += ['', f'Measured decode-only speedup ÷ predicted {what}: median {v["median"]:.2f}, '
+              f'range {v["min"]:.2f}–{v["max"]:.2f} over {v["rows"]} (B, workload, K) rows.']
   if result['adaptive']:
     lines += ['', '## Adaptive policies: tokens/s ÷ best static setting (K = 0 included)', '']
     lines += _table(['B', 'workload', 'setting', 'fraction', 'best static'],

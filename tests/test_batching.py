@@ -133,6 +133,8 @@ def test_analyze_recovers_costs_thresholds_predictions_and_adaptive_fraction():
   k2 = [r for r in result['settings'] if r['setting'] == 'k2']
   for r in k2:     # the synthetic speedups follow the model exactly
     assert r['predicted_speedup'] == pytest.approx(r['speedup'])
+  assert result['validation']['iid_alpha']['median'] == pytest.approx(1.0)
+  assert result['validation']['measured_tau']['rows'] == 4
   goodput = [r for r in result['settings'] if r['setting'] == 'goodput']
   assert all('predicted_speedup' not in r for r in goodput)   # adaptive K: no single K to model
   assert len(result['adaptive']) == 4
@@ -154,6 +156,7 @@ def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
   md = (tmp_path / 'threshold.md').read_text()
   assert '| 1 | 0.37 | 2 | 2 |' in md and '| 8 | never |' in md
   assert '## Measured: workload retrieval' in md and '## Adaptive policies' in md
+  assert 'predicted τ(α, K) / c (i.i.d. α): median 1.00, range 1.00–1.00 over 4' in md
   data = json.loads((tmp_path / 'threshold.json').read_text())
   assert data['thresholds'][1]['alpha_star'] is None        # never pays: null in JSON
   assert [p.name for p in files] == ['threshold.md', 'threshold.json']
