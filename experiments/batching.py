@@ -75,7 +75,8 @@ def parse_settings(text: str) -> dict[str, dict]:
   Example: 'k0=k:0;k4=k:4;goodput=k:8,k_policy:goodput' ->
   {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
   floats, true/false or strings. A setting with k >= 1 gets the draft model unless it names
-  another drafter (`drafter:ngram`, when the engine has one); k defaults to 0.
+  another drafter (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the
+  Engine refuses (a bad policy name, ...) are reported by `build_engines`, naming the setting.
 
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
