@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 
 import pytest
 
@@ -214,3 +215,15 @@ def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
 def test_equivalent_alpha_inverts_tau():
   assert br.equivalent_alpha(br.expected_tokens(0.7, 4), 4) == pytest.approx(0.7, abs=1e-7)
   assert br.equivalent_alpha(5.0, 4) == 1.0 and br.equivalent_alpha(1.0, 4) == 0.0
+
+
+def test_an_engine_refusing_a_setting_names_the_setting(tiny, tiny_draft):
+  import importlib.util
+  path = pathlib.Path(__file__).parent.parent / 'configs' / 'batching.py'
+  spec = importlib.util.spec_from_file_location('batching_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config('smoke')
+  settings = batching.parse_settings('odd=k:2,k_policy:bogus;k0=k:0')   # fails before compiling
+  with pytest.raises(ValueError, match="setting 'odd'.*bogus"):
+    batching.build_engines(config, settings, *tiny, *tiny_draft)
