@@ -12,7 +12,7 @@ from scipy import stats
 
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample, sample
 from jaxspec.engine import Engine, compile_counts
-from jaxspec.engine.drafters import NGramDrafter, lookup
+from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
 from jaxspec.engine.k_policy import (AlphaTracker, GoodputK, KPolicy, ScheduleK, expected_tokens,
                                      nondecreasing)
 from jaxspec.engine.spec_steps import host_q
@@ -134,7 +134,7 @@ def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny):
       seen.append((k, accepted, successes, trials))
 
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
-                  k_policy=Record([K, 0, 0, 1]), sampling=SamplingParams(temperature=1.0),
+                  k_policy=Record([K, 0, 0]), sampling=SamplingParams(temperature=1.0),
                   **SHAPES)
   ids = [engine.add_request(p, max_tokens=M) for p in _prompts([6, 19, 11], seed=7)]
   outs = engine.run()
@@ -213,8 +213,8 @@ def test_one_hot_verification_keeps_the_target_distribution(sampling):
   n, nxt = jax.jit(rejection_sample)(jax.random.PRNGKey(1), proposals, q, p)
   n, nxt, num_proposed = np.asarray(n), np.asarray(nxt), np.asarray(num_proposed)
   assert (n <= num_proposed).all() and 0 < n.mean() < num_proposed.mean()
-  window = np.where(np.arange(3)[None] < n[:, None], np.pad(np.asarray(proposals), ((0, 0), (0, 1))),
-                    nxt[:, None])
+  padded = np.pad(np.asarray(proposals), ((0, 0), (0, 1)))
+  window = np.where(np.arange(3)[None] < n[:, None], padded, nxt[:, None])
   assert _pvalue(window[:, 0], p[0, 0]) > 1e-3
   assert _pvalue(window[n >= 1, 1], p[0, 1]) > 1e-3
   assert _pvalue(window[n >= 2, 2], p[0, 2]) > 1e-3
@@ -304,6 +304,16 @@ def test_goodput_follows_alpha_and_the_cost_table():
     best = max(costs, key=lambda k: (1 - alpha ** (k + 1)) / (1 - alpha) / costs[k])
     assert _goodput(alpha, costs) == best
   assert [_goodput(a, costs) for a in (0.3, 0.9)] == [0, 4]
+  # Host work per round (the same at every K) makes a K > 0 round relatively cheaper.
+  policy = GoodputK(tracker=AlphaTracker(prior=0.6), costs={0: 1.0, 1: 2.0})
+  policy.setup(1)
+  assert policy.choose(['a'])[0] == 0                        # 1 / 1 > 1.6 / 2
+  policy.round_timing(0, 1.0, 10.0)
+  assert policy.choose(['a'])[0] == 1                        # 1 / 11 < 1.6 / 12
+  # Live rounds at K = 1 costing more than the start-up table said move the choice back.
+  for _ in range(30):
+    policy.round_timing(1, 20.0, 10.0)
+  assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke
@@ -335,6 +345,7 @@ def test_bad_engine_arguments(tiny, tiny_draft):
       (dict(drafter='eagle', k=2), "unknown drafter 'eagle'"),
       (dict(drafter='ngram', k=2, **draft), "drafter='ngram'.*takes no draft model"),
       (dict(drafter='model', k=2), "drafter='model' needs a draft model"),
+      (dict(drafter=ModelDrafter(), k=2), 'needs a draft model, got draft=None'),
       (dict(drafter='ngram'), "drafter='ngram', k=0"),
       (dict(drafter='ngram', k=17), 'got k=17'),
       (dict(k_policy='goodput'), "k_policy='goodput' chooses K but the engine does not"),

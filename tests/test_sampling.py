@@ -1,10 +1,11 @@
 """Temperature, top-k and top-p processing, and parameter validation."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import SamplingParams, probabilities
+from jaxspec.decoding import RowSampling, SamplingParams, probabilities
 
 LOGITS = jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1]))
 
@@ -53,3 +54,44 @@ def test_nucleus_is_the_smallest_set_reaching_top_p(top_p):
     assert (row[~kept] <= smallest_kept).all()                 # a top set, not any set
     assert kept_mass >= top_p - 1e-6                           # reaches top_p ...
     assert kept_mass - smallest_kept < top_p + 1e-6            # ... and no smaller top set does
+
+
+ROW_SETTINGS = [SamplingParams(), SamplingParams(1.0), SamplingParams(0.7, top_k=5),
+                SamplingParams(1.3, top_p=0.8), SamplingParams(0.9, top_k=40, top_p=0.6),
+                SamplingParams(1.0, top_k=1), SamplingParams(0.5, top_k=4096)]
+
+
+@pytest.mark.parametrize('shape', [(64,), (3, 64)])
+def test_row_sampling_gives_each_row_its_own_static_distribution(shape):
+  """One call with per-row parameters equals, row by row, `probabilities` with that row's
+  static `SamplingParams` (greedy, temperature, top-k, top-p and mixes in one batch; logits
+  [B, V] and [B, K+1, V])."""
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(len(ROW_SETTINGS),) + shape) * 3, jnp.float32)
+  rows = probabilities(logits, RowSampling.stack(ROW_SETTINGS))
+  for b, params in enumerate(ROW_SETTINGS):
+    np.testing.assert_allclose(rows[b], probabilities(logits[b], params), rtol=2e-5, atol=1e-7,
+                               err_msg=str(params))
+
+
+@pytest.mark.parametrize('settings', [[SamplingParams()] * 3, [SamplingParams(1.0)] * 3,
+                                      [SamplingParams(), SamplingParams(1.0, top_k=2),
+                                       SamplingParams(1.0, top_p=0.5)]])
+def test_row_sampling_batches_that_skip_work_still_match(settings):
+  """All-greedy and no-top-k/top-p batches take the skipping branches; results unchanged."""
+  logits = jnp.stack([LOGITS] * len(settings))
+  rows = jax.jit(probabilities)(logits, RowSampling.stack(settings))
+  for b, params in enumerate(settings):
+    np.testing.assert_allclose(rows[b], probabilities(LOGITS, params), rtol=1e-5, atol=1e-7)
+
+
+def test_row_sampling_respects_the_constraint_mask():
+  mask = jnp.array([[False, True, True, True], [False, True, True, True]])
+  rows = probabilities(jnp.stack([LOGITS] * 2), RowSampling.stack(
+      [SamplingParams(), SamplingParams(1.0, top_k=2)]), mask=mask)
+  np.testing.assert_allclose(rows, [[0, 1, 0, 0], [0, 3 / 5, 2 / 5, 0]], rtol=1e-6, atol=1e-7)
+
+
+def test_row_sampling_stack_refuses_other_values():
+  with pytest.raises(ValueError, match='0.5'):
+    RowSampling.stack([SamplingParams(), 0.5])

@@ -42,7 +42,12 @@ from jaxspec.cache.paged import pages_needed
 _ROOT = bytes(32)  # parent key of a sequence's first page
 
 
-def _salt_bytes(salt) -> bytes:
+def salt_bytes(salt) -> bytes:
+  """A prefix-cache salt as bytes (str is UTF-8 encoded).
+
+  Raises:
+    ValueError: anything but str or bytes.
+  """
   if isinstance(salt, str):
     return salt.encode()
   if isinstance(salt, (bytes, bytearray)):
@@ -62,7 +67,7 @@ def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') ->
   Raises:
     ValueError: page_size < 1, or a salt that is not str / bytes.
   """
-  salt = _salt_bytes(salt)
+  salt = salt_bytes(salt)
   if page_size < 1:
     raise ValueError(f'page_size must be >= 1, got {page_size}')
   salt_part = struct.pack('<I', len(salt)) + salt
@@ -224,7 +229,7 @@ class PrefixCache:
     """
     self._check_no_pending()
     tokens = [int(t) for t in tokens]
-    salt = _salt_bytes(salt)
+    salt = salt_bytes(salt)
     reserve = len(tokens) if reserve is None else reserve
     if not tokens:
       raise ValueError('cannot admit an empty prompt')

@@ -2,21 +2,23 @@
 
 from jaxspec.decoding.constrained import ConstrainedResult, constrained_generate
 from jaxspec.decoding.constraint import ConstraintError, TokenConstraint
-from jaxspec.decoding.autoregressive import decode_autoregressive, decode_step, prefill
+from jaxspec.decoding.autoregressive import (decode_autoregressive, decode_step, prefill,
+                                            prefill_logits)
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, decode_speculative_evicting,
                                        decode_step_evicting, prefill_evicting, score_tokens)
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
 from jaxspec.decoding.output import Output, commit, cut_lengths
 from jaxspec.decoding.prefix_generate import PrefixCachedGenerator
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingParams, nucleus_mask, probabilities, sample
+from jaxspec.decoding.sampling import (RowSampling, SamplingParams, nucleus_mask,
+                                       probabilities, sample)
 from jaxspec.decoding.speculative import SpecStats, decode_speculative, draft_tokens, speculative_round
 
 __all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint', 'constrained_generate',
-           'GenerationResult', 'Output', 'PrefixCachedGenerator', 'SamplingParams', 'SpecStats',
+           'GenerationResult', 'Output', 'PrefixCachedGenerator', 'RowSampling', 'SamplingParams', 'SpecStats',
            'commit', 'cut_lengths',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
-           'generate', 'nucleus_mask', 'prefill', 'probabilities', 'rejection_sample', 'sample',
+           'generate', 'nucleus_mask', 'prefill', 'prefill_logits', 'probabilities', 'rejection_sample', 'sample',
            'speculative_round',
            'decode_autoregressive_evicting', 'decode_speculative_evicting', 'decode_step_evicting',
            'prefill_evicting', 'score_tokens']

@@ -37,11 +37,23 @@ def prefill(config: ModelConfig, params, cache, tokens, prompt_lengths, rng, *,
   Returns:
     (first_token [B] int32, cache holding the prompts).
   """
+  last, cache = prefill_logits(config, params, cache, tokens, prompt_lengths)
+  return sample(rng, probabilities(last, sampling)), cache
+
+
+def prefill_logits(config: ModelConfig, params, cache, tokens, prompt_lengths):
+  """`prefill` up to the logits (not jitted: for callers that jit their own step, e.g. with
+  per-row `RowSampling`, which cannot be a static argument).
+
+  Args:
+    as `prefill`.
+  Returns:
+    (logits [B, V] float32 at each row's last new token, cache holding the new tokens).
+  """
   positions = cache.lengths[:, None] + prompt_positions(prompt_lengths, tokens.shape[1])
   positions = jnp.where(positions >= cache.lengths[:, None], positions, -1)
   logits, cache = Transformer(config).apply(params, tokens, positions, cache)
-  last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-  return sample(rng, probabilities(last, sampling)), cache
+  return jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0], cache
 
 
 def decode_step(config: ModelConfig, params, cache, token):

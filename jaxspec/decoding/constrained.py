@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
-from jaxspec.decoding.autoregressive import decode_step
+from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
@@ -72,14 +72,8 @@ def new_cache(config: ModelConfig, capacity: int, page_size: int = 16):
   return cache_for(config, table, allocator.num_pages, page_size)
 
 
-@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache',))
-def _prefill_chunk(config: ModelConfig, params, cache, tokens, num_valid):
-  """tokens: [1, C] int32 of which the first num_valid are real -> (logits [1, V] of the last
-  real token, cache with lengths + num_valid)."""
-  idx = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-  positions = jnp.where(idx < num_valid, cache.lengths[:, None] + idx, -1)
-  logits, cache = Transformer(config).apply(params, tokens, positions, cache)
-  return jax.lax.dynamic_index_in_dim(logits, num_valid - 1, axis=1, keepdims=False), cache
+# One chunk of `prefill_logits`, jitted for the batch-1 cache (one compile per cache shape).
+_prefill_chunk = jax.jit(prefill_logits, static_argnames=('config',), donate_argnames=('cache',))
 
 
 def prefill_chunked(config: ModelConfig, params, cache, tokens: Sequence[int],
@@ -104,7 +98,7 @@ def prefill_chunked(config: ModelConfig, params, cache, tokens: Sequence[int],
     padded = np.zeros((1, chunk), np.int32)
     padded[0, :len(part)] = part
     logits, cache = _prefill_chunk(config, params, cache, jnp.asarray(padded),
-                                   jnp.int32(len(part)))
+                                   jnp.array([len(part)], jnp.int32))
   return logits, cache
 
 

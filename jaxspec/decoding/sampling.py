@@ -8,9 +8,12 @@ top-k/top-p), so every sampler in jaxspec goes through `probabilities`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
+import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 MIN_TEMPERATURE = 1e-4  # below this (and above 0) logits / temperature overflows float32
@@ -46,12 +49,43 @@ class SamplingParams:
     return self.temperature == 0.0
 
 
-def probabilities(logits, params: SamplingParams, mask=None):
+@flax.struct.dataclass
+class RowSampling:
+  """Sampling parameters per batch row, as arrays: a traced (not static) argument, so one
+  compiled step serves any mix of requests (greedy next to top-p next to top-k; the engine's
+  per-request sampling). `probabilities` gives each row the distribution `SamplingParams` with
+  the same values gives it (top-k by bisection: exact up to probabilities within max(p) / 2**32
+  of the k-th largest, like `nucleus_mask`).
+
+  Attributes:
+    temperature: [B] float32, 0 = greedy.
+    top_k: [B] int32, 0 = all tokens.
+    top_p: [B] float32 in (0, 1].
+  """
+
+  temperature: jax.Array
+  top_k: jax.Array
+  top_p: jax.Array
+
+  @classmethod
+  def stack(cls, params: Sequence[SamplingParams]) -> 'RowSampling':
+    """Rows from validated `SamplingParams` (row b = params[b]); numpy arrays (host side)."""
+    for p in params:
+      if not isinstance(p, SamplingParams):
+        raise ValueError(f'expected SamplingParams, got {p!r}')
+    return cls(np.array([p.temperature for p in params], np.float32),
+               np.array([p.top_k for p in params], np.int32),
+               np.array([p.top_p for p in params], np.float32))
+
+
+def probabilities(logits, params, mask=None):
   """The distribution a token is sampled from under `params`.
 
   Args:
     logits: [..., V] float.
-    params: static sampling parameters.
+    params: static `SamplingParams` (one setting for every row, specialised at compile time), or
+      a `RowSampling` whose arrays have length logits.shape[0] (row b of logits, whatever its
+      middle dims, e.g. [B, K+1, V], uses row b of the parameters).
     mask: optional [..., V] bool, the tokens a constraint allows (grammar-constrained decoding,
       see `jaxspec.decoding.constrained`). Disallowed logits become -inf *before* temperature,
       top-k and top-p, so the result is the request's distribution conditioned on the allowed
@@ -65,6 +99,8 @@ def probabilities(logits, params: SamplingParams, mask=None):
   vocab = logits.shape[-1]
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
+  if isinstance(params, RowSampling):
+    return _row_probabilities(logits, params)
   if params.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
   logits = logits / params.temperature
@@ -77,7 +113,53 @@ def probabilities(logits, params: SamplingParams, mask=None):
   return jax.nn.softmax(logits, axis=-1)
 
 
-def nucleus_mask(probs, top_p: float, iterations: int = 32):
+def _row_probabilities(logits, params: RowSampling):
+  """`probabilities` with per-row parameters; the work a batch does not need (anything but the
+  argmax when every row is greedy, top-k or top-p when no row uses it) is skipped by lax.cond."""
+  vocab = logits.shape[-1]
+
+  def per_row(x):                                       # [B] -> [B, 1, ..., 1]
+    return x.reshape(x.shape + (1,) * (logits.ndim - 1))
+
+  greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+  is_greedy = params.temperature == 0
+
+  def sampled(logits):
+    t = jnp.where(is_greedy, 1.0, params.temperature).astype(jnp.float32)
+    probs = jax.nn.softmax(logits / per_row(t), axis=-1)
+    k = per_row(params.top_k)
+    use_k = (k > 0) & (k < vocab)
+    probs = jax.lax.cond(jnp.any(use_k),
+                         lambda p: _renormalise(jnp.where(~use_k | _top_k_mask(p, k), p, 0.0)),
+                         lambda p: p, probs)
+    top_p = per_row(params.top_p)
+    use_p = top_p < 1.0
+    return jax.lax.cond(jnp.any(use_p),
+                        lambda p: _renormalise(jnp.where(~use_p | nucleus_mask(p, top_p), p, 0.0)),
+                        lambda p: p, probs)
+
+  probs = jax.lax.cond(jnp.all(is_greedy), lambda l: greedy, sampled, logits)
+  return jnp.where(per_row(is_greedy), greedy, probs)
+
+
+def _renormalise(probs):
+  return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def _top_k_mask(probs, k, iterations: int = 32):
+  """Tokens among the k most likely (ties at the cut kept), by bisecting the threshold x* such
+  that k tokens are more likely than it (no sort, as `nucleus_mask`).
+
+  Args:
+    probs: [..., V] float32; k: int array broadcasting against probs[..., :1], >= 1.
+  Returns:
+    [..., V] bool.
+  """
+  return _keep_above_cut(probs, lambda mid: jnp.sum(probs > mid, axis=-1, keepdims=True) >= k,
+                         iterations)
+
+
+def nucleus_mask(probs, top_p, iterations: int = 32):
   """Tokens in the top-p nucleus (Holtzman et al. 2020): token i is kept iff the mass of the
   tokens strictly more likely than it is below top_p (so the most likely token always is).
 
@@ -86,20 +168,35 @@ def nucleus_mask(probs, top_p: float, iterations: int = 32):
   and the draft pays this K times per round. Exact up to tokens within max(p) / 2**32 below x*.
 
   Args:
-    probs: [..., V] float32 probabilities; top_p: in (0, 1).
+    probs: [..., V] float32 probabilities; top_p: in (0, 1), a float or an array broadcasting
+      against probs[..., :1] (one value per row).
   Returns:
     [..., V] bool.
   """
-  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # mass(p > lo) >= top_p
-  hi = jnp.max(probs, axis=-1, keepdims=True)                # mass(p > hi) <  top_p
+  return _keep_above_cut(
+      probs, lambda mid: jnp.sum(jnp.where(probs > mid, probs, 0.0), axis=-1, keepdims=True)
+      >= top_p, iterations)
+
+
+def _keep_above_cut(probs, enough_above, iterations: int):
+  """The tokens above a cut found by bisection, not by sorting: `enough_above(x)` (monotone,
+  true at 0, false at max(p)) turns false at the cut x*; bisecting [0, max(p)] leaves lo < x*
+  with enough_above(lo), and probs > lo keeps the token whose probability is x* itself.
+
+  Args:
+    probs: [..., V] float32; enough_above: [..., 1] float32 threshold -> [..., 1] bool.
+  Returns:
+    [..., V] bool.
+  """
+  lo = jnp.zeros(probs.shape[:-1] + (1,), probs.dtype)       # enough_above(lo)
+  hi = jnp.max(probs, axis=-1, keepdims=True)                # not enough_above(hi)
 
   def halve(_, bounds):
     lo, hi = bounds
     mid = (lo + hi) / 2
-    below = jnp.sum(jnp.where(probs > mid, probs, 0.0), axis=-1, keepdims=True) < top_p
-    return jnp.where(below, lo, mid), jnp.where(below, mid, hi)
+    enough = enough_above(mid)
+    return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-  # x* lies in (lo, hi]: keeping p > lo keeps the token whose probability is x* itself.
   lo, _ = jax.lax.fori_loop(0, iterations, halve, (lo, hi))
   return probs > lo
 

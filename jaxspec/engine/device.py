@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import NULL_PAGE
-from jaxspec.decoding.autoregressive import decode_step, prefill
+from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import RowSampling, probabilities, sample
 from jaxspec.models import ModelConfig
 
 
@@ -44,10 +44,10 @@ def idle_rows(rows: int, pages_per_seq: int):
   return (np.full((rows, pages_per_seq), NULL_PAGE, np.int32), np.zeros((rows,), np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target', 'draft'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, target_cache,
-                  draft_cache, tokens, counts, rng, *, sampling: SamplingParams):
+                  draft_cache, tokens, counts, rng, sampling: RowSampling):
   """One chunk of prefill for up to R requests, in the target and (when given) the draft.
 
   Args:
@@ -56,22 +56,20 @@ def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, targe
     tokens: [R, C] int32 new tokens, right-padded; counts: [R] int32 real tokens per row (0: an
       idle row, which must be bound to the null page).
     rng: PRNG key.
+    sampling: each row's request's parameters ([R] arrays; traced, so any mix shares a compile).
   Returns:
     (next_token [R] int32 drawn from the target at each row's last new token: the request's first
     token when this chunk ends its prompt; target_cache, draft_cache).
   """
-  first, target_cache = prefill(target, target_params, target_cache, tokens, counts, rng,
-                                sampling=sampling)
+  last, target_cache = prefill_logits(target, target_params, target_cache, tokens, counts)
   if draft is not None:
-    _, draft_cache = prefill(draft, draft_params, draft_cache, tokens, counts, rng,
-                             sampling=sampling)
-  return first, target_cache, draft_cache
+    _, draft_cache = prefill_logits(draft, draft_params, draft_cache, tokens, counts)
+  return sample(rng, probabilities(last, sampling)), target_cache, draft_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
-                   donate_argnames=('target_cache',))
-def decode_round(target: ModelConfig, target_params, target_cache, pending, room, stop, rng, *,
-                 sampling: SamplingParams):
+@functools.partial(jax.jit, static_argnames=('target',), donate_argnames=('target_cache',))
+def decode_round(target: ModelConfig, target_params, target_cache, pending, room, stop, rng,
+                 sampling: RowSampling):
   """One autoregressive step for every row (the K = 0 baseline of continuous batching).
 
   Args:
@@ -79,6 +77,7 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
     pending: [B] int32 last committed token per row (input of this step).
     room: [B] int32 tokens each row may still emit; 0 marks an idle row (bound to the null page).
     stop: [B, S] int32 stop ids per row, -1 padded.
+    sampling: [B] per-row parameters (traced).
   Returns:
     (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, target_cache).
   """

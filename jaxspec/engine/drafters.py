@@ -45,11 +45,10 @@ class Round:
   trials: np.ndarray
 
 
-def plain_round(engine, caches, pending, room, stop, rng):
+def plain_round(engine, caches, pending, room, stop, rng, sampling):
   """A K = 0 round without any drafter: `device.decode_round`. Returns (Round, caches)."""
   window, emitted, target_cache = device.decode_round(
-      engine.target, engine.target_params, caches[0], pending, room, stop, rng,
-      sampling=engine.sampling)
+      engine.target, engine.target_params, caches[0], pending, room, stop, rng, sampling)
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
@@ -81,7 +80,7 @@ class Drafter(abc.ABC):
 
   @abc.abstractmethod
   def decode(self, engine, caches: list, *, k: int, pending: np.ndarray, room: np.ndarray,
-             stop: np.ndarray, caps: np.ndarray, contexts: Sequence, rng):
+             stop: np.ndarray, caps: np.ndarray, contexts: Sequence, rng, sampling):
     """One decode round.
 
     Args:
@@ -94,6 +93,7 @@ class Drafter(abc.ABC):
       caps: [B] int32 in [0, K], proposals each row may accept at most.
       contexts: [B] token lists, prompt + output (pending last) of busy slots, None for idle.
       rng: PRNG key.
+      sampling: `RowSampling`, each slot's request's parameters ([B] arrays; idle rows greedy).
     Returns:
       (Round, caches).
     """
@@ -106,12 +106,12 @@ class ModelDrafter(Drafter):
 
   uses_draft_model = True
 
-  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng):
+  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0
     if k == 0:
       window, emitted, beta, target_cache, draft_cache = spec_steps.model_sync_step(
           engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
-          caches[1], pending, room, stop, rng, sampling=engine.sampling)
+          caches[1], pending, room, stop, rng, sampling)
       b = pending.shape[0]
       zeros = np.zeros((b,), np.int32)
       beta = np.where(busy, np.asarray(beta, np.float64), 0.0)
@@ -119,7 +119,7 @@ class ModelDrafter(Drafter):
                    busy.astype(np.float64)), [target_cache, draft_cache]
     window, n, emitted, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
-        caches[1], pending, room, stop, caps, rng, k=k, sampling=engine.sampling)
+        caches[1], pending, room, stop, caps, rng, sampling, k=k)
     n = np.asarray(n)
     successes, trials = observation(n, caps, busy)
     return Round(np.asarray(window), n, np.asarray(emitted), np.where(busy, caps, 0),
@@ -191,11 +191,11 @@ class NGramDrafter(Drafter):
       num[row] = len(tokens)
     return proposals, num
 
-  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng):
+  def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0
     if k == 0:
       proposals, num = self.propose(contexts, np.where(busy, 1, 0), 1)
-      result, caches = plain_round(engine, caches, pending, room, stop, rng)
+      result, caches = plain_round(engine, caches, pending, room, stop, rng, sampling)
       hit = (num > 0) & (proposals[:, 0] == result.window[:, 0])
       result.successes = np.where(busy, hit, 0).astype(np.float64)
       result.trials = (busy & (result.emitted > 0)).astype(np.float64)
@@ -203,7 +203,7 @@ class NGramDrafter(Drafter):
     proposals, num = self.propose(contexts, caps, k)
     window, n, emitted, target_cache = spec_steps.lookup_step(
         engine.target, engine.target_params, caches[0], pending, proposals, num, room, stop, rng,
-        sampling=engine.sampling)
+        sampling)
     n = np.asarray(n)
     successes, trials = observation(n, caps, busy)
     return Round(np.asarray(window), n, np.asarray(emitted), num, successes, trials), \

@@ -28,8 +28,9 @@ import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
+from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import MAX_K, check_request
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import RowSampling, SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine.drafters import Drafter, NGramDrafter, make_drafter, plain_round
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
@@ -62,7 +63,8 @@ class Engine:
     k_policy: how each decode round picks its K in {0, ..., k}: 'fixed' (always k), 'schedule'
       (`ScheduleK`), 'goodput' (`GoodputK`), or a `KPolicy` instance (one per engine). Every K
       a policy uses is one compiled step; pages grow by k + 1 slots per round whatever K is.
-    sampling: sampling parameters of every request (greedy by default).
+    sampling: default sampling parameters of a request (greedy); `add_request` may give each
+      request its own (one compile serves any mix: they reach the device as per-row arrays).
     host_pages: host-tier capacity of the prefix cache, in pages (0: none).
     prefix_caching: share full prompt pages between requests (vLLM automatic prefix caching).
     max_stop_tokens: stop ids a request may have at most (the static width of the stop table).
@@ -112,8 +114,9 @@ class Engine:
     if isinstance(self.drafter, NGramDrafter) and draft is not None:
       raise ValueError(f'drafter={drafter!r} (prompt lookup) takes no draft model, got one')
     if self.drafter is not None and self.drafter.uses_draft_model != (draft is not None):
-      raise ValueError(f'drafter {drafter!r} {"needs" if self.drafter.uses_draft_model else "takes no"}'
-                       f' draft model, got draft={"None" if draft is None else "a model"}')
+      need = 'needs a' if self.drafter.uses_draft_model else 'takes no'
+      raise ValueError(f'drafter {drafter!r} {need} draft model, got draft='
+                       f'{"None" if draft is None else "a model"}')
     if k > MAX_K:
       raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
     self.policy = make_policy(k_policy)
@@ -136,6 +139,7 @@ class Engine:
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
     self.k_rounds: collections.Counter = collections.Counter()
     self.step_costs: dict = {}
+    self._schedule_s = 0.0       # host seconds of the last step's scheduling
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
     if max_seq_len is not None:
@@ -162,7 +166,8 @@ class Engine:
 
   def add_request(self, prompt_tokens: Sequence[int], *, max_tokens: int,
                   stop_tokens: Sequence[int] = (), request_id: Optional[Hashable] = None,
-                  salt: bytes | str = b'') -> Hashable:
+                  salt: bytes | str = b'',
+                  sampling: Optional[SamplingParams] = None) -> Hashable:
     """Queue a request; callable at any time, also between steps of a running batch.
 
     Args:
@@ -173,13 +178,16 @@ class Engine:
       request_id: any hashable id not in use (live or in `outputs`); default: the next int
         (a refused request uses one up too, so the id in its error is never reused).
       salt: prefix-cache salt (requests of different salts never share pages).
+      sampling: this request's `SamplingParams` (temperature, top-k, top-p); default: the
+        engine's. Speculative rounds stay exact per request: its draft and target distributions
+        are both processed with its own parameters.
     Returns:
       The request id.
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
         (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
-        that is not str or bytes. The request is not queued;
+        that is not str or bytes, sampling that is not a SamplingParams. The request is not queued;
         the engine and its other requests are unaffected.
     """
     if request_id is None:
@@ -206,12 +214,15 @@ class Engine:
       if need > self.prefix.num_pages - 1:
         raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                          f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
-      salt = _salt(salt)
+      salt = salt_bytes(salt)
+      sampling = self.sampling if sampling is None else sampling
+      if not isinstance(sampling, SamplingParams):
+        raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
     request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
-                      order=next(self._arrivals))
+                      order=next(self._arrivals), sampling=sampling)
     self._live[request_id] = request
     self.scheduler.add(request)
     return request_id
@@ -230,7 +241,9 @@ class Engine:
       [(request_id, new token ids)] for every request that emitted tokens in this step
       (streaming); finished requests also appear in `outputs`.
     """
+    start = time.perf_counter()
     prefills, decodes = self.scheduler.schedule(self.window)
+    self._schedule_s = time.perf_counter() - start
     emitted: dict = {}
     if prefills:
       self._prefill(prefills, emitted)
@@ -265,7 +278,8 @@ class Engine:
     c = self.chunk_size
     table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
     tokens = np.zeros((self.prefill_rows, c), np.int32)
-    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32))
+    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32),
+                       self._row_sampling([], self.prefill_rows))
     self.measure_costs(cost_repeats)
 
   def measure_costs(self, repeats: int = 5) -> dict:
@@ -281,12 +295,13 @@ class Engine:
     ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
     stop = self._stop_table([])
+    sampling = self._row_sampling([], self.num_slots)
     times = {k: [] for k in ks}
     for r in range(repeats + 1):       # round 0 compiles; K interleaved so load drifts hit all K
       for k in ks:
         table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
         start = time.perf_counter()
-        self._call_decode(table, lengths, zeros, zeros, stop, k=k, caps=zeros)
+        self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k, caps=zeros)
         if r:
           times[k].append(time.perf_counter() - start)
     self.step_costs.update({k: min(t) for k, t in times.items()})
@@ -309,27 +324,36 @@ class Engine:
       stop[r.slot, :len(r.stop_tokens)] = r.stop_tokens
     return stop
 
-  def _call_prefill(self, table, lengths, tokens, counts):
+  def _row_sampling(self, rows, num_rows: int) -> RowSampling:
+    """Per-row parameters of a call: rows[i] = (row index, request); idle rows greedy."""
+    params = [SamplingParams()] * num_rows
+    for row, request in rows:
+      params[row] = request.sampling
+    return RowSampling.stack(params)
+
+  def _call_prefill(self, table, lengths, tokens, counts, sampling):
     caches = device.bind(self.caches + [None] * (2 - len(self.caches)), table, lengths)
     first, target_cache, draft_cache = device.prefill_chunk(
         self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
-        tokens, counts, self._next_rng(), sampling=self.sampling)
+        tokens, counts, self._next_rng(), sampling)
     self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
     return np.asarray(first)
 
-  def _call_decode(self, table, lengths, pending, room, stop, k=0, caps=None, contexts=None):
-    """One decode round at K = k with per-row caps [B] (default k) and contexts [B] (token
-    lists or None; the drafters that read them need them for busy rows). Returns a
-    `drafters.Round`."""
+  def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
+                   contexts=None):
+    """One decode round at K = k with per-row sampling (`RowSampling`), caps [B] (default k)
+    and contexts [B] (token lists or None; the drafters that read them need them for busy
+    rows). Returns a `drafters.Round`."""
     caches = device.bind(self.caches, table, lengths)
     rng = self._next_rng()
     if self.drafter is None:
-      result, self.caches = plain_round(self, caches, pending, room, stop, rng)
+      result, self.caches = plain_round(self, caches, pending, room, stop, rng, sampling)
       return result
     caps = np.full((self.num_slots,), k, np.int32) if caps is None else caps
     contexts = [None] * self.num_slots if contexts is None else contexts
     result, self.caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
-                                              stop=stop, caps=caps, contexts=contexts, rng=rng)
+                                              stop=stop, caps=caps, contexts=contexts, rng=rng,
+                                              sampling=sampling)
     return result
 
   def _choose_k(self, decodes) -> tuple:
@@ -359,7 +383,8 @@ class Engine:
       lengths[row] = request.num_computed
       tokens[row, :len(chunk)] = chunk
       counts[row] = len(chunk)
-    first = self._call_prefill(table, lengths, tokens, counts)
+    first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
+        [(row, request) for row, (request, _) in enumerate(prefills)], self.prefill_rows))
     now = time.perf_counter()
     for row, (request, chunk) in enumerate(prefills):
       request.num_computed += len(chunk)
@@ -372,6 +397,7 @@ class Engine:
         self._emit(request, [int(first[row])], now, emitted)
 
   def _decode(self, decodes, emitted) -> None:
+    start = time.perf_counter()
     table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
     pending = np.zeros((self.num_slots,), np.int32)
     room = np.zeros((self.num_slots,), np.int32)
@@ -387,8 +413,11 @@ class Engine:
     if getattr(self.drafter, 'uses_context', False):
       for request in decodes:
         contexts[request.slot] = request.context
-    result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes), k=k,
-                               caps=caps, contexts=contexts)
+    call_start = time.perf_counter()
+    result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes),
+                               self._row_sampling([(r.slot, r) for r in decodes], self.num_slots),
+                               k=k, caps=caps, contexts=contexts)
+    device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
     for request in decodes:
@@ -403,6 +432,9 @@ class Engine:
         self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
                             float(result.trials[s]))
       self._emit(request, result.window[s, :e].tolist(), now, emitted)
+    if self.policy is not None:   # host seconds of this round besides the device call
+      host_s = time.perf_counter() - start - device_s + self._schedule_s
+      self.policy.round_timing(k, device_s, host_s)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
     request.output.extend(tokens)
@@ -426,10 +458,3 @@ class Engine:
     self.outputs[request.id] = RequestOutput(request.id, request.prompt, list(request.output),
                                              reason, request.metrics)
 
-
-def _salt(salt) -> bytes:
-  if isinstance(salt, str):
-    return salt.encode()
-  if isinstance(salt, (bytes, bytearray)):
-    return bytes(salt)
-  raise ValueError(f'salt must be str or bytes, got {type(salt).__name__}')

@@ -13,7 +13,8 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
 - `GoodputK`: SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
   Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
   E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
-  estimate (`AlphaTracker`) and t(K) the measured seconds of one decode round at K.
+  estimate (`AlphaTracker`) and t(K) the seconds of one decode round at K (the device step
+  measured at start-up plus the host work per round measured online).
 
 Acceptance observations (`observe`): (successes, trials) of one round for one row, so α is the
 ratio of two EMAs (consistent, unlike an EMA of per-round ratios under the geometric stopping
@@ -77,6 +78,11 @@ class KPolicy(abc.ABC):
   def forget(self, request_id: Hashable) -> None:
     """The request finished: drop its state."""
 
+  def round_timing(self, k: int, device_s: float, host_s: float) -> None:
+    """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
+    dispatch, step, reading back) and the host work around it (`host_s`: scheduling, tables,
+    proposals, emitting)."""
+
 
 class FixedK(KPolicy):
   """K = K_max every round, every row capped at K_max."""
@@ -138,7 +144,8 @@ class ScheduleK(KPolicy):
 class AlphaTracker:
   """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
   request's (successes, trials) observations (decay per observed round); a request with no
-  observation yet uses the global estimate, the same ratio over every request's observations.
+  observation yet uses the global estimate, the same ratio over every request's observations
+  (decayed per observation, of any request).
 
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
@@ -207,9 +214,15 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) is the measured wall time of one decode round at K for the engine's static shape: its
-  steps run all B slots, idle rows included, so t depends on K, not on how many rows are busy;
-  the batch size enters through Σ_i (more rows gain more tokens from the same round).
+  t(K) = d(K) + h: d(K) the wall time of the device call of one decode round at K for the
+  engine's static shape (its steps run all B slots, idle rows included, so d depends on K, not
+  on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens from
+  the same round), and h the host seconds per round around it (scheduling, tables, proposals,
+  emitting; the same at every K). d starts from the table measured over idle rows at start-up
+  and each K's entry follows an EMA of the rounds really run at it (`round_timing`; live rounds
+  also pay what idle ones skip, e.g. a draft model's extra step after a fully accepted round),
+  kept non-decreasing in K; h is an EMA of the reported host time. Without h, a K > 0 round
+  looks relatively dearer than it is when host work is a large part of a round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -217,18 +230,24 @@ class GoodputK(KPolicy):
       (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
       K gains ~1 token and K = 0 is chosen).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
-    costs: the cost table {K: seconds}, if known (else the engine measures it).
+    costs: the cost table d(K) {K: seconds}, if known (else the engine measures it).
+    timing_decay: weight of the past in the EMAs of d(K) and h (per round), in [0, 1).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin < 0.
+      non-positive time, margin < 0, timing_decay outside [0, 1).
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
-               costs: Optional[Mapping[int, float]] = None):
+               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9):
     super().__init__()
     if not margin >= 0:
       raise ValueError(f'margin must be >= 0, got {margin!r}')
+    if not 0.0 <= timing_decay < 1.0:
+      raise ValueError(f'timing_decay must be in [0, 1), got {timing_decay!r}')
+    self.timing_decay = timing_decay
+    self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
+    self._device_s: dict = {}               # d(K) before the non-decreasing fit
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -266,12 +285,16 @@ class GoodputK(KPolicy):
     bad = {k: t for k, t in costs.items() if not t > 0}
     if bad:
       raise ValueError(f'cost table times must be > 0 seconds, got {bad}')
+    self._device_s = {k: float(costs[k]) for k in self.candidates}
+    self._fit()
+
+  def _fit(self):
     self.costs = dict(zip(self.candidates,
-                          nondecreasing([float(costs[k]) for k in self.candidates])))
+                          nondecreasing([self._device_s[k] for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
-    """Σ_i E[tokens_i | α_i, K] / t(K), tokens per second."""
-    return sum(expected_tokens(a, k) for a in alphas) / self.costs[k]
+    """Σ_i E[tokens_i | α_i, K] / (d(K) + h), tokens per second."""
+    return sum(expected_tokens(a, k) for a in alphas) / (self.costs[k] + (self.host_s or 0.0))
 
   def choose(self, request_ids):
     if self.costs is None:
@@ -287,6 +310,13 @@ class GoodputK(KPolicy):
 
   def forget(self, request_id):
     self.tracker.forget(request_id)
+
+  def round_timing(self, k, device_s, host_s):
+    d = self.timing_decay
+    self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
+    if k in self._device_s:
+      self._device_s[k] = d * self._device_s[k] + (1 - d) * device_s
+      self._fit()
 
 
 POLICIES = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}

@@ -11,6 +11,8 @@ import enum
 import math
 from typing import Hashable, Optional
 
+from jaxspec.decoding.sampling import SamplingParams
+
 
 class State(enum.Enum):
   WAITING = 'waiting'
@@ -98,6 +100,7 @@ class Request:
   Attributes:
     id: request id; prompt: token ids; max_tokens: tokens to emit at most (>= 1);
     stop_tokens: ids that end it (emitted); salt: prefix-cache salt.
+    sampling: its `SamplingParams`.
     output: tokens emitted so far.
     state: where it is; slot: its batch slot while admitted (else None).
     handle: its pages (`jaxspec.cache.Request`) while admitted.
@@ -117,6 +120,7 @@ class Request:
   handle: object = None
   num_computed: int = 0
   order: int = -1
+  sampling: SamplingParams = SamplingParams()
   finish_reason: Optional[str] = None
 
   @property

@@ -21,20 +21,20 @@ import jax.numpy as jnp
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import cut_lengths
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import RowSampling, probabilities, sample
 from jaxspec.decoding.speculative import draft_tokens
 from jaxspec.models import ModelConfig, Transformer
 
 
-def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng, *,
-           sampling: SamplingParams):
+def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng,
+           sampling: RowSampling):
   """One target pass over [pending, x_1..x_K] and modified rejection sampling.
 
   Args:
     target_cache: bound cache; row b holds every committed token but pending[b].
     pending: [B] int32; xs: [B, K] int32 proposals; q: [B, K, V] float32 the distribution each
       x_i was drawn from (all zeros: not a proposal).
-    rng: PRNG key of the acceptance test.
+    rng: PRNG key of the acceptance test; sampling: [B] per-row parameters (traced).
   Returns:
     (window [B, K+1] int32 x_1..x_n then the correction/bonus token, num_accepted [B] int32 n,
     target_cache with K+1 slots written per row).
@@ -68,10 +68,10 @@ def host_q(proposals, num_proposed, vocab: int):
   return _capped(jax.nn.one_hot(proposals, vocab, dtype=jnp.float32), num_proposed)
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params, target_cache,
-               draft_cache, pending, room, stop, caps, rng, *, k: int, sampling: SamplingParams):
+               draft_cache, pending, room, stop, caps, rng, sampling: RowSampling, *, k: int):
   """Batched speculative decoding with a draft model, each row's acceptance capped at caps[b].
 
   The draft drafts K for every row (the static shape); a row with caps[b] < K accepts at most
@@ -84,6 +84,8 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
     target_cache, draft_cache: bound caches (donated), same page tables and lengths.
     pending: [B] int32; room: [B] int32 tokens a row may still emit (0: idle row);
     stop: [B, S] int32 stop ids, -1 padded; caps: [B] int32 in [0, K].
+    sampling: [B] per-row parameters (traced; draft and target both process their logits with
+      the row's, as exact speculative sampling needs).
     k: static K >= 1.
   Returns:
     (window [B, K+1] int32, num_accepted [B] int32 n <= caps, emitted [B] int32 after stop /
@@ -93,7 +95,7 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft, k=k,
                                      sampling=sampling)
   window, n, target_cache = verify(target, target_params, target_cache, pending, xs,
-                                   _capped(qs, caps), rng_accept, sampling=sampling)
+                                   _capped(qs, caps), rng_accept, sampling)
   emitted, _ = cut_lengths(window, n + 1, stop, room)
   draft_cache = jax.lax.cond(
       jnp.any(emitted == k + 1),
@@ -102,11 +104,10 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
   return window, n, emitted, target_cache, draft_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'sampling'),
+@functools.partial(jax.jit, static_argnames=('target', 'draft'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def model_sync_step(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
-                    target_cache, draft_cache, pending, room, stop, rng, *,
-                    sampling: SamplingParams):
+                    target_cache, draft_cache, pending, room, stop, rng, sampling: RowSampling):
   """A K = 0 round with a draft model: one target step, and one draft step on the same pending
   token so the draft cache keeps the target's context. The draft's q for the next position
   gives this round's acceptance probability of one drafted token, β = Σ_v min(p(v), q(v))
@@ -128,16 +129,15 @@ def model_sync_step(target: ModelConfig, draft: ModelConfig, target_params, draf
   return window, emitted, beta, target_cache, draft_cache
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'sampling'),
-                   donate_argnames=('target_cache',))
+@functools.partial(jax.jit, static_argnames=('target',), donate_argnames=('target_cache',))
 def lookup_step(target: ModelConfig, target_params, target_cache, pending, proposals,
-                num_proposed, room, stop, rng, *, sampling: SamplingParams):
+                num_proposed, room, stop, rng, sampling: RowSampling):
   """Verify host proposals (prompt lookup): q = one-hot(proposal) on each row's first
   num_proposed[b] positions, zero after (those positions draw from p).
 
   Args:
     target_cache: bound cache (donated).
-    pending, room, stop: as `model_step`.
+    pending, room, stop, sampling: as `model_step`.
     proposals: [B, K] int32 (any id in [0, V) past num_proposed); num_proposed: [B] int32 in
       [0, K]. K (static) is proposals.shape[1] >= 1.
   Returns:
@@ -146,7 +146,7 @@ def lookup_step(target: ModelConfig, target_params, target_cache, pending, propo
   """
   q = host_q(proposals, num_proposed, target.vocab_size)
   window, n, target_cache = verify(target, target_params, target_cache, pending, proposals, q,
-                                   rng, sampling=sampling)
+                                   rng, sampling)
   emitted, _ = cut_lengths(window, n + 1, stop, room)
   return window, n, emitted, target_cache
 
