@@ -7,7 +7,6 @@ prefill shapes and copies are compiled before anything is timed.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 

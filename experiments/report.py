@@ -6,7 +6,8 @@
 
 Writes summary.md and summary.csv (one row per record; case_id and the overrides come first as
 they lead each record, then the metrics) and the experiment's plots (PNG) under OUT/plots.
-An experiment gets plots by adding a function to PLOTS.
+An experiment gets plots by adding a function to PLOTS, and files of its own beside summary.md
+(e.g. batching's threshold.md) by adding one to SUMMARIES.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ matplotlib.use('Agg')
 import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+from experiments.batching_report import plot_batching, write_summary as summarize_batching  # pylint: disable=g-import-not-at-top
 from experiments.eviction_report import plot_eviction  # pylint: disable=g-import-not-at-top
 
 
@@ -162,7 +164,20 @@ PLOTS: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
     'prefix_cache': plot_prefix_cache,
     'eviction': plot_eviction,
     'eviction_batching': _plot_eviction_batching,
+    'batching': plot_batching,
 }
+
+# Experiment-specific summaries beside summary.md: fn(records, out_dir) -> paths written.
+SUMMARIES: dict[str, Callable[[list[dict], pathlib.Path], list[pathlib.Path]]] = {
+    'batching': summarize_batching,
+}
+
+
+def experiment_summary(records: list[dict], out_dir, experiment: Optional[str]
+                       ) -> list[pathlib.Path]:
+  """Writes the SUMMARIES entry of `experiment` (if any) into `out_dir`; returns its files."""
+  fn = SUMMARIES.get(experiment or '')
+  return [] if fn is None else fn(records, pathlib.Path(out_dir))
 
 
 def plot(records: list[dict], out_dir, experiment: Optional[str]) -> list[pathlib.Path]:
@@ -201,6 +216,8 @@ def main(argv) -> None:
   experiment = flags.FLAGS.experiment or guess_experiment(path)
   summarize(records, out / 'summary.md', out / 'summary.csv')
   pngs = plot(records, out / 'plots', experiment)
+  for extra in experiment_summary(records, out, experiment):
+    print(f'{experiment} summary -> {extra}')
   print(f'{len(records)} records -> {out / "summary.md"}, {out / "summary.csv"}; '
         f'{len(pngs)} plots for experiment {experiment!r}')
 

@@ -236,6 +236,7 @@ def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
     with _locked(outcome.sweep_dir):
       report.summarize(outcome.records, path.with_name('summary.md'), path.with_name('summary.csv'))
       report.plot(outcome.records, outcome.sweep_dir / 'plots', experiment)
+      report.experiment_summary(outcome.records, outcome.sweep_dir, experiment)
   except Exception:  # pylint: disable=broad-except  (the results are safe on disk regardless)
     outcome.report_error = traceback.format_exc()
     print(f'report failed; redo with python -m experiments.report {path}\n'

@@ -202,7 +202,7 @@ def test_bad_input_fails_that_request_only(tiny, alone):
       engine.add_request(**kwargs)
     engine.step()                                   # the engine keeps serving
   second = engine.add_request(good[1], max_tokens=10, request_id='second')
-  outs = engine.run()
+  engine.run()
   assert set(engine.outputs) == {first, 'second'}
   assert engine.outputs[first].tokens == alone(good[0], 10)
   assert engine.outputs[second].tokens == alone(good[1], 10)
@@ -306,3 +306,19 @@ def test_cut_lengths_per_row_stops_and_room():
   # A stop id past a row's real candidates does not count; the shared [S] form agrees.
   n, stopped = cut_lengths(window, jnp.array([1, 3, 3]), jnp.array([7]), jnp.array([5, 5, 5]))
   assert n.tolist() == [1, 1, 3] and stopped.tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize('prefill_rows,buckets', [(1, (1,)), (3, (1, 2, 3)), (8, (1, 2, 4, 8)),
+                                                  (6, (1, 2, 4, 6))])
+def test_prefill_calls_use_the_smallest_row_bucket(tiny, prefill_rows, buckets, monkeypatch):
+  config, params = tiny
+  engine = Engine(config, params, num_slots=8, num_pages=BIG, page_size=L, chunk_size=8,
+                  prefill_rows=prefill_rows)
+  assert engine.prefill_buckets == buckets
+  widths = []
+  call = engine._call_prefill
+  monkeypatch.setattr(engine, '_call_prefill',
+                      lambda table, *a: widths.append(len(table)) or call(table, *a))
+  engine.add_request(_prompts([5], seed=30)[0], max_tokens=2)
+  engine.step()                                        # a lone admission: one row
+  assert widths == [1]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample, sample
+from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample
 from jaxspec.engine import Engine, compile_counts
 from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
 from jaxspec.engine.k_policy import (AlphaTracker, GoodputK, KPolicy, ScheduleK, expected_tokens,

@@ -4,7 +4,6 @@ big model's context session (prefix reuse gives the same logits as a full prefil
 import copy
 import json
 
-import jax
 import jsonschema
 import numpy as np
 import pytest

@@ -5,7 +5,6 @@ import copy
 
 import hypothesis
 import hypothesis.strategies as st
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

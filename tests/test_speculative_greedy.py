@@ -62,7 +62,7 @@ def test_self_draft_accepts_everything(tiny):
 
 
 def test_decode_loops_compile_once_per_shape(tiny, tiny_draft):
-  from jaxspec.decoding import decode_autoregressive, decode_speculative, prefill
+  from jaxspec.decoding import decode_speculative, prefill
   (tc, tp), (dc, dp) = tiny, tiny_draft
   kwargs = dict(max_new_tokens=12, page_size=8, draft=dc, draft_params=dp, k=3)
   generate(tc, tp, _prompts([10, 20]), **kwargs)

@@ -97,14 +97,34 @@ def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, dr
   rng_draft, rng_accept = jax.random.split(rng)
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
                                      k=k, sampling=sampling)
-  verify = jnp.concatenate([pending[:, None], xs], axis=1)                  # [B, K+1]
+  window, n, target_cache = verify(target, target_params, target_cache, pending, xs, qs,
+                                   rng_accept, sampling=sampling)
+  return window, n, target_cache, draft_cache
+
+
+def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng, *, sampling):
+  """One target pass over [pending, x_1..x_K] and modified rejection sampling (the verify half
+  of a round; proposals may come from a draft model or from the host, e.g. prompt lookup with
+  one-hot q).
+
+  Args:
+    target_cache: row b holds every committed token but pending[b].
+    pending: [B] int32; xs: [B, K] int32 proposals; q: [B, K, V] float32 the distribution each
+      x_i was drawn from (all zeros at a position: not a proposal, rejected, drawn from p).
+    rng: PRNG key of the acceptance test.
+    sampling: `SamplingParams` or `RowSampling`.
+  Returns:
+    (window [B, K+1] int32 x_1..x_n then the correction/bonus token at index n, num_accepted [B]
+    int32 n, target_cache with K+1 slots written per row).
+  """
+  k = xs.shape[1]
+  tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
   positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-  logits, target_cache = Transformer(target).apply(target_params, verify, positions, target_cache)
-  p = probabilities(logits, sampling)                                         # [B, K+1, V]
-  n, next_token = rejection_sample(rng_accept, xs, qs, p)
+  logits, target_cache = Transformer(target).apply(target_params, tokens, positions, target_cache)
+  n, next_token = rejection_sample(rng, xs, q, probabilities(logits, sampling))
   idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
   window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
-  return window, n, target_cache, draft_cache
+  return window, n, target_cache
 
 
 @functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),

@@ -54,7 +54,9 @@ class Engine:
       draft, when given, has a pool of the same size under the same page tables.
     page_size: L tokens per page.
     chunk_size: C, prefill tokens per request per step (chunked prefill).
-    prefill_rows: requests prefilled per step at most (default: num_slots).
+    prefill_rows: requests prefilled per step at most (default: num_slots). A step's prefill
+      call has the smallest row count in `prefill_buckets` (powers of two below prefill_rows,
+      and prefill_rows) that holds its prefilling requests, each compiled once.
     draft, draft_params: the draft model (for drafter 'model').
     k: speculation length K in [1, MAX_K] (K_max for adaptive policies); K = 0 (no draft, no
       drafter) is plain continuous batching.
@@ -135,6 +137,9 @@ class Engine:
     self.draft, self.draft_params, self.k = draft, draft_params, k
     self.sampling = sampling
     self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
+    # Row counts a prefill call is compiled for: powers of two below prefill_rows, and it.
+    self.prefill_buckets = tuple(sorted({1 << i for i in range(prefill_rows.bit_length())
+                                         if 1 << i < prefill_rows} | {prefill_rows}))
     self.max_stop_tokens = max_stop_tokens
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
     self.k_rounds: collections.Counter = collections.Counter()
@@ -275,11 +280,11 @@ class Engine:
     """
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
-    c = self.chunk_size
-    table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
-    tokens = np.zeros((self.prefill_rows, c), np.int32)
-    self._call_prefill(table, lengths, tokens, np.zeros((self.prefill_rows,), np.int32),
-                       self._row_sampling([], self.prefill_rows))
+    for rows in self.prefill_buckets:
+      table, lengths = device.idle_rows(rows, self.pages_per_seq)
+      tokens = np.zeros((rows, self.chunk_size), np.int32)
+      self._call_prefill(table, lengths, tokens, np.zeros((rows,), np.int32),
+                         self._row_sampling([], rows))
     self.measure_costs(cost_repeats)
 
   def measure_costs(self, repeats: int = 5) -> dict:
@@ -383,9 +388,12 @@ class Engine:
     return int(k), caps
 
   def _prefill(self, prefills, emitted) -> None:
-    table, lengths = device.idle_rows(self.prefill_rows, self.pages_per_seq)
-    tokens = np.zeros((self.prefill_rows, self.chunk_size), np.int32)
-    counts = np.zeros((self.prefill_rows,), np.int32)
+    # The smallest compiled row count that holds them: a lone admission does not pay for a
+    # whole [prefill_rows, C] pass.
+    rows = min(b for b in self.prefill_buckets if b >= len(prefills))
+    table, lengths = device.idle_rows(rows, self.pages_per_seq)
+    tokens = np.zeros((rows, self.chunk_size), np.int32)
+    counts = np.zeros((rows,), np.int32)
     for i, (request, chunk) in enumerate(prefills):
       row = self._prefill_row(i, request)
       pages = request.handle.pages
@@ -395,7 +403,7 @@ class Engine:
       counts[row] = len(chunk)
     first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
         [(self._prefill_row(i, request), request) for i, (request, _) in enumerate(prefills)],
-        self.prefill_rows))
+        rows))
     now = time.perf_counter()
     for i, (request, chunk) in enumerate(prefills):
       row = self._prefill_row(i, request)

@@ -151,6 +151,7 @@ class EvictingEngine(Engine):
                        f'{self.request_pages} pages of {page_size} per request, the pool has '
                        f'num_pages - 1 = {num_pages - 1}')
     self.pages_per_seq = self.request_pages      # page-table width: attention reads S slots
+    self.prefill_buckets = (num_slots,)           # prefill row b is slot b: every call B rows
     self.scheduler = EvictingScheduler(self.prefix, pages_of=self._pages_of, num_slots=num_slots,
                                        chunk_size=chunk_size, prefill_rows=num_slots,
                                        apply_plan=self._apply_plan)

@@ -20,34 +20,9 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import RowSampling, probabilities, sample
-from jaxspec.decoding.speculative import draft_tokens
-from jaxspec.models import ModelConfig, Transformer
-
-
-def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng,
-           sampling: RowSampling):
-  """One target pass over [pending, x_1..x_K] and modified rejection sampling.
-
-  Args:
-    target_cache: bound cache; row b holds every committed token but pending[b].
-    pending: [B] int32; xs: [B, K] int32 proposals; q: [B, K, V] float32 the distribution each
-      x_i was drawn from (all zeros: not a proposal).
-    rng: PRNG key of the acceptance test; sampling: [B] per-row parameters (traced).
-  Returns:
-    (window [B, K+1] int32 x_1..x_n then the correction/bonus token, num_accepted [B] int32 n,
-    target_cache with K+1 slots written per row).
-  """
-  k = xs.shape[1]
-  tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
-  positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-  logits, target_cache = Transformer(target).apply(target_params, tokens, positions, target_cache)
-  p = probabilities(logits, sampling)                                          # [B, K+1, V]
-  n, next_token = rejection_sample(rng, xs, q, p)
-  idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-  window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
-  return window, n, target_cache
+from jaxspec.decoding.speculative import draft_tokens, verify
+from jaxspec.models import ModelConfig
 
 
 def _capped(q, caps):
@@ -95,7 +70,7 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft, k=k,
                                      sampling=sampling)
   window, n, target_cache = verify(target, target_params, target_cache, pending, xs,
-                                   _capped(qs, caps), rng_accept, sampling)
+                                   _capped(qs, caps), rng_accept, sampling=sampling)
   emitted, _ = cut_lengths(window, n + 1, stop, room)
   draft_cache = jax.lax.cond(
       jnp.any(emitted == k + 1),
@@ -146,7 +121,7 @@ def lookup_step(target: ModelConfig, target_params, target_cache, pending, propo
   """
   q = host_q(proposals, num_proposed, target.vocab_size)
   window, n, target_cache = verify(target, target_params, target_cache, pending, proposals, q,
-                                   rng, sampling)
+                                   rng, sampling=sampling)
   emitted, _ = cut_lengths(window, n + 1, stop, room)
   return window, n, emitted, target_cache
 

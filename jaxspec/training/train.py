@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,353 @@
+"""Speculative decoding against plain continuous batching, at one batch size B per run.
+
+One run = one B (engine slots) and one set of workloads. Inside the run, one `Engine` per
+setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft model; adaptive
+policies and other drafters are more settings), all built from the same target/draft pair and
+compiled by `warm_up` before anything is timed. For each repeat and workload, the same
+N = requests_per_slot x B held-out prompts (`make_prompts`) are submitted at once to every
+setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
+order that rotates by one per (repeat, workload), so every setting's steps are timed
+milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
+interleave='runs' runs the settings one after another instead (whole runs, same rotation).
+
+One record per (workload, setting, repeat); "engine seconds" = the sum of that engine's own
+`step()` wall times (all requests arrive at 0 on that clock):
+  engine_s, tokens_per_s  engine seconds of the run; tokens emitted / engine_s (prefill, decode,
+                      host-side scheduling: everything `step()` does)
+  ttft_s, tpot_s      mean over the requests of first-token time, and of (last − first token
+                      time) / (tokens − 1), on the engine clock (seconds)
+  acceptance_rate     alpha = accepted / proposed draft tokens over all requests (None at K = 0)
+  mean_accepted_length  tau = tokens emitted per request per decode round (1 at K = 0)
+  round_s             median seconds of one decode-only engine step (a step that ran no prefill
+                      chunk): one decode round of all B slots, host work included
+  decode_tokens_per_s tokens emitted in decode-only steps / their seconds
+  decode_steps, prefill_steps  steps without / with a prefill chunk (a prefill call computes
+                      `prefill_rows` x `chunk_size` tokens however few rows are real)
+  speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
+                      the baseline setting's (K = 0) in the same repeat and workload
+  rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
+  idle_round_s, idle_round_cost  one decode round of all B slots on idle rows, timed
+                      `cost_rounds` times with the settings interleaved round by round (median
+                      seconds; median ratio to the baseline's), the same for every workload of
+                      the run; fixed-K settings only
+  warmup_step_costs   the engine's `step_costs` {K: seconds} after the run: for adaptive settings
+                      the cost table `warm_up` measured (what `goodput` plans with); for fixed
+                      ones the last idle round of the interleaved benchmark
+The α-threshold analysis over these records is `experiments.batching_report`.
+
+Settings are data (`parse_settings`): 'name=key:value,key:value;name2=...', each key an `Engine`
+keyword argument, so a new Engine option needs no change here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+import time
+
+from jaxspec.cache import pages_needed
+from jaxspec.data import make_prompts
+from jaxspec.decoding import SamplingParams
+from jaxspec.engine import Engine
+from experiments.speculative import _workloads, load_pair
+
+# Engine arguments the experiment sets itself; a setting may not name them.
+RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
+
+
+def _value(text: str):
+  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, anything else the string itself."""
+  low = text.lower()
+  if low in ('true', 'false'):
+    return low == 'true'
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_settings(text: str) -> dict[str, dict]:
+  """Parse settings 'name=key:value,key:value;name2=key:value' into {name: Engine kwargs}.
+
+  Example: 'k0=k:0;k4=k:4;goodput=k:8,k_policy:goodput' ->
+  {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
+  floats, true/false or strings. A setting with k >= 1 gets the draft model unless it names
+  another drafter (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the
+  Engine refuses (a bad policy name, ...) are reported by `build_engines`, naming the setting.
+
+  Raises:
+    ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
+      name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
+      argument (or one the experiment sets itself: target, draft, num_slots, ...), or a k that
+      is not an int >= 0.
+  """
+  params = inspect.signature(Engine.__init__).parameters
+  allowed = sorted(n for n in params if n not in RESERVED)
+  settings: dict[str, dict] = {}
+  for part in str(text).split(';'):
+    part = part.strip()
+    if not part:
+      continue
+    name, eq, body = part.partition('=')
+    name = name.strip()
+    if not eq or not name:
+      raise ValueError(f'setting {part!r} is not name=key:value,...')
+    if name in settings:
+      raise ValueError(f'setting {name!r} appears twice in {text!r}')
+    kwargs = {}
+    for pair in body.split(','):
+      key, colon, value = (s.strip() for s in pair.partition(':'))
+      if not colon or not key or not value:
+        raise ValueError(f'setting {name!r}: {pair.strip()!r} is not key:value')
+      if key in kwargs:
+        raise ValueError(f'setting {name!r}: key {key!r} appears twice')
+      if key not in allowed:
+        raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
+                         f'set (known: {", ".join(allowed)})')
+      kwargs[key] = _value(value)
+    k = kwargs.setdefault('k', 0)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+      raise ValueError(f'setting {name!r}: k must be an int >= 0, got {k!r}')
+    settings[name] = kwargs
+  if not settings:
+    raise ValueError(f'no settings in {text!r}')
+  return settings
+
+
+def describe(kwargs: dict) -> dict:
+  """The record fields naming a setting: k, drafter ('none' at K = 0, else the setting's
+  drafter, default 'model') and k_policy (default 'fixed')."""
+  k = int(kwargs.get('k', 0))
+  return dict(k=k, drafter=str(kwargs.get('drafter', 'model')) if k else 'none',
+              k_policy=str(kwargs.get('k_policy', 'fixed')))
+
+
+def uses_draft_model(kwargs: dict) -> bool:
+  """Whether a setting needs the draft model (K >= 1 with the default or 'model' drafter)."""
+  return int(kwargs.get('k', 0)) > 0 and kwargs.get('drafter', 'model') == 'model'
+
+
+class StepKinds:
+  """Records what each `Engine.step` scheduled, by wrapping its scheduler's public `schedule`
+  (the one call a step makes to plan its prefill chunks and its decode round).
+
+  Attributes:
+    prefill_rows, decode_rows: requests the latest step prefilled / decoded.
+  """
+
+  def __init__(self, engine: Engine):
+    self._schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = self
+    self.prefill_rows = self.decode_rows = 0
+
+  def __call__(self, *args, **kwargs):
+    prefills, decodes = self._schedule(*args, **kwargs)
+    self.prefill_rows, self.decode_rows = len(prefills), len(decodes)
+    return prefills, decodes
+
+  @property
+  def decode_only(self) -> bool:
+    """Whether the latest step ran a decode round and no prefill chunk."""
+    return self.decode_rows > 0 and self.prefill_rows == 0
+
+
+def _mean(values) -> float | None:
+  values = [v for v in values if v is not None and not math.isnan(v)]
+  return sum(values) / len(values) if values else None
+
+
+def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str, dict]:
+  """Submit every prompt at once to each engine, then step the engines in turn (one step of
+  each, in the dict's order, round after round) until all finish, timing every step.
+
+  Stepping round-robin puts every setting's steps milliseconds apart, so a burst of load from
+  other processes slows all settings alike (a ratio of whole runs taken one after another
+  moves by 2-3x on a shared machine). Each engine's clock is the sum of its own step seconds:
+  tokens/s, TTFT and TPOT are measured on it (all requests arrive at 0), so the other engines'
+  steps in between do not count. With one engine this is an ordinary run.
+
+  Args:
+    engines: {name: (Engine, StepKinds)}, warmed up, no live requests.
+    prompts: token-id lists; max_tokens, stop_tokens: per request.
+  Returns:
+    {name: the per-run fields of a record (see the module docstring)}; times in seconds.
+  """
+  runs = {}
+  for name, (engine, _) in engines.items():
+    engine.prefix.reset()               # every run prefills its prompts (no cross-run hits)
+    runs[name] = dict(rounds=dict(engine.k_rounds), clock=0.0, first={}, last={}, decode_s=[],
+                      decode_tokens=0, prefill_steps=0, ids=[engine.add_request(p, max_tokens=max_tokens,
+                                                               stop_tokens=stop_tokens)
+                                            for p in prompts])
+  live = [n for n, (e, _) in engines.items() if e.has_unfinished()]
+  while live:
+    for name in live:
+      engine, kinds = engines[name]
+      run = runs[name]
+      t0 = time.perf_counter()
+      emitted = engine.step()
+      seconds = time.perf_counter() - t0
+      run['clock'] += seconds
+      for rid, tokens in emitted:
+        if tokens:
+          run['first'].setdefault(rid, run['clock'])
+          run['last'][rid] = run['clock']
+      run['prefill_steps'] += kinds.prefill_rows > 0
+      if kinds.decode_only:
+        run['decode_s'].append(seconds)
+        run['decode_tokens'] += sum(len(t) for _, t in emitted)
+    live = [n for n in live if engines[n][0].has_unfinished()]
+  return {name: _summary(engines[name][0], runs[name]) for name in engines}
+
+
+def _summary(engine: Engine, run: dict) -> dict:
+  """The record fields of one engine's run (`measure`); pops its outputs from the engine."""
+  outs = [engine.outputs.pop(i) for i in run['ids']]
+  metrics = [o.metrics for o in outs]
+  tokens = sum(len(o.tokens) for o in outs)
+  proposed = sum(m.proposed for m in metrics)
+  rounds = [n for m in metrics for n in m.accepted_lengths]
+  before = run['rounds']
+  by_k = {str(k): n - before.get(k, 0) for k, n in sorted(engine.k_rounds.items())
+          if n > before.get(k, 0)}
+  first, last, decode_s = run['first'], run['last'], run['decode_s']
+  tpots = [(last[o.request_id] - first[o.request_id]) / (len(o.tokens) - 1)
+           for o in outs if len(o.tokens) > 1]
+  return dict(
+      num_requests=len(outs), tokens=tokens, engine_s=run['clock'],
+      tokens_per_s=tokens / run['clock'],
+      ttft_s=_mean(first.get(o.request_id) for o in outs), tpot_s=_mean(tpots),
+      acceptance_rate=sum(m.accepted for m in metrics) / proposed if proposed else None,
+      mean_accepted_length=sum(rounds) / len(rounds) if rounds else None,
+      decode_steps=len(decode_s), prefill_steps=run['prefill_steps'], round_s=statistics.median(decode_s) if decode_s else None,
+      decode_tokens_per_s=run['decode_tokens'] / sum(decode_s) if decode_s else None,
+      preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
+
+
+def _ratio(num, den):
+  return num / den if num is not None and den else None
+
+
+def rotated(names: list, repeat: int) -> list:
+  """`names` rotated left by `repeat` (each setting takes every position across repeats)."""
+  r = repeat % len(names)
+  return names[r:] + names[:r]
+
+
+def build_engines(config, settings: dict, target, target_params, draft, draft_params) -> dict:
+  """{name: (Engine, StepKinds)}, each compiled by `warm_up`. Every engine gets the same
+  num_slots, pool, chunk size and max_seq_len (room for the largest K of any setting), so the
+  attention work per step is the same and round times compare K alone.
+
+  Raises:
+    ValueError: naming the setting whose Engine arguments the engine refuses.
+  """
+  b = int(config.batch_size)
+  k_max = max(int(s.get('k', 0)) for s in settings.values())
+  page = int(config.page_size)
+  max_seq_len = pages_needed(config.prompt_len + config.max_tokens + k_max + 1, page) * page
+  pool = int(config.pool_pages) or b * (max_seq_len // page) + 1
+  sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
+                            top_p=float(config.top_p))
+  engines = {}
+  for name, kwargs in settings.items():
+    spec = dict(draft=draft, draft_params=draft_params) if uses_draft_model(kwargs) else {}
+    args = dict(num_slots=b, num_pages=pool, page_size=page, chunk_size=int(config.chunk_size),
+                max_seq_len=max_seq_len, sampling=sampling, seed=int(config.seed))
+    args.update(kwargs)
+    try:
+      engine = Engine(target, target_params, **args, **spec)
+    except (TypeError, ValueError) as err:
+      raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
+    engine.warm_up()
+    engines[name] = (engine, StepKinds(engine))
+  return engines
+
+
+def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: int) -> dict:
+  """Seconds of one decode round on idle rows per fixed-policy setting, interleaved.
+
+  `rounds` times, the settings in rotated order each take one timed round
+  (`Engine.measure_costs(1)`: one warm call, one timed; all B slots computed, as in a busy
+  round), so a ratio to the baseline compares rounds taken milliseconds apart, which keeps it
+  steady on a loaded machine where whole runs are not. Adaptive policies are skipped (they run
+  several K).
+
+  Returns:
+    {name: (median seconds, median of the per-round ratios to the baseline's or None)}.
+  """
+  names = [n for n in engines if describe(settings[n])['k_policy'] == 'fixed']
+  times = {n: [] for n in names}
+  for r in range(rounds):
+    for name in rotated(names, r):
+      engine = engines[name][0]
+      times[name].append(engine.measure_costs(1)[engine.k])
+  out = {}
+  for name in names:
+    ratios = ([t / b for t, b in zip(times[name], times[base])] if base in times else [])
+    out[name] = (statistics.median(times[name]), statistics.median(ratios) if ratios else None)
+  return out
+
+
+def baseline_name(settings: dict) -> str | None:
+  """The first setting with K = 0 (plain continuous batching), else None."""
+  return next((n for n, s in settings.items() if int(s.get('k', 0)) == 0), None)
+
+
+def run(config, results) -> None:
+  """Measure every (repeat, workload, setting) of `config` (configs/batching.py); one record
+  each, written after all settings of a (repeat, workload) ran so speedups can be attached.
+
+  Raises:
+    ValueError: bad settings, workloads, batch_size, requests_per_slot, max_tokens, repeats,
+      prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
+  """
+  settings = parse_settings(config.settings)
+  workloads = _workloads(config)
+  for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
+    if int(config[field]) < 1:
+      raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
+  if config.interleave not in ('steps', 'runs'):
+    raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
+  if int(config.cost_rounds) < 0:
+    raise ValueError(f'config.cost_rounds must be >= 0, got {config.cost_rounds}')
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  b = int(config.batch_size)
+  n = int(config.requests_per_slot) * b
+  prompts = {w: [p.tokens for p in make_prompts(w, tokenizer, n, int(config.prompt_len),
+                                                split='test', seed=int(config.seed))]
+             for w in workloads}
+  engines = build_engines(config, settings, target, target_params, draft, draft_params)
+  stop = tokenizer.eos_ids
+  # One untimed pass per engine: short prompts, few tokens (first-call host work, cond branches).
+  warm = [list(p[:config.chunk_size]) for p in prompts[workloads[0]][:b]]
+  for name in engines:
+    measure({name: engines[name]}, warm, max_tokens=min(4, int(config.max_tokens)),
+            stop_tokens=stop)
+  base = baseline_name(settings)
+  names = list(settings)
+  idle = (idle_round_costs(engines, settings, base, int(config.cost_rounds))
+          if int(config.cost_rounds) > 0 else {})
+  for repeat in range(int(config.repeats)):
+    for w, workload in enumerate(workloads):
+      order = rotated(names, repeat * len(workloads) + w)
+      groups = [order] if config.interleave == 'steps' else [[n] for n in order]
+      runs = {}
+      for group in groups:
+        runs.update(measure({n: engines[n] for n in group}, prompts[workload],
+                            max_tokens=int(config.max_tokens), stop_tokens=stop))
+      ref = runs.get(base, {})
+      for name in names:
+        m = runs[name]
+        engine = engines[name][0]
+        idle_s, idle_cost = idle.get(name, (None, None))
+        results.write(dict(
+            workload=workload, setting=name, repeat=repeat, batch_size=b, **describe(settings[name]),
+            **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),
+            decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
+            round_cost=_ratio(m['round_s'], ref.get('round_s')),
+            idle_round_s=idle_s, idle_round_cost=idle_cost,
+            warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())}))

@@ -1,0 +1,387 @@
+"""The α-threshold analysis of the batching study (records of experiments/batching.py).
+
+Model (Leviathan et al. 2023, §3.1, i.i.d. acceptance): a round at speculation length K drafts K
+tokens and verifies K + 1 in one target pass, and emits on average
+
+    τ(α, K) = (1 − α^{K+1}) / (1 − α)          tokens per request (τ(1, K) = K + 1)
+
+where α is the probability that a draft token is accepted. The engine always runs all B slots
+in a round, so a round's cost depends on B and K, not on the workload; measured as
+
+    c(B, K) = t_round(B, K) / t_round(B, 0)    (seconds of a decode-only engine step)
+
+(Leviathan et al.'s own c, `jaxspec.eval.expected_speedup`, is a draft step over a target step
+at batch 1; here the whole round, K draft steps + one (K + 1)-token verify of B slots, is timed.)
+
+Speculation at (B, K) pays iff τ(α, K) > c(B, K). The threshold α*(B) is the smallest α at which
+some K >= 1 pays (0 when a round at some K costs no more than a plain one), and the best K at a
+given α maximises τ(α, K) / c(B, K) (K = 0, ratio 1, included). As B grows the verify pass of
+B·(K + 1) tokens stops being memory-bound, c grows, and α* rises: the effect behind vLLM's
+finding that speculative decoding slows serving at high load, and behind SmartSpec (Liu et al.
+2024, goodput-driven K) and TurboSpec (closed-loop K under load) choosing K per step.
+
+    python -m experiments.report runs/batching/sweep/results.jsonl  # threshold.md/json + plots
+
+The sweep runner writes the same after every sweep (`experiments.report.SUMMARIES`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import pathlib
+import statistics
+
+from jaxspec.eval import expected_tokens_per_round
+
+ALPHAS = (0.5, 0.7, 0.9)  # α values at which the best K is reported
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+  """τ(α, K) = (1 − α^{K+1}) / (1 − α): expected tokens emitted per round per request under
+  i.i.d. acceptance at rate α (Leviathan et al. 2023, Eq. 1); K + 1 at α = 1, 1 at K = 0.
+
+  Raises:
+    ValueError: α outside [0, 1] or K not an int >= 0.
+  """
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f'acceptance rate α must be in [0, 1], got {alpha!r}')
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f'K must be an int >= 0, got {k!r}')
+  return expected_tokens_per_round(alpha, k)
+
+
+def alpha_to_pay(cost: float, k: int, tol: float = 1e-9) -> float:
+  """The smallest α with τ(α, K) > cost, as an infimum: 0 when cost <= 1 (τ(0, K) = 1),
+  math.inf when cost >= K + 1 (τ < K + 1 for every α < 1), else the root of τ(α, K) = cost
+  (τ increases strictly in α; bisection to `tol`).
+
+  Raises:
+    ValueError: K < 1, or a cost that is not a positive finite number.
+  """
+  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+    raise ValueError(f'K must be an int >= 1, got {k!r}')
+  if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
+    raise ValueError(f'cost ratio must be a positive finite number, got {cost!r}')
+  if cost <= 1.0:
+    return 0.0
+  if cost >= k + 1:
+    return math.inf
+  lo, hi = 0.0, 1.0
+  while hi - lo > tol:
+    mid = (lo + hi) / 2
+    if expected_tokens(mid, k) > cost:
+      hi = mid
+    else:
+      lo = mid
+  return hi
+
+
+def equivalent_alpha(tau: float, k: int) -> float:
+  """The i.i.d. α whose τ(α, K) equals a measured τ (0 for τ <= 1, 1 for τ >= K + 1): the α to
+  hold against α* when acceptances are correlated (copying runs accept in streaks, so the
+  measured per-token α understates τ). Raises ValueError for K < 1 or a τ that is not a positive
+  finite number."""
+  a = alpha_to_pay(tau, k)
+  return 1.0 if math.isinf(a) else a
+
+
+def threshold(costs: dict) -> tuple[float, int | None]:
+  """(α*, K reaching it) over costs {K: c(B, K)} of one B: the smallest α at which some K >= 1
+  pays; (math.inf, None) when none can (or no K >= 1 was measured). Ties go to the smaller K."""
+  best = (math.inf, None)
+  for k in sorted(k for k in costs if k >= 1):
+    a = alpha_to_pay(costs[k], k)
+    if a < best[0]:
+      best = (a, k)
+  return best
+
+
+def best_k(costs: dict, alpha: float) -> int:
+  """The K maximising predicted speedup τ(α, K) / c(B, K) among the measured K (K = 0, ratio 1,
+  always a candidate); ties go to the smaller K."""
+  best, value = 0, 1.0
+  for k in sorted(k for k in costs if k >= 1):
+    v = expected_tokens(alpha, k) / costs[k]
+    if v > value + 1e-12:
+      best, value = k, v
+  return best
+
+
+def _mean(values):
+  values = [float(v) for v in values if v is not None]
+  return sum(values) / len(values) if values else None
+
+
+def _static_model(r: dict) -> bool:
+  """A fixed-K record of the draft model or the K = 0 baseline: the cost-table settings."""
+  return r.get('k_policy', 'fixed') == 'fixed' and r.get('drafter') in ('model', 'none')
+
+
+COST_FIELDS = {'idle': 'idle_round_cost', 'steps': 'round_cost'}
+
+
+def cost_table(records: list[dict], source: str = 'steps') -> dict[int, dict[int, float]]:
+  """{B: {K: c(B, K)}} from fixed-K draft-model settings (K = 0 is 1 by definition).
+
+  Args:
+    source: 'steps': the per-(repeat, workload) `round_cost` of the decode-only engine steps of
+      the runs (what serving pays: device round + the engine's host work per step); 'idle':
+      each run's `idle_round_cost` (device rounds on idle rows, the settings interleaved round
+      by round: steadier on a loaded machine, but without the host work, which adds the same
+      seconds at every K, so it overstates c where host work is a large part of a step, at
+      small B). Either is the median over the records of a (B, K), so one disturbed run does
+      not move it. A B whose records lack the field gets no entry.
+  Raises:
+    ValueError: an unknown source.
+  """
+  if source not in COST_FIELDS:
+    raise ValueError(f'unknown cost source {source!r}; expected one of {sorted(COST_FIELDS)}')
+  field = COST_FIELDS[source]
+  groups = collections.defaultdict(list)
+  for r in records:
+    if _static_model(r) and r.get(field) is not None and r.get('k') is not None:
+      groups[(int(r['batch_size']), int(r['k']))].append(float(r[field]))
+  table = collections.defaultdict(dict)
+  for (b, k), values in sorted(groups.items()):
+    table[b][k] = 1.0 if k == 0 else statistics.median(values)
+  return {b: t for b, t in table.items() if any(k >= 1 for k in t)}
+
+
+def _by_setting(records):
+  """{(B, workload, setting): [records]} in first-seen order."""
+  groups = collections.defaultdict(list)
+  for r in records:
+    if r.get('setting') is not None:
+      groups[(int(r['batch_size']), r['workload'], r['setting'])].append(r)
+  return groups
+
+
+def analyze(records: list[dict], source: str = 'steps') -> dict:
+  """The threshold analysis of batching records (any subset of batch sizes and settings).
+
+  Args:
+    source: where c(B, K) comes from (`cost_table`); the other source is reported beside it.
+  Returns:
+    {'cost_source': source, 'costs': {B: {K: c}} from it, 'thresholds': [row per B:
+    alpha_star, k_at_threshold, best_k_at_α, per-K cost_kK and alpha_to_pay_kK; where the
+    records have the other source too, alpha_star_other and cost_other_kK from it], 'settings': [row per (B, workload, setting): means over repeats of
+    tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
+    the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
+    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)], 'adaptive': [row per (B, workload,
+    non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included)]}.
+    α* is math.inf where no K pays.
+  """
+  costs = cost_table(records, source)
+  other = cost_table(records, 'idle' if source == 'steps' else 'steps')
+  thresholds = []
+  for b, table in sorted(costs.items()):
+    a, k = threshold(table)
+    row = dict(batch_size=b, alpha_star=a, k_at_threshold=k)
+    row.update({f'best_k_at_{x}': best_k(table, x) for x in ALPHAS})
+    row.update({f'cost_k{k}': c for k, c in sorted(table.items()) if k})
+    row.update({f'alpha_to_pay_k{k}': alpha_to_pay(c, k) for k, c in sorted(table.items()) if k})
+    if b in other:
+      row['alpha_star_other'] = threshold(other[b])[0]
+      row.update({f'cost_other_k{k}': c for k, c in sorted(other[b].items()) if k})
+    thresholds.append(row)
+  rows = []
+  for (b, workload, setting), rs in _by_setting(records).items():
+    row = dict(batch_size=b, workload=workload, setting=setting, k=rs[0].get('k'),
+               drafter=rs[0].get('drafter'), k_policy=rs[0].get('k_policy'), repeats=len(rs))
+    for f in ('tokens_per_s', 'speedup', 'decode_speedup', 'round_cost', 'acceptance_rate',
+              'mean_accepted_length', 'ttft_s', 'tpot_s'):
+      row[f] = _mean(r.get(f) for r in rs)
+    k, alpha, c = row['k'], row['acceptance_rate'], costs.get(b, {}).get(row['k'])
+    if _static_model(rs[0]) and k and alpha is not None and c:
+      row['cost'] = c
+      row['predicted_speedup'] = expected_tokens(min(max(alpha, 0.0), 1.0), int(k)) / c
+      tau = row['mean_accepted_length']
+      if tau is not None:
+        row['predicted_from_tau'] = tau / c
+        row['alpha_equivalent'] = equivalent_alpha(tau, int(k))
+    rows.append(row)
+  adaptive = []
+  for row in rows:
+    if row['k_policy'] in (None, 'fixed') or row['tokens_per_s'] is None:
+      continue
+    static = [s for s in rows if (s['batch_size'], s['workload']) == (row['batch_size'],
+              row['workload']) and s['k_policy'] == 'fixed' and s['tokens_per_s'] is not None
+              and s['drafter'] in ('none', row['drafter'])]
+    if static:
+      top = max(static, key=lambda s: s['tokens_per_s'])
+      adaptive.append(dict(batch_size=row['batch_size'], workload=row['workload'],
+                           setting=row['setting'], best_static=top['setting'],
+                           fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s']))
+  return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
+              adaptive=adaptive, validation=validation(rows))
+
+
+def validation(rows: list[dict]) -> dict:
+  """How well the model predicts the decode-only speedup of the fixed-K draft-model rows of
+  `analyze`: the median and range of measured ÷ predicted, for τ(α, K) / c (i.i.d. α) and for
+  τ_measured / c (rows without a prediction are skipped; {} when none has one)."""
+  out = {}
+  for name, field in (('iid_alpha', 'predicted_speedup'), ('measured_tau', 'predicted_from_tau')):
+    q = sorted(r['decode_speedup'] / r[field] for r in rows
+               if r.get(field) and r.get('decode_speedup') is not None)
+    if q:
+      out[name] = dict(rows=len(q), median=statistics.median(q), min=q[0], max=q[-1])
+  return out
+
+
+def _fmt(value, digits=2) -> str:
+  if value is None:
+    return ''
+  if isinstance(value, float):
+    if math.isinf(value):
+      return 'never'
+    return f'{value:.{digits}f}'
+  return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+  return (['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+          + ['| ' + ' | '.join(_fmt(c) for c in row) + ' |' for row in rows])
+
+
+def markdown(result: dict) -> str:
+  """The analysis as markdown: threshold table, measured speedups per workload (end to end and
+  decode-only, with the model's prediction), adaptive vs best static."""
+  ks = sorted({k for t in result['costs'].values() for k in t if k})
+  steps = result.get('cost_source', 'steps') == 'steps'
+  how = ('decode-only engine steps of the runs' if steps else
+         'device rounds on idle rows, interleaved') + '; in brackets, where measured: ' + (
+         'device rounds on idle rows, settings interleaved round by round (no host work)'
+         if steps else 'decode-only engine steps of the runs') + ', and α* from those'
+  lines = ['## α threshold per batch size', '',
+           f'c(B, K) = seconds of a decode round at K ÷ at K = 0, same run ({how}); α* = '
+           'smallest α with τ(α, K) > c(B, K) for some K ≥ 1; best K maximises '
+           'τ(α, K) / c(B, K).', '']
+
+  def both(t, main, other):
+    cell = _fmt(t.get(main))
+    return f'{cell} ({_fmt(t[other])})' if t.get(other) is not None else cell
+
+  lines += _table(
+      ['B', 'α*', 'K at α*'] + [f'best K @ α={a}' for a in ALPHAS] + [f'c(K={k})' for k in ks],
+      [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_other'), t['k_at_threshold']]
+       + [t[f'best_k_at_{a}'] for a in ALPHAS]
+       + [both(t, f'cost_k{k}', f'cost_other_k{k}') for k in ks] for t in result['thresholds']])
+  for workload in dict.fromkeys(r['workload'] for r in result['settings']):
+    rows = [r for r in result['settings'] if r['workload'] == workload]
+    lines += ['', f'## Measured: workload {workload}', '',
+              'speedup = tokens/s ÷ K = 0 tokens/s (whole run, prefill included); decode = '
+              'the same over decode-only steps; predicted (α) = τ(α, K) ÷ c(B, K) with the '
+              'measured α (i.i.d. model); predicted (τ) = measured τ ÷ c(B, K); α_eq = the '
+              'i.i.d. α with τ(α_eq, K) = measured τ, the α to hold against α*.', '']
+    lines += _table(
+        ['B', 'setting', 'tokens/s', 'speedup', 'decode speedup', 'predicted (α)',
+         'predicted (τ)', 'α', 'α_eq', 'τ', 'TTFT ms', 'TPOT ms'],
+        [[r['batch_size'], r['setting'], _fmt(r['tokens_per_s'], 0), r['speedup'],
+          r['decode_speedup'], r.get('predicted_speedup'), r.get('predicted_from_tau'),
+          r['acceptance_rate'], r.get('alpha_equivalent'),
+          r['mean_accepted_length'], None if r['ttft_s'] is None else r['ttft_s'] * 1e3,
+          None if r['tpot_s'] is None else r['tpot_s'] * 1e3] for r in rows])
+  for name, v in result.get('validation', {}).items():
+    what = {'iid_alpha': 'τ(α, K) / c (i.i.d. α)', 'measured_tau': 'τ_measured / c'}[name]
+    lines += ['', f'Measured decode-only speedup ÷ predicted {what}: median {v["median"]:.2f}, '
+              f'range {v["min"]:.2f}–{v["max"]:.2f} over {v["rows"]} (B, workload, K) rows.']
+  if result['adaptive']:
+    lines += ['', '## Adaptive policies: tokens/s ÷ best static setting (K = 0 included)', '']
+    lines += _table(['B', 'workload', 'setting', 'fraction', 'best static'],
+                    [[a['batch_size'], a['workload'], a['setting'], a['fraction_of_best_static'],
+                      a['best_static']] for a in result['adaptive']])
+  return '\n'.join(lines) + '\n'
+
+
+def _json_safe(value):
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {str(k): _json_safe(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_json_safe(v) for v in value]
+  return value
+
+
+def write_summary(records: list[dict], out_dir) -> list[pathlib.Path]:
+  """Writes OUT_DIR/threshold.md and threshold.json (α* = null where no K pays); returns them."""
+  out_dir = pathlib.Path(out_dir)
+  result = analyze(records)
+  md, js = out_dir / 'threshold.md', out_dir / 'threshold.json'
+  md.write_text(markdown(result))
+  js.write_text(json.dumps(_json_safe(result), indent=1) + '\n')
+  return [md, js]
+
+
+def plot_batching(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
+  """speedup_vs_batch.png (a column per workload; rows: end-to-end and decode-only speedup; a
+  line per setting) and alpha_threshold_vs_batch.png (α* and each K's α-to-pay vs B, with each
+  workload's i.i.d.-equivalent α, mean over the fixed K). Returns the PNG paths written (none without batch-size records)."""
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  (report sets Agg)
+  result = analyze(records)
+  rows = [r for r in result['settings'] if r['speedup'] is not None
+          and not (r['k'] == 0 and r['k_policy'] in (None, 'fixed'))]   # all but baselines
+  paths = []
+  workloads = list(dict.fromkeys(r['workload'] for r in rows))
+  if workloads:
+    fig, axes = plt.subplots(2, len(workloads), figsize=(4.5 * len(workloads), 7), squeeze=False,
+                             sharex=True)
+    for col, workload in enumerate(workloads):
+      for row, metric in enumerate(('speedup', 'decode_speedup')):
+        ax = axes[row][col]
+        for setting in dict.fromkeys(r['setting'] for r in rows if r['workload'] == workload):
+          pts = sorted((r['batch_size'], r[metric]) for r in rows if r['workload'] == workload
+                       and r['setting'] == setting and r[metric] is not None)
+          if pts:
+            ax.plot(*zip(*pts), marker='o', label=setting)
+        ax.axhline(1.0, color='gray', linestyle='--', linewidth=0.8)
+        ax.set_xscale('log', base=2)
+        bs = sorted({r['batch_size'] for r in rows})
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.grid(alpha=0.3)
+        ax.set_title(f'{workload}: {"end to end" if row == 0 else "decode rounds only"}')
+        ax.set_ylabel('speedup over K = 0 (×)')
+        if row == 1:
+          ax.set_xlabel('batch size B (slots)')
+    axes[0][-1].legend(title='setting', fontsize='small')
+    fig.tight_layout()
+    paths.append(out_dir / 'speedup_vs_batch.png')
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+  if result['thresholds']:
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    bs = [t['batch_size'] for t in result['thresholds']]
+    ks = sorted({k for t in result['costs'].values() for k in t if k})
+    for k in ks:
+      pts = [(t['batch_size'], t.get(f'alpha_to_pay_k{k}')) for t in result['thresholds']]
+      pts = [(b, a) for b, a in pts if a is not None and math.isfinite(a)]
+      if pts:
+        ax.plot(*zip(*pts), linestyle=':', marker='.', label=f'K={k} pays above')
+    star = [(b, t['alpha_star']) for b, t in zip(bs, result['thresholds'])
+            if math.isfinite(t['alpha_star'])]
+    if star:
+      ax.plot(*zip(*star), color='black', marker='o', linewidth=2, label='α* (best K)')
+    for workload in dict.fromkeys(r['workload'] for r in result['settings']):
+      alphas = [r['alpha_equivalent'] for r in result['settings'] if r['workload'] == workload
+                and r.get('alpha_equivalent') is not None]
+      if alphas:
+        ax.axhline(sum(alphas) / len(alphas), linestyle='--', linewidth=0.8,
+                   color='tab:gray', alpha=0.7)
+        ax.annotate(f'α_eq {workload}', (bs[0], sum(alphas) / len(alphas)), fontsize='small',
+                    va='bottom')
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel('batch size B (slots)')
+    ax.set_ylabel('acceptance rate α')
+    ax.set_title('speculation pays above the line')
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize='small')
+    fig.tight_layout()
+    paths.append(out_dir / 'alpha_threshold_vs_batch.png')
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+  return paths

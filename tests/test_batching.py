@@ -1,0 +1,229 @@
+"""Tests for the batching study: settings parser, α-threshold math, summary from records."""
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from experiments import batching, batching_report as br
+from experiments import report
+
+
+# ------------------------------------------------------------------ settings
+
+
+def test_parse_settings_gives_engine_kwargs_with_typed_values():
+  got = batching.parse_settings(
+      'k0=k:0; k4 = k:4 ,chunk_size:128;pc=k:2,prefix_caching:false;plain=chunk_size:32')
+  assert got == {'k0': {'k': 0}, 'k4': {'k': 4, 'chunk_size': 128},
+                 'pc': {'k': 2, 'prefix_caching': False}, 'plain': {'chunk_size': 32, 'k': 0}}
+  assert batching.baseline_name(got) == 'k0'
+  assert batching.uses_draft_model(got['k4']) and not batching.uses_draft_model(got['k0'])
+  assert batching.describe(got['k4']) == dict(k=4, drafter='model', k_policy='fixed')
+  assert batching.describe(got['k0'])['drafter'] == 'none'
+
+
+@pytest.mark.parametrize('text, named', [
+    ('k0=k:0;bad=kk:3', "'bad'"),               # not an Engine argument
+    ('k0=k:0;x=draft:foo', "'x'"),              # set by the experiment itself
+    ('k0=k:0;neg=k:-1', "'neg'"),               # k < 0
+    ('k0=k:0;half=k:1.5', "'half'"),            # k not an int
+    ('k0=k:0;nocolon=k4', "'nocolon'"),         # not key:value
+    ('k0=k:0;k0=k:1', "'k0'"),                  # repeated name
+    ('k0=k:0;twice=k:1,k:2', "'twice'"),        # repeated key
+    ('k0:0', "'k0:0'"),                         # no '='
+    (' ; ', 'no settings'),
+])
+def test_bad_setting_raises_value_error_naming_it(text, named):
+  with pytest.raises(ValueError, match=named):
+    batching.parse_settings(text)
+
+
+def test_rotation_puts_every_setting_first_once():
+  names = ['a', 'b', 'c']
+  firsts = [batching.rotated(names, r)[0] for r in range(3)]
+  assert sorted(firsts) == names and batching.rotated(names, 4) == ['b', 'c', 'a']
+
+
+# ------------------------------------------------------------------ threshold math
+
+
+def test_expected_tokens_matches_the_series_and_limits():
+  for alpha in (0.0, 0.3, 0.8, 0.999):
+    for k in (0, 1, 4):
+      assert br.expected_tokens(alpha, k) == pytest.approx(sum(alpha ** i for i in range(k + 1)))
+  assert br.expected_tokens(1.0, 4) == 5.0
+  for bad in (-0.1, 1.1):
+    with pytest.raises(ValueError, match='α'):
+      br.expected_tokens(bad, 2)
+  with pytest.raises(ValueError, match='K'):
+    br.expected_tokens(0.5, -1)
+
+
+def test_cost_one_everywhere_means_alpha_star_zero_and_largest_k_best():
+  costs = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}
+  assert br.threshold(costs) == (0.0, 1)
+  assert br.best_k(costs, 0.5) == 8          # free rounds: the longest draft wins for any α > 0
+  assert br.best_k(costs, 0.0) == 0          # nothing accepted: every K ties with K = 0
+
+
+def test_alpha_to_pay_solves_tau_equals_cost():
+  # K = 1: τ = 1 + α, so cost 1.5 is paid above α = 0.5; K = 2: 1 + α + α² = 1.75 at α = 0.5.
+  assert br.alpha_to_pay(1.5, 1) == pytest.approx(0.5, abs=1e-7)
+  assert br.alpha_to_pay(1.75, 2) == pytest.approx(0.5, abs=1e-7)
+  assert br.alpha_to_pay(0.9, 4) == 0.0
+  assert br.alpha_to_pay(2.0, 1) == math.inf    # K = 1 emits < 2 tokens for every α < 1
+  with pytest.raises(ValueError, match='cost'):
+    br.alpha_to_pay(float('nan'), 2)
+  with pytest.raises(ValueError, match='K'):
+    br.alpha_to_pay(1.5, 0)
+
+
+def test_threshold_and_best_k_on_a_known_cost_table():
+  # K=1 pays above 0.6, K=2 above the root of 1+α+α² = 2.2 (α ≈ 0.6954), K=4 never (c = 6).
+  costs = {0: 1.0, 1: 1.6, 2: 2.2, 4: 6.0}
+  alpha, k = br.threshold(costs)
+  assert (alpha, k) == (pytest.approx(0.6, abs=1e-7), 1)
+  assert br.best_k(costs, 0.5) == 0            # below α*: no speculation
+  assert br.best_k(costs, 0.7) == 1            # 1.7/1.6 = 1.0625 > (1+.7+.49)/2.2 = 0.995
+  assert br.best_k(costs, 0.9) == 2            # 2.71/2.2 = 1.23 > 1.9/1.6 = 1.19
+  assert br.threshold({0: 1.0, 1: 3.0}) == (math.inf, None)
+
+
+# ------------------------------------------------------------------ summary from records
+
+
+def _record(b, workload, setting, k, repeat, tps, round_s, alpha=None, policy='fixed',
+            drafter=None, base=None):
+  drafter = drafter or ('model' if k else 'none')
+  tau = br.expected_tokens(alpha, k) if alpha is not None else 1.0
+  rec = dict(case_id=f'batch_size={b}', batch_size=b, workload=workload, setting=setting, k=k,
+             drafter=drafter, k_policy=policy, repeat=repeat, tokens_per_s=tps, round_s=round_s,
+             decode_tokens_per_s=tps, acceptance_rate=alpha, mean_accepted_length=tau,
+             ttft_s=0.01, tpot_s=0.002)
+  base = base or (tps, round_s)
+  rec.update(speedup=tps / base[0], decode_speedup=tps / base[0], round_cost=round_s / base[1])
+  return rec
+
+
+def _records():
+  """B = 1: rounds at K = 2 cost 1.5× a plain one; B = 8: 3×. Two workloads, two repeats."""
+  out = []
+  for b, c in ((1, 1.5), (8, 3.0)):
+    for workload, alpha in (('json', 0.4), ('retrieval', 0.9)):
+      for repeat in (0, 1):
+        base = (100.0 * b, 0.01)
+        out.append(_record(b, workload, 'k0', 0, repeat, *base))
+        tps2 = base[0] * br.expected_tokens(alpha, 2) / c
+        out.append(_record(b, workload, 'k2', 2, repeat, tps2, 0.01 * c, alpha, base=base))
+        out.append(_record(b, workload, 'goodput', 8, repeat, 0.9 * max(tps2, base[0]), 0.02,
+                           alpha, policy='goodput', base=base))
+  return out
+
+
+def test_analyze_recovers_costs_thresholds_predictions_and_adaptive_fraction():
+  result = br.analyze(_records())
+  assert result['costs'] == {1: {0: 1.0, 2: pytest.approx(1.5)}, 8: {0: 1.0, 2: pytest.approx(3.0)}}
+  rows = {t['batch_size']: t for t in result['thresholds']}
+  # 1 + α + α² = 1.5 -> α = (-1 + sqrt(3)) / 2; = 3 -> α = 1.
+  assert rows[1]['alpha_star'] == pytest.approx((math.sqrt(3) - 1) / 2, abs=1e-7)
+  assert rows[1]['k_at_threshold'] == 2 and rows[1]['best_k_at_0.5'] == 2   # 1.75 > 1.5
+  assert rows[1]['best_k_at_0.9'] == 2
+  assert rows[8]['alpha_star'] == math.inf and rows[8]['best_k_at_0.9'] == 0
+  k2 = [r for r in result['settings'] if r['setting'] == 'k2']
+  for r in k2:     # the synthetic speedups follow the model exactly
+    assert r['predicted_speedup'] == pytest.approx(r['speedup'])
+  assert result['validation']['iid_alpha']['median'] == pytest.approx(1.0)
+  assert result['validation']['measured_tau']['rows'] == 4
+  goodput = [r for r in result['settings'] if r['setting'] == 'goodput']
+  assert all('predicted_speedup' not in r for r in goodput)   # adaptive K: no single K to model
+  assert len(result['adaptive']) == 4
+  assert [a['fraction_of_best_static'] for a in result['adaptive']] == [pytest.approx(0.9)] * 4
+  best = {(a['batch_size'], a['workload']): a['best_static'] for a in result['adaptive']}
+  assert best[(1, 'retrieval')] == 'k2' and best[(8, 'json')] == 'k0'
+
+
+def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
+  path = tmp_path / 'results.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in _records()))
+  (tmp_path / 'config.json').write_text(json.dumps({'experiment': 'batching'}))
+  from experiments.common import read_results
+  records = read_results(path)
+  pngs = report.plot(records, tmp_path / 'plots', 'batching')
+  files = report.experiment_summary(records, tmp_path, report.guess_experiment(path))
+  assert sorted(p.name for p in pngs) == ['alpha_threshold_vs_batch.png', 'speedup_vs_batch.png']
+  assert all(p.stat().st_size > 1000 for p in pngs)
+  md = (tmp_path / 'threshold.md').read_text()
+  assert '| 1 | 0.37 | 2 | 2 |' in md and '| 8 | never |' in md
+  assert '## Measured: workload retrieval' in md and '## Adaptive policies' in md
+  assert 'predicted τ(α, K) / c (i.i.d. α): median 1.00, range 1.00–1.00 over 4' in md
+  data = json.loads((tmp_path / 'threshold.json').read_text())
+  assert data['thresholds'][1]['alpha_star'] is None        # never pays: null in JSON
+  assert [p.name for p in files] == ['threshold.md', 'threshold.json']
+
+
+# ------------------------------------------------------------------ one measured run
+
+
+def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
+  """3 requests of 12 tokens, 2 slots, chunk 8, 5 tokens each: steps 1-2 prefill requests 0 and
+  1 (the first token comes with the last chunk), decode rounds follow until both finish, then
+  request 2 prefills in 2 steps and decodes alone. Exactly the steps without a prefill chunk
+  are timed as rounds; every emitted token is counted; two engines stepped in turn each get
+  their own clock. No warm_up: the first steps compile, which only slows this run."""
+  from jaxspec.engine import Engine
+  config, params = tiny
+  engine = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
+  twin = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
+  engines = {'a': (engine, batching.StepKinds(engine)), 'b': (twin, batching.StepKinds(twin))}
+  prompts = [list(range(3 + i, 15 + i)) for i in range(3)]
+  steps_before = engine.num_steps
+  both = batching.measure(engines, prompts, max_tokens=5, stop_tokens=())   # stepped in turn
+  steps = engine.num_steps - steps_before
+  assert twin.num_steps == steps == 12
+  for m in both.values():
+    assert m['num_requests'] == 3 and m['tokens'] == 15
+    assert m['decode_steps'] == steps - 4 and m['prefill_steps'] == 4   # 2 per wave
+    assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
+    assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['engine_s'])
+    assert 0 < m['ttft_s'] < m['engine_s'] and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
+  assert not engine.outputs and not twin.outputs
+  idle = batching.idle_round_costs(engines, {'a': {'k': 0}, 'b': {'k': 0}}, 'a', rounds=3)
+  assert idle['a'][1] == 1.0 and idle['b'][0] > 0 and idle['b'][1] > 0
+
+
+def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
+  records = _records()
+  for r in records:
+    r['idle_round_cost'] = {0: 1.0, 2: 1.2}.get(r['k']) if r['k_policy'] == 'fixed' else None
+  records[1]['idle_round_cost'] = 50.0        # one disturbed run: the median ignores it
+  result = br.analyze(records, source='idle')
+  assert result['cost_source'] == 'idle'
+  assert result['costs'][1][2] == pytest.approx(1.2) and result['costs'][8][2] == pytest.approx(1.2)
+  rows = {t['batch_size']: t for t in result['thresholds']}
+  assert rows[8]['alpha_star'] < 0.2 and rows[8]['alpha_star_other'] == math.inf
+  assert rows[8]['cost_other_k2'] == pytest.approx(3.0)
+  assert '| 8 | 0.17 (never) |' in br.markdown(result)
+  default = br.analyze(records)             # the decode-only steps, idle rounds in brackets
+  assert default['cost_source'] == 'steps' and default['costs'][8][2] == pytest.approx(3.0)
+  assert '| 8 | never (0.17) |' in br.markdown(default)
+  with pytest.raises(ValueError, match="'wall'"):
+    br.cost_table(records, 'wall')
+
+
+def test_equivalent_alpha_inverts_tau():
+  assert br.equivalent_alpha(br.expected_tokens(0.7, 4), 4) == pytest.approx(0.7, abs=1e-7)
+  assert br.equivalent_alpha(5.0, 4) == 1.0 and br.equivalent_alpha(1.0, 4) == 0.0
+
+
+def test_an_engine_refusing_a_setting_names_the_setting(tiny, tiny_draft):
+  import importlib.util
+  path = pathlib.Path(__file__).parent.parent / 'configs' / 'batching.py'
+  spec = importlib.util.spec_from_file_location('batching_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config('smoke')
+  settings = batching.parse_settings('odd=k:2,k_policy:bogus;k0=k:0')   # fails before compiling
+  with pytest.raises(ValueError, match="setting 'odd'.*bogus"):
+    batching.build_engines(config, settings, *tiny, *tiny_draft)
