@@ -22,7 +22,7 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       chunk): one decode round of all B slots, host work included
   decode_tokens_per_s tokens emitted in decode-only steps / their seconds
   decode_steps, prefill_steps  steps without / with a prefill chunk (a prefill call computes
-                      `prefill_rows` x `chunk_size` tokens however few rows are real)
+                      its row bucket x `chunk_size` tokens: `Engine.prefill_buckets`)
   speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
                       the baseline setting's (K = 0) in the same repeat and workload
   rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
