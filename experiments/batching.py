@@ -31,8 +31,10 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       seconds; median ratio to the baseline's), the same for every workload of
                       the run; fixed-K settings only
   warmup_step_costs   the engine's `step_costs` {K: seconds} after the run: for adaptive settings
-                      the cost table `warm_up` measured (what `goodput` plans with); for fixed
-                      ones the last idle round of the interleaved benchmark
+                      the table `warm_up` measured (where `goodput` starts: its own table,
+                      `engine.policy.costs`, is that made non-decreasing in K and updated from
+                      live rounds); for fixed ones the last idle round of the interleaved
+                      benchmark
 The α-threshold analysis over these records is `experiments.batching_report`.
 
 Settings are data (`parse_settings`): 'name=key:value,key:value;name2=...', each key an `Engine`
@@ -54,6 +56,9 @@ from experiments.speculative import _workloads, load_pair
 
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
+# Engine arguments set from other config fields (a setting string cannot spell their values).
+FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.temperature / top_k / '
+               'top_p'}
 
 
 def _value(text: str):
@@ -81,11 +86,11 @@ def parse_settings(text: str) -> dict[str, dict]:
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
       name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
-      argument (or one the experiment sets itself: target, draft, num_slots, ...), or a k that
-      is not an int >= 0.
+      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...), a
+      k that is not an int >= 0, no K = 0 setting (the baseline).
   """
   params = inspect.signature(Engine.__init__).parameters
-  allowed = sorted(n for n in params if n not in RESERVED)
+  allowed = sorted(n for n in params if n not in RESERVED and n not in FROM_CONFIG)
   settings: dict[str, dict] = {}
   for part in str(text).split(';'):
     part = part.strip()
@@ -104,6 +109,9 @@ def parse_settings(text: str) -> dict[str, dict]:
         raise ValueError(f'setting {name!r}: {pair.strip()!r} is not key:value')
       if key in kwargs:
         raise ValueError(f'setting {name!r}: key {key!r} appears twice')
+      if key in FROM_CONFIG:
+        raise ValueError(f'setting {name!r}: {key!r} is set by the experiment for every setting '
+                         f'(use {FROM_CONFIG[key]})')
       if key not in allowed:
         raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
                          f'set (known: {", ".join(allowed)})')
@@ -114,6 +122,9 @@ def parse_settings(text: str) -> dict[str, dict]:
     settings[name] = kwargs
   if not settings:
     raise ValueError(f'no settings in {text!r}')
+  if not any(kw['k'] == 0 for kw in settings.values()):
+    raise ValueError(f'settings {text!r} have no K = 0 baseline (every ratio is taken against '
+                     f'it): add one, e.g. k0=k:0')
   return settings
 
 

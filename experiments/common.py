@@ -114,5 +114,12 @@ def exit_unknown_field(error: Exception, argv) -> None:
   """Ends the program with one line naming the unknown `--config.FIELD` (ml_collections raises
   AttributeError / KeyError for it, at flag definition when the default config file is used)."""
   bad = [a for a in argv[1:] if a.startswith('--config.')]
-  name = str(error.args[0]).strip('"\'') if error.args else str(error)
-  sys.exit(f'FATAL: unknown config field {name!r} in {bad}; the config file lists every field')
+  while isinstance(error, BaseException) and error.args and \
+      isinstance(error.args[0], BaseException):                  # AttributeError(KeyError(...))
+    error = error.args[0]
+  text = str(error.args[0]) if error.args else str(error)
+  name, _, hint = text.partition('\n')             # ml_collections appends 'Did you mean ...'
+  name = name.strip('"\'\\')
+  hint = f' ({hint.strip()})' if hint.strip() else ''
+  sys.exit(f'FATAL: unknown config field {name!r}{hint} in {bad}; the config file lists every '
+           f'field')

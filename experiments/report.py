@@ -16,6 +16,7 @@ import collections
 import csv
 import json
 import pathlib
+import sys
 from typing import Callable, Optional
 
 import matplotlib
@@ -210,9 +211,16 @@ def main(argv) -> None:
   if len(argv) != 2:
     raise app.UsageError('usage: python -m experiments.report RESULTS_JSONL [--out DIR]')
   path = pathlib.Path(argv[1])
+  if path.is_dir():                                   # a run or sweep directory
+    path = path / 'results.jsonl'
+  if not path.is_file():
+    sys.exit(f'FATAL: no results file {str(path)!r} (give a results.jsonl or its directory)')
+  records = read_results(path)
+  if not records:                                     # never overwrite a report with nothing
+    sys.exit(f'FATAL: no result records in {str(path)!r} (is it a results.jsonl?); nothing '
+             f'written')
   out = pathlib.Path(flags.FLAGS.out or path.parent)
   out.mkdir(parents=True, exist_ok=True)
-  records = read_results(path)
   experiment = flags.FLAGS.experiment or guess_experiment(path)
   summarize(records, out / 'summary.md', out / 'summary.csv')
   pngs = plot(records, out / 'plots', experiment)

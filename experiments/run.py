@@ -27,6 +27,8 @@ try:  # with the default config file, overrides are applied here, at definition
 except (AttributeError, KeyError) as _error:
   exit_unknown_field(_error, sys.argv)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
+_TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input ValueError '
+                               '(default: one FATAL line naming the bad value).')
 
 
 def main(argv):
@@ -44,9 +46,11 @@ def main(argv):
   results = Results(run_dir, config)
   try:
     module.run(config, results)
-  except BaseException:
+  except BaseException as error:
     if not results.records:               # nothing measured: leave no empty run directory
       shutil.rmtree(run_dir, ignore_errors=True)
+    if isinstance(error, ValueError) and not _TRACEBACK.value:   # bad input: one line
+      sys.exit(f'FATAL: {error} (--traceback shows where)')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
 

@@ -12,8 +12,8 @@ choice (K = 0 included) and how often it chose each K. `--drafter ngram` drafts 
 instead of the shipped draft model.
 tokens/s = tokens emitted ÷ wall seconds of `Engine.run()` (prefill, decode and the host-side
 scheduler included). At B = 1 it also times one request through the engine against
-`generate`'s compiled loop (the engine's host overhead). A first measurement, not the issue's
-sweep (configs/batching.py, later).
+`generate`'s compiled loop (the engine's host overhead). A quick check; the full study is
+configs/batching.py.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
     ('k0=k:0;twice=k:1,k:2', "'twice'"),        # repeated key
     ('k0:0', "'k0:0'"),                         # no '='
     (' ; ', 'no settings'),
+    ('k2=k:2;k4=k:4', 'no K = 0 baseline'),
+    ('k0=k:0;s=k:2,sampling:0.7', "'s': 'sampling' is set by the experiment"),
+    ('k0=k:0;n=num_slots:4', "--config.batch_size"),
 ])
 def test_bad_setting_raises_value_error_naming_it(text, named):
   with pytest.raises(ValueError, match=named):

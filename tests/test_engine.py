@@ -189,7 +189,7 @@ def test_bad_input_fails_that_request_only(tiny, alone):
   engine.step()
   bad = [
       (dict(prompt_tokens=[3 + i % 50 for i in range(250)], max_tokens=10), 'exceeds the context'),
-      (dict(prompt_tokens=good[1], max_tokens=0), 'max_new_tokens must be an int >= 1, got 0'),
+      (dict(prompt_tokens=good[1], max_tokens=0), 'request 2: max_tokens must be an int >= 1, got 0'),
       (dict(prompt_tokens=good[1], max_tokens=5, stop_tokens=[64]), 'stop token id 64'),
       (dict(prompt_tokens=[], max_tokens=5), 'is empty'),
       (dict(prompt_tokens=[3, 99], max_tokens=5), 'token id 99'),

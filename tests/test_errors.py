@@ -104,3 +104,18 @@ def test_temperatures_that_overflow_are_refused(temperature):
 def test_model_config_rejects_non_positive_floats(field, value):
   with pytest.raises(ValueError, match=field):
     ModelConfig.from_name('test-tiny', **{field: value})
+
+
+@pytest.mark.parametrize('args, line', [
+    (['--config=configs/batching.py:smoke', '--config.batchsize=4'],
+     'FATAL: unknown config field \'batchsize\' (Did you mean "batch_size"'),
+    (['--config=configs/batching.py:smoke', '--config.settings=k2=k:2'],
+     "FATAL: settings 'k2=k:2' have no K = 0 baseline"),
+])
+def test_bad_config_is_one_fatal_line(tmp_path, args, line):
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert not any(tmp_path.rglob('results.jsonl'))

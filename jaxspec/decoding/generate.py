@@ -73,31 +73,36 @@ class GenerationResult:
     return self.accepted / seen if seen else float('nan')
 
 
-def _check_prompts(prompts, configs, max_new_tokens, slack):
+def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max_new_tokens',
+                   one_request=False):
   if not prompts:
     raise ValueError('no prompts given')
   for i, prompt in enumerate(prompts):
+    label = 'prompt' if one_request else f'prompt {i}'
     ids = np.asarray(prompt)
     if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-      raise ValueError(f'prompt {i} must be a flat sequence of int token ids, got '
-                       f'shape {ids.shape} dtype {ids.dtype}')
+      hint = ' (text? encode it first: Tokenizer.encode)' if isinstance(prompt, str) else ''
+      raise ValueError(f'{label} must be a flat sequence of int token ids, got '
+                       f'shape {ids.shape} dtype {ids.dtype}{hint}')
     if len(prompt) == 0:
-      raise ValueError(f'prompt {i} is empty')
+      raise ValueError(f'{label} is empty')
     for config in configs:
       bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
       if bad:
-        raise ValueError(f'prompt {i} has token id {bad[0]} outside the vocabulary '
+        raise ValueError(f'{label} has token id {bad[0]} outside the vocabulary '
                          f'[0, {config.vocab_size})')
       need = len(prompt) + max_new_tokens + slack
       if need > config.max_seq_len:
         raise ValueError(
-            f'prompt {i} of {len(prompt)} tokens + max_new_tokens={max_new_tokens} + {slack} '
+            f'{label} of {len(prompt)} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
             f'tokens of decoding slack = {need} exceeds the context of {config.max_seq_len}')
 
 
 def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,
-                  draft_params=None, k=None, max_k: int = MAX_K):
-  """Validate a generation request (shared by `generate` and `PrefixCachedGenerator`).
+                  draft_params=None, k=None, max_k: int = MAX_K,
+                  max_tokens_name: str = 'max_new_tokens', one_request: bool = False):
+  """Validate a generation request (shared by `generate`, `PrefixCachedGenerator` and the
+  engine; `max_tokens_name` and `one_request` only word the errors for the caller's API).
 
   Returns:
     (configs: the models involved, slack: tokens of decoding slack past max_new_tokens (1, or
@@ -106,7 +111,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     ValueError: naming the bad value (see `generate`).
   """
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
+    raise ValueError(f'{max_tokens_name} must be an int >= 1, got {max_new_tokens!r}')
   if draft is None and (k is not None or draft_params is not None):
     raise ValueError(f'k={k} / draft_params given without a draft model')
   if draft is not None and draft_params is None:
@@ -121,7 +126,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
       raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
     configs.append(draft)
     slack = k + 1
-  _check_prompts(prompts, configs, max_new_tokens, slack)
+  _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
   stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
   for t in stop.tolist():
     if not 0 <= t < target.vocab_size:

@@ -205,7 +205,8 @@ class Engine:
       _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
                                      stop_tokens=stop_tokens, draft=self.draft,
                                      draft_params=self.draft_params,
-                                     k=self.k if self.draft is not None else None)
+                                     k=self.k if self.draft is not None else None,
+                                     max_tokens_name='max_tokens', one_request=True)
       slack = max(slack, self.window)
       stop = tuple(stop.tolist())
       if len(stop) > self.max_stop_tokens:
