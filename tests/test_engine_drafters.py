@@ -366,3 +366,19 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   engine.add_request([3, 4, 5], max_tokens=4)
   with pytest.raises(ValueError, match=r'chose K=2 .* caps \[3\]'):
     engine.run()
+
+  class BeyondKMax(KPolicy):          # declares a K above the engine's k: refused up front
+    candidates = (0, 6)
+
+    def choose(self, request_ids):
+      return 6, [6] * len(request_ids)
+
+  with pytest.raises(ValueError, match=r'declares candidates \(0, 6\): each must be an int in '
+                                       r'\[0, k=1\]'):
+    Engine(config, params, **base, drafter='ngram', k=1, k_policy=BeyondKMax())
+  shared = ScheduleK()
+  Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
+  with pytest.raises(ValueError, match='already bound to an engine'):
+    Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
+  with pytest.raises(ValueError, match='initial must be an int'):
+    ScheduleK(initial=2.5)

@@ -95,3 +95,13 @@ def test_row_sampling_respects_the_constraint_mask():
 def test_row_sampling_stack_refuses_other_values():
   with pytest.raises(ValueError, match='0.5'):
     RowSampling.stack([SamplingParams(), 0.5])
+
+
+def test_row_top_k_cuts_on_logits_like_the_static_path():
+  """Logits closer than float32 resolution after softmax (high temperature) are still cut by
+  rank, not kept as probability ties."""
+  logits = jnp.asarray(np.linspace(0.0, 1e-5, 64)[None], jnp.float32)
+  params = SamplingParams(100.0, top_k=10)
+  rows = probabilities(logits, RowSampling.stack([params]))
+  assert int((rows[0] > 0).sum()) == 10
+  np.testing.assert_allclose(rows[0], probabilities(logits[0], params), rtol=1e-6)

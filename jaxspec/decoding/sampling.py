@@ -54,8 +54,8 @@ class RowSampling:
   """Sampling parameters per batch row, as arrays: a traced (not static) argument, so one
   compiled step serves any mix of requests (greedy next to top-p next to top-k; the engine's
   per-request sampling). `probabilities` gives each row the distribution `SamplingParams` with
-  the same values gives it (top-k by bisection: exact up to probabilities within max(p) / 2**32
-  of the k-th largest, like `nucleus_mask`).
+  the same values gives it (top-k on the scaled logits as there, by a sort that runs only when
+  some row uses top-k; top-p by `nucleus_mask`).
 
   Attributes:
     temperature: [B] float32, 0 = greedy.
@@ -115,7 +115,8 @@ def probabilities(logits, params, mask=None):
 
 def _row_probabilities(logits, params: RowSampling):
   """`probabilities` with per-row parameters; the work a batch does not need (anything but the
-  argmax when every row is greedy, top-k or top-p when no row uses it) is skipped by lax.cond."""
+  argmax when every row is greedy, the top-k sort or the top-p bisection when no row uses it)
+  is skipped by lax.cond."""
   vocab = logits.shape[-1]
 
   def per_row(x):                                       # [B] -> [B, 1, ..., 1]
@@ -126,12 +127,17 @@ def _row_probabilities(logits, params: RowSampling):
 
   def sampled(logits):
     t = jnp.where(is_greedy, 1.0, params.temperature).astype(jnp.float32)
-    probs = jax.nn.softmax(logits / per_row(t), axis=-1)
+    scaled = logits / per_row(t)
     k = per_row(params.top_k)
     use_k = (k > 0) & (k < vocab)
-    probs = jax.lax.cond(jnp.any(use_k),
-                         lambda p: _renormalise(jnp.where(~use_k | _top_k_mask(p, k), p, 0.0)),
-                         lambda p: p, probs)
+
+    def cut_k(x):               # as the static path: below the k-th largest scaled logit -> -inf
+      descending = -jnp.sort(-x, axis=-1)
+      index = jnp.broadcast_to(jnp.clip(k - 1, 0, vocab - 1), x.shape[:-1] + (1,))
+      kth = jnp.take_along_axis(descending, index, axis=-1)
+      return jnp.where(use_k & (x < kth), -jnp.inf, x)
+
+    probs = jax.nn.softmax(jax.lax.cond(jnp.any(use_k), cut_k, lambda x: x, scaled), axis=-1)
     top_p = per_row(params.top_p)
     use_p = top_p < 1.0
     return jax.lax.cond(jnp.any(use_p),
@@ -144,19 +150,6 @@ def _row_probabilities(logits, params: RowSampling):
 
 def _renormalise(probs):
   return probs / jnp.sum(probs, axis=-1, keepdims=True)
-
-
-def _top_k_mask(probs, k, iterations: int = 32):
-  """Tokens among the k most likely (ties at the cut kept), by bisecting the threshold x* such
-  that k tokens are more likely than it (no sort, as `nucleus_mask`).
-
-  Args:
-    probs: [..., V] float32; k: int array broadcasting against probs[..., :1], >= 1.
-  Returns:
-    [..., V] bool.
-  """
-  return _keep_above_cut(probs, lambda mid: jnp.sum(probs > mid, axis=-1, keepdims=True) >= k,
-                         iterations)
 
 
 def nucleus_mask(probs, top_p, iterations: int = 32):

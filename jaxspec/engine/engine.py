@@ -129,6 +129,11 @@ class Engine:
       self.policy = None
     else:
       self.policy.setup(k)
+      bad = [c for c in self.policy.candidates
+             if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k]
+      if bad or not self.policy.candidates:
+        raise ValueError(f'k_policy {self.policy!r} declares candidates '
+                         f'{self.policy.candidates}: each must be an int in [0, k={k}]')
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
                   k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
@@ -199,8 +204,13 @@ class Engine:
       request_id = next(self._ids)
       while request_id in self._live or request_id in self.outputs:
         request_id = next(self._ids)
-    elif request_id in self._live or request_id in self.outputs:
-      raise ValueError(f'request id {request_id!r} is already in use')
+    else:
+      try:
+        hash(request_id)
+      except TypeError:
+        raise ValueError(f'request id {request_id!r} is not hashable') from None
+      if request_id in self._live or request_id in self.outputs:
+        raise ValueError(f'request id {request_id!r} is already in use')
     try:
       _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
                                      stop_tokens=stop_tokens, draft=self.draft,
@@ -376,14 +386,14 @@ class Engine:
     caps = np.zeros((self.num_slots,), np.int32)
     if self.policy is None:
       return 0, caps
-    if self.policy.needs_costs:
-      self.measure_costs()
     k, row_caps = self.policy.choose([r.id for r in decodes])
-    if k not in self.policy.candidates or len(row_caps) != len(decodes) or \
-        any(not 0 <= c <= k for c in row_caps):
+    if isinstance(k, bool) or not isinstance(k, int) or k not in self.policy.candidates or \
+        not 0 <= k <= self.k or len(row_caps) != len(decodes) or \
+        any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k for c in row_caps):
       raise ValueError(f'k_policy {self.policy!r} chose K={k!r} (candidates '
                        f'{self.policy.candidates}) with caps {row_caps!r} for {len(decodes)} '
-                       f'requests: K must be a candidate and each cap in [0, K]')
+                       f'requests: K must be an int candidate in [0, k={self.k}] and each cap an '
+                       f'int in [0, K]')
     for request, c in zip(decodes, row_caps):
       caps[request.slot] = c
     return int(k), caps
@@ -418,6 +428,8 @@ class Engine:
         self._emit(request, [int(first[row])], now, emitted)
 
   def _decode(self, decodes, emitted) -> None:
+    if self.policy is not None and self.policy.needs_costs:
+      self.measure_costs()     # before the round's clock starts: not host time of a round
     start = time.perf_counter()
     table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
     pending = np.zeros((self.num_slots,), np.int32)

@@ -29,7 +29,19 @@ policy can leave K = 0 again.
 from __future__ import annotations
 
 import abc
+import math
+import numbers
 from typing import Hashable, Mapping, Optional, Sequence
+
+
+def _real(name: str, value, low: float, high: float, high_open: bool = False) -> float:
+  """`value` as a finite float in [low, high] (or [low, high)); ValueError naming it."""
+  ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+        and low <= value and (value < high if high_open else value <= high))
+  if not ok:
+    bound = f'[{low}, {high})' if high_open else f'[{low}, {high}]'
+    raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
+  return float(value)
 
 
 class KPolicy(abc.ABC):
@@ -52,9 +64,10 @@ class KPolicy(abc.ABC):
     another one (one policy instance per engine)."""
     if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
       raise ValueError(f'{type(self).__name__} needs K_max >= 1, got {k_max!r}')
-    if self.k_max is not None and self.k_max != k_max:
-      raise ValueError(f'{type(self).__name__} is already set up with K_max={self.k_max}, '
-                       f'got {k_max}')
+    if self.k_max is not None:
+      raise ValueError(f'{type(self).__name__} is already bound to an engine (K_max='
+                       f'{self.k_max}): a policy keeps per-request state, give each engine its '
+                       f'own instance')
     self.k_max = k_max
 
   @property
@@ -109,6 +122,8 @@ class ScheduleK(KPolicy):
     super().__init__()
     if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1:
       raise ValueError(f'ScheduleK min_k must be an int >= 1, got {min_k!r}')
+    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int)):
+      raise ValueError(f'ScheduleK initial must be an int (or None), got {initial!r}')
     self.initial, self.min_k = initial, min_k
     self.k_of: dict = {}
 
@@ -157,12 +172,9 @@ class AlphaTracker:
   """
 
   def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 1.0):
-    if not 0.0 <= decay < 1.0:
-      raise ValueError(f'decay must be in [0, 1), got {decay!r}')
-    if not 0.0 <= prior <= 1.0:
-      raise ValueError(f'prior must be in [0, 1], got {prior!r}')
-    if not prior_trials >= 0.0:
-      raise ValueError(f'prior_trials must be >= 0, got {prior_trials!r}')
+    decay = _real('decay', decay, 0.0, 1.0, high_open=True)
+    prior = _real('prior', prior, 0.0, 1.0)
+    prior_trials = _real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
     self._sums: dict = {}
     self._global = [0.0, 0.0]
@@ -241,10 +253,8 @@ class GoodputK(KPolicy):
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9):
     super().__init__()
-    if not margin >= 0:
-      raise ValueError(f'margin must be >= 0, got {margin!r}')
-    if not 0.0 <= timing_decay < 1.0:
-      raise ValueError(f'timing_decay must be in [0, 1), got {timing_decay!r}')
+    margin = _real('margin', margin, 0.0, math.inf, high_open=True)
+    timing_decay = _real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
     self.timing_decay = timing_decay
     self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
     self._device_s: dict = {}               # d(K) before the non-decreasing fit
@@ -282,9 +292,10 @@ class GoodputK(KPolicy):
     missing = [k for k in self.candidates if k not in costs]
     if missing:
       raise ValueError(f'cost table {dict(costs)} misses K in {missing}')
-    bad = {k: t for k, t in costs.items() if not t > 0}
+    bad = {k: t for k, t in costs.items()
+           if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
     if bad:
-      raise ValueError(f'cost table times must be > 0 seconds, got {bad}')
+      raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
     self._device_s = {k: float(costs[k]) for k in self.candidates}
     self._fit()
 
