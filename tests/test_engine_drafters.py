@@ -382,3 +382,16 @@ def test_bad_engine_arguments(tiny, tiny_draft):
     Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
   with pytest.raises(ValueError, match='initial must be an int'):
     ScheduleK(initial=2.5)
+
+
+def test_lookup_and_run_refuse_bad_values(tiny):
+  for args, message in [((2, 2, 0), 'min_ngram=0'), ((2, 1, 2), 'min_ngram=2, max_ngram=1'),
+                        ((None, 2, 1), 'k must be an int, got None')]:
+    with pytest.raises(ValueError, match=message):
+      lookup([1, 2, 1, 2], *args)
+  config, params = tiny
+  engine = Engine(config, params, num_slots=2, num_pages=8, page_size=L, chunk_size=8)
+  with pytest.raises(ValueError, match='max_steps must be an int >= 0, got -1'):
+    engine.run(max_steps=-1)
+  with pytest.raises(ValueError, match="stop_tokens must be token ids, got the string '12'"):
+    engine.add_request([3, 4], max_tokens=2, stop_tokens='12')

@@ -105,3 +105,9 @@ def test_row_top_k_cuts_on_logits_like_the_static_path():
   rows = probabilities(logits, RowSampling.stack([params]))
   assert int((rows[0] > 0).sum()) == 10
   np.testing.assert_allclose(rows[0], probabilities(logits[0], params), rtol=1e-6)
+
+
+@pytest.mark.parametrize('kwargs', [dict(temperature=True), dict(top_p=True)])
+def test_bools_are_not_sampling_numbers(kwargs):
+  with pytest.raises(ValueError, match='True'):
+    SamplingParams(**kwargs)

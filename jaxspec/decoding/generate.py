@@ -127,6 +127,8 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     configs.append(draft)
     slack = k + 1
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
+  if isinstance(stop_tokens, (str, bytes)):
+    raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')
   stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
   for t in stop.tolist():
     if not 0 <= t < target.vocab_size:

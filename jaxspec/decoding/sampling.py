@@ -34,14 +34,16 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
+        not self.temperature >= 0:
       raise ValueError(f'temperature must be a number >= 0, got {self.temperature!r}')
     if 0 < self.temperature < MIN_TEMPERATURE or self.temperature == float('inf'):
       raise ValueError(f'temperature {self.temperature} would overflow the logits: use 0 for '
                        f'greedy, or a value in [{MIN_TEMPERATURE}, inf)')
     if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
       raise ValueError(f'top_k must be an int >= 0, got {self.top_k!r}')
-    if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or \
+        not 0.0 < self.top_p <= 1.0:
       raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
 
   @property

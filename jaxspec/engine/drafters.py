@@ -135,7 +135,15 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> li
     context: token ids (prompt + output); k >= 0.
   Returns:
     up to k token ids ([] when no n-gram of the allowed sizes recurs, or k = 0).
+  Raises:
+    ValueError: k, max_ngram or min_ngram not an int, min_ngram < 1 or > max_ngram.
   """
+  for name, v in (('k', k), ('max_ngram', max_ngram), ('min_ngram', min_ngram)):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+      raise ValueError(f'{name} must be an int, got {v!r}')
+  if not 1 <= min_ngram <= max_ngram:
+    raise ValueError(f'need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, '
+                     f'max_ngram={max_ngram}')
   ctx = np.asarray(context, np.int64)
   size = len(ctx)
   if k <= 0:

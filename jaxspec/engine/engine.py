@@ -273,7 +273,11 @@ class Engine:
 
     Returns:
       {request_id: RequestOutput} of the requests that finished during this call.
+    Raises:
+      ValueError: max_steps not None and not an int >= 0.
     """
+    if max_steps is not None:
+      _positive_int('max_steps', max_steps, 0)
     before = set(self.outputs)
     steps = 0
     while self.has_unfinished() and (max_steps is None or steps < max_steps):
