@@ -75,9 +75,6 @@ class Drafter(abc.ABC):
   uses_draft_model = False
   uses_context = False
 
-  def check(self, engine) -> None:
-    """Raise ValueError if this drafter cannot serve `engine` (called once by the engine)."""
-
   @abc.abstractmethod
   def decode(self, engine, caches: list, *, k: int, pending: np.ndarray, room: np.ndarray,
              stop: np.ndarray, caps: np.ndarray, contexts: Sequence, rng, sampling):
@@ -168,7 +165,7 @@ class NGramDrafter(Drafter):
   Args:
     max_ngram, min_ngram: n-gram sizes tried, longest first (1 <= min_ngram <= max_ngram).
   Raises:
-    ValueError: bad n-gram sizes; `check` raises for an engine with a draft model.
+    ValueError: bad n-gram sizes (the engine refuses a draft model beside this drafter).
   """
 
   def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
@@ -180,11 +177,6 @@ class NGramDrafter(Drafter):
     self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
   uses_context = True
-
-  def check(self, engine):
-    if engine.draft is not None:
-      raise ValueError('drafter=ngram drafts from the context, not a draft model: got a draft '
-                       'model too (pass draft=None)')
 
   def propose(self, contexts: Sequence, caps: np.ndarray, k: int):
     """(proposals [B, max(k, 1)] int32, num_proposed [B] int32 <= caps) for busy rows."""

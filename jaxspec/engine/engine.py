@@ -29,11 +29,11 @@ import numpy as np
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import salt_bytes
-from jaxspec.decoding.generate import MAX_K, check_request
+from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import RowSampling, SamplingParams
-from jaxspec.engine import device
-from jaxspec.engine.drafters import Drafter, NGramDrafter, make_drafter, plain_round
-from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
+from jaxspec.engine import device, speculation
+from jaxspec.engine.drafters import Drafter, plain_round
+from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.models import ModelConfig, cache_for
@@ -108,32 +108,8 @@ class Engine:
     if prefill_rows > num_slots:
       raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
     _positive_int('k', k, 0)
-    self.drafter = make_drafter(drafter, draft is not None)
-    if self.drafter is None and k != 0 or self.drafter is not None and k == 0:
-      raise ValueError(f'speculation needs a drafter (a draft model, or drafter=\'ngram\') and '
-                       f'k >= 1; got draft={"None" if draft is None else "a model"}, '
-                       f'drafter={drafter!r}, k={k}')
-    if isinstance(self.drafter, NGramDrafter) and draft is not None:
-      raise ValueError(f'drafter={drafter!r} (prompt lookup) takes no draft model, got one')
-    if self.drafter is not None and self.drafter.uses_draft_model != (draft is not None):
-      need = 'needs a' if self.drafter.uses_draft_model else 'takes no'
-      raise ValueError(f'drafter {drafter!r} {need} draft model, got draft='
-                       f'{"None" if draft is None else "a model"}')
-    if k > MAX_K:
-      raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
-    self.policy = make_policy(k_policy)
-    if self.drafter is None:
-      if not isinstance(self.policy, FixedK):
-        raise ValueError(f'k_policy={k_policy!r} chooses K but the engine does not speculate '
-                         f'(give a draft model or drafter=\'ngram\', and k >= 1)')
-      self.policy = None
-    else:
-      self.policy.setup(k)
-      bad = [c for c in self.policy.candidates
-             if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k]
-      if bad or not self.policy.candidates:
-        raise ValueError(f'k_policy {self.policy!r} declares candidates '
-                         f'{self.policy.candidates}: each must be an int in [0, k={k}]')
+    self.drafter, self.policy = speculation.setup(drafter, k_policy,
+                                                  has_draft_model=draft is not None, k=k)
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
                   k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
@@ -169,8 +145,6 @@ class Engine:
     self._arrivals = itertools.count()
     self._rng = jax.random.PRNGKey(seed)
     self.num_steps = 0
-    if self.drafter is not None:
-      self.drafter.check(self)
 
   # ---------------------------------------------------------------- requests
 
@@ -385,23 +359,6 @@ class Engine:
                                               sampling=sampling)
     return result
 
-  def _choose_k(self, decodes) -> tuple:
-    """(K, caps [B] int32) of this round from the policy, checked."""
-    caps = np.zeros((self.num_slots,), np.int32)
-    if self.policy is None:
-      return 0, caps
-    k, row_caps = self.policy.choose([r.id for r in decodes])
-    if isinstance(k, bool) or not isinstance(k, int) or k not in self.policy.candidates or \
-        not 0 <= k <= self.k or len(row_caps) != len(decodes) or \
-        any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k for c in row_caps):
-      raise ValueError(f'k_policy {self.policy!r} chose K={k!r} (candidates '
-                       f'{self.policy.candidates}) with caps {row_caps!r} for {len(decodes)} '
-                       f'requests: K must be an int candidate in [0, k={self.k}] and each cap an '
-                       f'int in [0, K]')
-    for request, c in zip(decodes, row_caps):
-      caps[request.slot] = c
-    return int(k), caps
-
   def _prefill(self, prefills, emitted) -> None:
     # The smallest compiled row count that holds them: a lone admission does not pay for a
     # whole [prefill_rows, C] pass.
@@ -445,7 +402,7 @@ class Engine:
       lengths[s] = request.num_computed
       pending[s] = request.output[-1]
       room[s] = request.room
-    k, caps = self._choose_k(decodes)
+    k, caps = speculation.choose(self.policy, decodes, self.num_slots, self.k)
     contexts = [None] * self.num_slots
     if getattr(self.drafter, 'uses_context', False):
       for request in decodes:
