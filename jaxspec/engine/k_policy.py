@@ -181,6 +181,7 @@ class AlphaTracker:
 
   @property
   def global_alpha(self) -> float:
+    """α over every request's observations (the prior before any)."""
     s, n = self._global
     return s / n if n > 0 else self.prior
 
@@ -192,6 +193,8 @@ class AlphaTracker:
         else g
 
   def observe(self, request_id, successes: float, trials: float) -> None:
+    """Add one round's (accepted positions, tried positions) of a request; trials <= 0: no
+    observation. Decays the request's and the global sums by `decay` first."""
     if trials <= 0:
       return
     s, n = self._sums.get(request_id, (0.0, 0.0))
@@ -200,6 +203,7 @@ class AlphaTracker:
     self._global = [self.decay * gs + successes, self.decay * gn + trials]
 
   def forget(self, request_id) -> None:
+    """Drop a finished request's sums (the global estimate keeps its observations)."""
     self._sums.pop(request_id, None)
 
 
