@@ -52,7 +52,8 @@ from jaxspec.cache import pages_needed
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine
-from experiments.speculative import _workloads, load_pair
+from experiments.common import parse_workloads
+from experiments.speculative import load_pair
 
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
@@ -317,7 +318,7 @@ def run(config, results) -> None:
       prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
   """
   settings = parse_settings(config.settings)
-  workloads = _workloads(config)
+  workloads = parse_workloads(config)
   for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
     if int(config[field]) < 1:
       raise ValueError(f'config.{field} must be >= 1, got {config[field]}')

@@ -1,7 +1,8 @@
 """Where an experiment's results go: WORKDIR/EXPERIMENT/RUN_ID/{config.json, results.jsonl}.
 
 Each measured case is appended to results.jsonl (and flushed) as soon as it is measured, so an
-interrupted run loses nothing.
+interrupted run loses nothing. Also the small helpers several experiments share
+(`parse_workloads`, `empty_cache`), so no experiment imports another one's private names.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ import sys
 
 from absl import flags
 import ml_collections
+import numpy as np
+
+from jaxspec.cache import PageAllocator, pages_needed
+from jaxspec.data import WORKLOADS
+from jaxspec.models import cache_for
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
@@ -123,3 +129,45 @@ def exit_unknown_field(error: Exception, argv) -> None:
   hint = f' ({hint.strip()})' if hint.strip() else ''
   sys.exit(f'FATAL: unknown config field {name!r}{hint} in {bad}; the config file lists every '
            f'field')
+
+
+def parse_workloads(config) -> list[str]:
+  """The workload names of `config.workloads`, a comma-separated string such as 'json,code'.
+
+  Returns:
+    the names in order, blanks dropped (each one of `jaxspec.data.WORKLOADS`).
+  Raises:
+    ValueError: the string names no workload, or names one not in WORKLOADS (the message names
+      the bad value and the known workloads).
+  """
+  names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
+  if not names:
+    raise ValueError(f'config.workloads names no workload: {config.workloads!r}')
+  unknown = [n for n in names if n not in WORKLOADS]
+  if unknown:
+    raise ValueError(f'unknown workload(s) {unknown} in config.workloads; known: {WORKLOADS}')
+  return names
+
+
+def empty_cache(model, batch: int, slots: int, page_size: int):
+  """An empty paged KV cache with room for `slots` tokens per sequence, each row its own pages.
+
+  Args:
+    model: the `ModelConfig` whose layers / kv heads / head_dim / dtype shape the cache.
+    batch: B sequences (rows of the page table).
+    slots: tokens of capacity per sequence, rounded up to whole pages of `page_size` tokens.
+    page_size: L tokens per page.
+  Returns:
+    (cache, per_seq_bytes): a `PagedKVCache` with page_table [B, ceil(slots / L)] int32 (distinct
+    pages, page 0 the null page left unused), lengths [B] zeros, pool of B * ceil(slots / L) + 1
+    pages; and the KV bytes one sequence's pages hold over all layers (int, bytes).
+  Raises:
+    ValueError: page_size < 1 (from `pages_needed`), or batch < 1 or slots < 1 (no page to
+      allocate: from `PageAllocator`).
+  """
+  per_seq = pages_needed(slots, page_size)
+  allocator = PageAllocator(batch * per_seq + 1)
+  table = np.array([allocator.allocate(per_seq) for _ in range(batch)], np.int32)
+  cache = cache_for(model, table, allocator.num_pages, page_size)
+  per_seq_bytes = per_seq * page_size * model.kv_bytes_per_token(cache.k_pages.dtype.itemsize)
+  return cache, per_seq_bytes

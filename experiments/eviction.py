@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxspec.cache import PageAllocator, init_eviction, make_policy, pages_needed
+from experiments.common import empty_cache
+from jaxspec.cache import init_eviction, make_policy
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
                                        score_tokens)
-from jaxspec.models import cache_for, load_model, shipped
+from jaxspec.models import load_model, shipped
 
 _FULL_REFERENCE: dict = {}   # full-cache scores per (model, workload, shapes): one per process
 
@@ -31,16 +32,6 @@ def budget_tokens(config) -> int:
   if not 0 < config.budget_frac <= 1:
     raise ValueError(f'budget_frac must be in (0, 1], got {config.budget_frac}')
   return max(1, round(config.budget_frac * config.seq_len))
-
-
-def _cache(model, batch: int, slots: int, page_size: int):
-  """An empty cache of `slots` (rounded up to pages) per sequence and its KV bytes per sequence."""
-  per_seq = pages_needed(slots, page_size)
-  allocator = PageAllocator(batch * per_seq + 1)
-  table = np.array([allocator.allocate(per_seq) for _ in range(batch)], np.int32)
-  cache = cache_for(model, table, allocator.num_pages, page_size)
-  per_seq_bytes = per_seq * page_size * model.kv_bytes_per_token(cache.k_pages.dtype.itemsize)
-  return cache, per_seq_bytes
 
 
 def _score(model, params, policy, tokens, lengths, config):
@@ -53,7 +44,7 @@ def _score(model, params, policy, tokens, lengths, config):
   for start in range(0, len(tokens), config.batch_size):
     batch = jnp.asarray(tokens[start:start + config.batch_size], jnp.int32)
     batch_lengths = jnp.asarray(lengths[start:start + config.batch_size], jnp.int32)
-    cache, kv_bytes = _cache(model, config.batch_size, slots, config.page_size)
+    cache, kv_bytes = empty_cache(model, config.batch_size, slots, config.page_size)
     eviction = None if policy is None else init_eviction(policy, cache, interpret=True,
                                                          use_kernel=config.use_kernel)
     if compiled is None:
@@ -135,7 +126,7 @@ def run_worker(config, results, model, params, tokenizer) -> None:
                        int(config.worker_budget))
   slots = config.worker_tokens + 64 if policy.slots is None else policy.slots
   prompt = make_prompts('code', tokenizer, 1, 256, split='test', seed=config.seed)[0].tokens
-  cache, kv_bytes = _cache(model, 1, slots, config.page_size)
+  cache, kv_bytes = empty_cache(model, 1, slots, config.page_size)
   eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)
   greedy = SamplingParams(temperature=0.0)
   token, cache, eviction = prefill_evicting(model, params, cache, eviction,

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from experiments.eviction import _cache   # an empty cache of N slots per sequence, and its bytes
+from experiments.common import empty_cache
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding.evicting import score_tokens
@@ -164,7 +164,7 @@ def score_reference(model, params, policy, prompts, reference, page_size) -> tup
     scored[i, len(p) - 1:len(seq) - 1] = True        # position t predicts token t + 1
   lengths = np.array([len(s) for s in seqs], np.int32)
   slots = width if policy is None else policy.slots
-  cache, _ = _cache(model, len(seqs), slots, page_size)
+  cache, _ = empty_cache(model, len(seqs), slots, page_size)
   eviction = None if policy is None else init_eviction(policy, cache)
   out = score_tokens(model, params, cache, eviction, tokens, lengths)
   nxt = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))

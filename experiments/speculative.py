@@ -11,7 +11,8 @@ import pathlib
 
 import numpy as np
 
-from jaxspec.data import WORKLOADS, Tokenizer, make_prompts
+from experiments.common import parse_workloads
+from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import is_pretrained, load_model, shipped, truncate_vocab
 from jaxspec.parallel import place_pair
@@ -74,16 +75,6 @@ def load_tokenizer(tokenizer_path, target_path, draft_path) -> Tokenizer:
   return tokenizer
 
 
-def _workloads(config) -> list[str]:
-  names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
-  if not names:
-    raise ValueError(f'config.workloads names no workload: {config.workloads!r}')
-  unknown = [n for n in names if n not in WORKLOADS]
-  if unknown:
-    raise ValueError(f'unknown workload(s) {unknown} in config.workloads; known: {WORKLOADS}')
-  return names
-
-
 def run(config, results) -> None:
   """Measure every workload of `config` (see configs/speculative.py) and write one record each."""
   sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
@@ -93,7 +84,7 @@ def run(config, results) -> None:
   if config.batch_size < 1 or config.num_prompts < 1:
     raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
                      'must be >= 1')
-  workloads = _workloads(config)                     # checked before any model is loaded
+  workloads = parse_workloads(config)                     # checked before any model is loaded
   data = int(config.get('mesh', {}).get('data', 1))
   for rows in {config.batch_size, config.num_prompts % config.batch_size} - {0}:
     if rows % data:

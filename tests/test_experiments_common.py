@@ -1,0 +1,56 @@
+"""The helpers experiments share (experiments/common.py), and no private cross-module imports."""
+
+import ast
+import pathlib
+
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments.common import empty_cache, parse_workloads
+from jaxspec.data import WORKLOADS
+from jaxspec.models import ModelConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_no_experiment_imports_another_modules_private_names():
+  bad = []
+  for path in sorted((ROOT / 'experiments').glob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+      if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('experiments'):
+        bad += [f'{path.name}: from {node.module} import {a.name}'
+                for a in node.names if a.name.startswith('_')]
+  assert not bad, bad
+
+
+def test_parse_workloads_keeps_order_and_drops_blanks():
+  config = ml_collections.ConfigDict({'workloads': f' {WORKLOADS[1]}, ,{WORKLOADS[0]},'})
+  assert parse_workloads(config) == [WORKLOADS[1], WORKLOADS[0]]
+
+
+@pytest.mark.parametrize('text, match', [(' , ', 'names no workload'),
+                                         ('json,nosuch', "unknown workload.*'nosuch'")])
+def test_parse_workloads_rejects_bad_names(text, match):
+  with pytest.raises(ValueError, match=match):
+    parse_workloads(ml_collections.ConfigDict({'workloads': text}))
+
+
+def test_empty_cache_gives_each_row_its_own_pages_and_counts_bytes():
+  model = ModelConfig.from_name('test-tiny')
+  cache, per_seq_bytes = empty_cache(model, batch=3, slots=17, page_size=8)   # 17 -> 3 pages
+  table = np.asarray(cache.page_table)
+  assert table.shape == (3, 3) and table.dtype == np.int32
+  assert len(set(table.ravel().tolist())) == 9 and 0 not in table   # distinct, never the null page
+  assert cache.k_pages.shape[2] == 3 * 3 + 1                        # pool P = B * pages + 1
+  np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 0, 0])
+  itemsize = cache.k_pages.dtype.itemsize
+  assert per_seq_bytes == 3 * 8 * 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+
+
+@pytest.mark.parametrize('batch, slots, page_size, match', [(2, 16, 0, 'page_size'),
+                                                            (2, 0, 8, 'num_pages'),
+                                                            (0, 16, 8, 'num_pages')])
+def test_empty_cache_rejects_empty_or_bad_sizes(batch, slots, page_size, match):
+  with pytest.raises(ValueError, match=match):
+    empty_cache(ModelConfig.from_name('test-tiny'), batch, slots, page_size)
