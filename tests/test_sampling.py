@@ -111,3 +111,46 @@ def test_row_top_k_cuts_on_logits_like_the_static_path():
 def test_bools_are_not_sampling_numbers(kwargs):
   with pytest.raises(ValueError, match='True'):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize('kwargs, expected', [
+    (dict(temperature=np.float32(0.5)), (0.5, 0, 1.0)),
+    (dict(temperature=np.float64(0.7), top_k=np.int64(5), top_p=np.float32(0.25)), (0.7, 5, 0.25)),
+    (dict(temperature=np.int32(2), top_k=np.uint8(3), top_p=np.int64(1)), (2.0, 3, 1.0)),
+    (dict(temperature=1, top_k=4, top_p=1), (1.0, 4, 1.0))])
+def test_numpy_scalars_are_stored_as_python_numbers(kwargs, expected):
+  params = SamplingParams(**kwargs)
+  values = (params.temperature, params.top_k, params.top_p)
+  assert values == expected
+  assert [type(v) for v in values] == [float, int, float]
+  python = SamplingParams(*expected)
+  assert params == python and hash(params) == hash(python)   # one static jit key, not two
+
+
+def test_numpy_scalar_params_share_one_compilation_with_python_ones():
+  traces = []
+
+  def traced(logits, params):
+    traces.append(params)                                       # runs once per compilation
+    return probabilities(logits, params)
+
+  probs = jax.jit(traced, static_argnums=1)
+  python = probs(LOGITS, SamplingParams(0.5, top_k=2))
+  numpy = probs(LOGITS, SamplingParams(np.float32(0.5), top_k=np.int64(2)))
+  assert len(traces) == 1
+  np.testing.assert_array_equal(python, numpy)
+
+
+@pytest.mark.parametrize('kwargs, bad', [
+    (dict(temperature=np.bool_(True)), 'True'), (dict(top_p=np.bool_(True)), 'True'),
+    (dict(top_k=np.bool_(True)), 'True'), (dict(top_k=True), 'True'),
+    (dict(temperature=np.float32('nan')), 'nan'), (dict(temperature=float('nan')), 'nan'),
+    (dict(top_p=np.float64('nan')), 'nan'), (dict(temperature=np.float32('inf')), 'inf'),
+    (dict(top_p=np.float32('inf')), 'inf'), (dict(temperature=np.float32(-0.5)), '-0.5'),
+    (dict(top_p=np.float32(1.5)), '1.5'), (dict(top_k=np.int64(-3)), '-3'),
+    (dict(top_k=np.float64(5.0)), '5.0'), (dict(top_k=5.0), '5.0'),
+    (dict(temperature='0.5'), "'0.5'"), (dict(temperature=None), 'None'),
+    (dict(temperature=np.array([0.5])), r'\[0\.5\]'), (dict(top_p=0.5 + 0j), r'0\.5\+0j')])
+def test_bad_numbers_and_non_numbers_name_the_value(kwargs, bad):
+  with pytest.raises(ValueError, match=bad):
+    SamplingParams(**kwargs)

@@ -27,6 +27,13 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); must be >= 0.
     top_k: keep the k most likely tokens (0 = all).
     top_p: keep the smallest set of tokens whose mass reaches top_p, in (0, 1] (Holtzman et al.).
+
+  Python or numpy scalars are accepted (np.float32(0.5), top_k=np.int64(5)) and stored as Python
+  float (temperature, top_p) and int (top_k).
+
+  Raises:
+    ValueError (naming the value): a bool or np.bool_, a non-number (str, array, None), a float
+      top_k, NaN or inf, or a value out of the ranges above.
   """
 
   temperature: float = 0.0
@@ -34,21 +41,43 @@ class SamplingParams:
   top_p: float = 1.0
 
   def __post_init__(self):
-    if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or \
-        not self.temperature >= 0:
+    # numpy scalars (np.float32(.5), np.int64(5)) are accepted like Python numbers and stored as
+    # Python float / int, so equal settings hash equal as a static jit argument.
+    temperature = _number(self.temperature)
+    if temperature is None or not temperature >= 0:
       raise ValueError(f'temperature must be a number >= 0, got {self.temperature!r}')
-    if 0 < self.temperature < MIN_TEMPERATURE or self.temperature == float('inf'):
-      raise ValueError(f'temperature {self.temperature} would overflow the logits: use 0 for '
+    if 0 < temperature < MIN_TEMPERATURE or temperature == float('inf'):
+      raise ValueError(f'temperature {self.temperature!r} would overflow the logits: use 0 for '
                        f'greedy, or a value in [{MIN_TEMPERATURE}, inf)')
-    if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+    top_k = _number(self.top_k, integer=True)
+    if top_k is None or top_k < 0:
       raise ValueError(f'top_k must be an int >= 0, got {self.top_k!r}')
-    if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or \
-        not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f'top_p must be in (0, 1], got {self.top_p}')
+    top_p = _number(self.top_p)
+    if top_p is None or not 0.0 < top_p <= 1.0:
+      raise ValueError(f'top_p must be in (0, 1], got {self.top_p!r}')
+    object.__setattr__(self, 'temperature', temperature)
+    object.__setattr__(self, 'top_k', top_k)
+    object.__setattr__(self, 'top_p', top_p)
 
   @property
   def greedy(self) -> bool:
     return self.temperature == 0.0
+
+
+def _number(value, integer: bool = False):
+  """`value` as a Python float (int when `integer`), or None if it is not such a number.
+
+  Accepts Python int/float and numpy integer/floating scalars (integers only when `integer`);
+  bool and np.bool_ are not numbers here (True would silently mean 1). NaN and inf pass through
+  as floats for the caller's range check to refuse.
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return None
+  if isinstance(value, (int, np.integer)):
+    return int(value) if integer else float(value)
+  if not integer and isinstance(value, (float, np.floating)):
+    return float(value)
+  return None
 
 
 @flax.struct.dataclass
