@@ -13,7 +13,7 @@ import pytest
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.evicting import decode_autoregressive_evicting, prefill_evicting
-from jaxspec.engine import Engine, EvictingEngine, State
+from jaxspec.engine import Engine, EvictingEngine, FixedK, GoodputK, ScheduleK, State
 from jaxspec.engine.device_evicting import compile_counts
 from jaxspec.models import cache_for
 from test_engine import _check_pool, _prompts, _run_staggered
@@ -199,6 +199,23 @@ def test_more_requests_run_at_once_than_plain_in_the_same_pages(tiny):
   assert concurrency['evicting'][1] > 2 * concurrency['plain'][1], concurrency
 
 
+def test_fixed_k_instance_means_no_speculation_as_in_the_plain_engine(tiny, alone):
+  """k_policy=FixedK() at K = 0 is what 'fixed' is: no K policy, no drafter, the policy left
+  unbound (as `Engine` leaves it), and the same greedy outputs."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  fixed = FixedK()
+  engine = EvictingEngine(config, params, policy=policy, k_policy=fixed, **SHAPES)
+  plain = Engine(config, params, k_policy=FixedK(), **SHAPES)
+  assert engine.policy is None and engine.drafter is None and fixed.k_max is None
+  assert plain.policy is None and plain.drafter is None
+  prompts = _prompts([20, 14], seed=8)
+  ids = [engine.add_request(p, max_tokens=8) for p in prompts]
+  outs = engine.run()
+  for i, p in zip(ids, prompts):
+    assert outs[i].tokens == alone(policy, p, 8)
+
+
 def test_bad_evicting_engine_arguments(tiny):
   config, params = tiny
   policy = make_policy('h2o', BUDGET)
@@ -206,6 +223,11 @@ def test_bad_evicting_engine_arguments(tiny):
       (dict(k=2, draft=config, draft_params=params), 'speculative decoding is not supported.*k=2'),
       (dict(drafter='ngram'), "not supported.*drafter='ngram'"),
       (dict(k_policy='goodput'), "not supported.*k_policy='goodput'"),
+      (dict(k_policy='schedule'), "not supported.*k_policy='schedule'"),
+      (dict(k_policy=ScheduleK()), "not supported.*k_policy=<.*ScheduleK.*FixedK"),
+      (dict(k_policy=GoodputK()), "not supported.*k_policy=<.*GoodputK.*FixedK"),
+      (dict(k_policy=FixedK), "not supported.*k_policy=<class .*FixedK'>"),   # the class itself
+      (dict(k_policy='Fixed'), "not supported.*k_policy='Fixed'"),
       (dict(prefix_caching=True), 'prefix_caching=True'),
       (dict(host_pages=4), 'host_pages=4'),
       (dict(prefill_rows=2), 'prefill_rows=2 must equal num_slots=4'),

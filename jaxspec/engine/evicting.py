@@ -40,6 +40,7 @@ from jaxspec.engine import device
 from jaxspec.engine import device_evicting
 from jaxspec.engine.drafters import Round
 from jaxspec.engine.engine import Engine
+from jaxspec.engine.k_policy import FixedK
 from jaxspec.engine.request import Request
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.models import ModelConfig
@@ -94,7 +95,8 @@ class EvictingEngine(Engine):
       over those tokens and the layers), weight reads per chunk shrink; outputs do not change.
     draft, draft_params, k, drafter, k_policy, prefix_caching, host_pages, prefill_rows:
       accepted only at their defaults (None, None, 0, None, 'fixed', False, 0, None = num_slots);
-      see the module docstring.
+      see the module docstring. k_policy may also be a `FixedK` instance: at K = 0 it means no
+      speculation, as in `Engine` (which leaves it unused and unbound).
   Attributes:
     eviction_policy: the `EvictionPolicy` (`policy` is the base class's K policy: None here).
     request_pages: pages a request longer than the budget holds (ceil(policy.slots / L)).
@@ -119,11 +121,12 @@ class EvictingEngine(Engine):
                        f'got {policy!r}')
     if policy.slots is None:
       raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
+    fixed = isinstance(k_policy, FixedK) or (isinstance(k_policy, str) and k_policy == 'fixed')
     if draft is not None or draft_params is not None or k != 0 or drafter is not None or \
-        k_policy != 'fixed':
+        not fixed:
       raise ValueError(f'speculative decoding is not supported by EvictingEngine, got k={k!r}, '
                        f'draft={"None" if draft is None else "a model"}, drafter={drafter!r}, '
-                       f'k_policy={k_policy!r}')
+                       f"k_policy={k_policy!r} (K = 0 only: k_policy 'fixed' or a FixedK)")
     if prefix_caching:
       raise ValueError('prefix_caching=True is not supported under eviction (pages are '
                        'rewritten in place; sharing them would need copy-on-write)')
