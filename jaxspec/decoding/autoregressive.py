@@ -50,10 +50,30 @@ def prefill_logits(config: ModelConfig, params, cache, tokens, prompt_lengths):
   Returns:
     (logits [B, V] float32 at each row's last new token, cache holding the new tokens).
   """
-  positions = cache.lengths[:, None] + prompt_positions(prompt_lengths, tokens.shape[1])
+  logits, cache = chunk_logits(config, params, cache, tokens, prompt_lengths,
+                               (prompt_lengths - 1)[:, None])
+  return logits[:, 0], cache
+
+
+def chunk_logits(config: ModelConfig, params, cache, tokens, counts, logits_at):
+  """Write a chunk of new tokens per row to the cache and return logits at chosen tokens only
+  (not jitted).
+
+  Args:
+    cache: a `PagedKVCache` holding cache.lengths[b] tokens of row b; the new tokens go at
+      positions cache.lengths[b] + t.
+    tokens: [B, T] int32 right-padded; counts: [B] int32 real new tokens per row (0: padding
+      only).
+    logits_at: [B, n] int32 indexes into T of the tokens whose logits are wanted (negative
+      indexes count from T, as in numpy).
+  Returns:
+    (logits [B, n, V] float32, the next-token logits after each chosen token; cache holding the
+    new tokens).
+  """
+  positions = cache.lengths[:, None] + prompt_positions(counts, tokens.shape[1])
   positions = jnp.where(positions >= cache.lengths[:, None], positions, -1)
-  logits, cache = Transformer(config).apply(params, tokens, positions, cache)
-  return jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0], cache
+  return Transformer(config).apply(params, tokens, positions, cache,
+                                   logits_at=logits_at % tokens.shape[1])
 
 
 def decode_step(config: ModelConfig, params, cache, token):

@@ -79,12 +79,15 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
     stop: [B, S] int32 stop ids per row, -1 padded.
     sampling: [B] per-row parameters (traced).
   Returns:
-    (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, target_cache).
+    (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, token_p [B] float32 the
+    probability p(token) it was drawn with (1 for greedy rows; a lazy draft cache scores its
+    draft against it later, `jaxspec.engine.draft_sync`), target_cache).
   """
   logits, target_cache = decode_step(target, target_params, target_cache, pending)
-  window = sample(rng, probabilities(logits, sampling))[:, None]
+  p = probabilities(logits, sampling)
+  window = sample(rng, p)[:, None]
   emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
-  return window, emitted, target_cache
+  return window, emitted, jnp.take_along_axis(p, window, axis=1)[:, 0], target_cache
 
 
 def compile_counts() -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class Round:
     num_proposed: [B] int32 proposals each row really had (<= its cap; 0 in K = 0 rounds).
     successes, trials: [B] float64, the round's acceptance observation per row for the K policy
       (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
+    token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
   """
 
   window: np.ndarray
@@ -43,16 +44,17 @@ class Round:
   num_proposed: np.ndarray
   successes: np.ndarray
   trials: np.ndarray
+  token_p: Optional[np.ndarray] = None
 
 
 def plain_round(engine, caches, pending, room, stop, rng, sampling):
   """A K = 0 round without any drafter: `device.decode_round`. Returns (Round, caches)."""
-  window, emitted, target_cache = device.decode_round(
+  window, emitted, token_p, target_cache = device.decode_round(
       engine.target, engine.target_params, caches[0], pending, room, stop, rng, sampling)
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-               np.zeros((b,))), [target_cache]
+               np.zeros((b,)), np.asarray(token_p)), [target_cache] + caches[1:]
 
 
 def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):
@@ -97,14 +99,38 @@ class Drafter(abc.ABC):
 
 
 class ModelDrafter(Drafter):
-  """The draft model drafts K on device (`spec_steps.model_step`). K = 0 rounds run the draft on
-  the pending token too (`spec_steps.model_sync_step`): its cache stays in sync, and
-  Σ min(p, q) is the round's acceptance observation (trials 1)."""
+  """The draft model drafts K on device (`spec_steps.model_step`).
+
+  K = 0 rounds: with a lazy draft cache (the default when the engine's K policy may choose
+  K = 0), the target runs alone and the draft catches up later, in chunks, before the next round
+  at K >= 1 or every `probe_every` rounds at K = 0 to score itself on what the target drew
+  (`jaxspec.engine.draft_sync`): K = 0 then costs what plain continuous batching costs. With
+  `lazy=False` the draft runs on the pending token too (`spec_steps.model_sync_step`): its cache
+  stays in sync and Σ min(p, q) is the round's acceptance observation (trials 1).
+
+  Args:
+    lazy: keep the draft cache lazily when the policy may choose K = 0 (ignored otherwise: at
+      K >= 1 every round the draft is always in sync, and it is prefilled with the target).
+    probe_every: K = 0 rounds between two catch-ups that score the draft (>= 1).
+    observe_tokens: M, tokens per request a catch-up scores at most (its last M; >= 1).
+  Raises:
+    ValueError: probe_every or observe_tokens not an int >= 1.
+  """
 
   uses_draft_model = True
 
+  def __init__(self, lazy: bool = True, probe_every: int = 16, observe_tokens: int = 8):
+    if not isinstance(lazy, bool):
+      raise ValueError(f'lazy must be a bool, got {lazy!r}')
+    for name, v in (('probe_every', probe_every), ('observe_tokens', observe_tokens)):
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f'{name} must be an int >= 1, got {v!r}')
+    self.lazy, self.probe_every, self.observe_tokens = lazy, probe_every, observe_tokens
+
   def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0
+    if k == 0 and engine.draft_sync is not None:
+      return plain_round(engine, caches, pending, room, stop, rng, sampling)
     if k == 0:
       window, emitted, beta, target_cache, draft_cache = spec_steps.model_sync_step(
           engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],

@@ -31,8 +31,8 @@ from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import RowSampling, SamplingParams
-from jaxspec.engine import device, speculation
-from jaxspec.engine.drafters import Drafter, plain_round
+from jaxspec.engine import device, draft_sync, speculation
+from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
@@ -84,6 +84,9 @@ class Engine:
       work and prefill chunks (the same at every K), a draft model's extra step after a fully
       accepted round, prompt lookup's host search. Empty until measured.
     drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
+    draft_sync: the lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) when the drafter
+      is a lazy `ModelDrafter` and the policy may choose K = 0 (else None: the draft is
+      prefilled with the target and runs every round).
   Raises:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
@@ -137,6 +140,10 @@ class Engine:
     self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     table, _ = device.idle_rows(1, self.pages_per_seq)
     self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
+    lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
+            0 in self.policy.candidates)
+    self.draft_sync = draft_sync.DraftSync(self, self.drafter.probe_every,
+                                           self.drafter.observe_tokens) if lazy else None
     self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
                                prefill_rows=prefill_rows, apply_plan=self._apply_plan)
     self.outputs: dict[Hashable, RequestOutput] = {}
@@ -280,7 +287,8 @@ class Engine:
     """Time one decode round at every K the policy may choose (compiling it first if needed),
     over idle rows, `repeats` times each (the K values interleaved); store the fastest in
     `step_costs` (seconds: timing noise on a shared machine only adds) and give them to a
-    policy that needs a cost table.
+    policy that needs a cost table; with a lazy draft cache, time its catch-up calls too
+    (`draft_sync.costs`).
 
     Returns:
       `step_costs`.
@@ -299,6 +307,8 @@ class Engine:
         if r:
           times[k].append(time.perf_counter() - start)
     self.step_costs.update({k: min(t) for k, t in times.items()})
+    if self.draft_sync is not None:
+      self.draft_sync.measure(repeats)
     if self.policy is not None and self.policy.needs_costs:
       self.policy.set_costs(self.step_costs)
     return self.step_costs
@@ -335,11 +345,12 @@ class Engine:
     return RowSampling.stack(params)
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
-    caches = device.bind(self.caches + [None] * (2 - len(self.caches)), table, lengths)
+    draft = self.draft if self.draft_sync is None else None     # lazy: the target alone
+    caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, target_cache, draft_cache = device.prefill_chunk(
-        self.target, self.draft, self.target_params, self.draft_params, caches[0], caches[1],
+        self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],
         tokens, counts, self._next_rng(), sampling)
-    self.caches = [target_cache] if draft_cache is None else [target_cache, draft_cache]
+    self.caches = [target_cache] + ([draft_cache] if draft else self.caches[1:])
     return np.asarray(first)
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
@@ -402,7 +413,10 @@ class Engine:
       lengths[s] = request.num_computed
       pending[s] = request.output[-1]
       room[s] = request.room
-    k, caps = speculation.choose(self.policy, decodes, self.num_slots, self.k)
+    synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
+    k, caps = speculation.choose(self.policy, decodes, self.num_slots, self.k, self.draft_sync)
+    if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
+      start += self.draft_sync.seconds - synced
     contexts = [None] * self.num_slots
     if getattr(self.drafter, 'uses_context', False):
       for request in decodes:
@@ -425,13 +439,18 @@ class Engine:
         request.metrics.accepted += min(n, e)
         self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
                             float(result.trials[s]))
-      self._emit(request, result.window[s, :e].tolist(), now, emitted)
+      self._emit(request, result.window[s, :e].tolist(), now, emitted,
+                 None if result.token_p is None else [float(result.token_p[s])] * e)
+    if self.draft_sync is not None:
+      self.draft_sync.after_round(decodes, k)
     if self.policy is not None:   # host seconds of this round besides the device call
       host_s = time.perf_counter() - start - device_s + self._schedule_s
       self.policy.round_timing(k, device_s, host_s)
 
-  def _emit(self, request: Request, tokens: list, now: float, emitted: dict) -> None:
+  def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
+            token_p=None) -> None:
     request.output.extend(tokens)
+    request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
     request.metrics.num_tokens = len(request.output)
     emitted.setdefault(request.id, []).extend(tokens)
     if request.metrics.first_token_s is None:

@@ -52,9 +52,13 @@ class KPolicy(abc.ABC):
     k_max: K_max (set by `setup`).
     needs_costs: whether `set_costs` must still be called before `choose` (the engine measures
       the cost table at `warm_up`, or before its first decode round).
+    sync_s: seconds the engine must spend before a round at K >= 1 to bring a lazily kept draft
+      cache up to date (`jaxspec.engine.draft_sync`), set before each `choose`; 0 when the
+      draft is in sync or there is none.
   """
 
   needs_costs = False
+  sync_s = 0.0
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -230,8 +234,9 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) = d(K) + h: d(K) the wall time of the device call of one decode round at K for the
-  engine's static shape (its steps run all B slots, idle rows included, so d depends on K, not
+  t(K) = d(K) + h, plus `sync_s` at K >= 1 (a lazy draft cache's catch-up, paid before that
+  round): d(K) the wall time of the device call of one decode round at K for the engine's static
+  shape (its steps run all B slots, idle rows included, so d depends on K, not
   on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens from
   the same round), and h the host seconds per round around it (scheduling, tables, proposals,
   emitting; the same at every K). d starts from the table measured over idle rows at start-up
@@ -308,8 +313,9 @@ class GoodputK(KPolicy):
                           nondecreasing([self._device_s[k] for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
-    """Σ_i E[tokens_i | α_i, K] / (d(K) + h), tokens per second."""
-    return sum(expected_tokens(a, k) for a in alphas) / (self.costs[k] + (self.host_s or 0.0))
+    """Σ_i E[tokens_i | α_i, K] / (d(K) + h + [K >= 1] sync_s), tokens per second."""
+    seconds = self.costs[k] + (self.host_s or 0.0) + (self.sync_s if k >= 1 else 0.0)
+    return sum(expected_tokens(a, k) for a in alphas) / seconds
 
   def choose(self, request_ids):
     if self.costs is None:

@@ -105,6 +105,10 @@ class Request:
     state: where it is; slot: its batch slot while admitted (else None).
     handle: its pages (`jaxspec.cache.Request`) while admitted.
     num_computed: tokens of `context` whose keys/values the caches hold (its cache length).
+    draft_computed: of those, the tokens the draft's cache holds too, when the engine keeps it
+      lazily (`jaxspec.engine.draft_sync`; 0 at every admission).
+    token_p: per emitted token, the target probability p(token) it was drawn with where known
+      (rounds at K = 0), else 0.
     order: admission sequence number (lower = older = higher priority).
   """
 
@@ -119,6 +123,8 @@ class Request:
   slot: Optional[int] = None
   handle: object = None
   num_computed: int = 0
+  draft_computed: int = 0
+  token_p: list = dataclasses.field(default_factory=list)
   order: int = -1
   sampling: SamplingParams = SamplingParams()
   finish_reason: Optional[str] = None

@@ -144,6 +144,7 @@ class Scheduler:
       self.slots[slot] = request
       request.slot, request.handle = slot, handle
       request.num_computed = handle.num_cached
+      request.draft_computed = 0        # a lazy draft cache: shared pages' draft half unknown
       request.metrics.cached_tokens += handle.num_cached
       request.state = State.PREFILL
 

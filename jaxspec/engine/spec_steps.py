@@ -3,6 +3,9 @@ model or of the host, with a per-row cap on how many of the K proposals count, a
 round that keeps a draft model's cache in sync. Jitted once per static shape (rows, K), never per
 request; rows are bound as in `jaxspec.engine.device` (idle rows: null page, room 0).
 
+`draft_catch_up` brings a lazily kept draft cache up to the target's (`jaxspec.engine.draft_sync`)
+and scores the draft on tokens the target drew meanwhile.
+
 Verification is modified rejection sampling (Leviathan et al. 2023, Alg. 1) over the target's
 [B, K+1] pass on [pending, x_1..x_K]. Positions at or past a row's cap get q = 0: they are not
 proposals, so `rejection_sample` rejects them and draws that position from p itself, which is
@@ -18,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.decoding.autoregressive import decode_step
+from jaxspec.decoding.autoregressive import chunk_logits, decode_step
 from jaxspec.decoding.output import cut_lengths
 from jaxspec.decoding.sampling import RowSampling, probabilities, sample
 from jaxspec.decoding.speculative import draft_tokens, verify
@@ -126,4 +129,33 @@ def lookup_step(target: ModelConfig, target_params, target_cache, pending, propo
   return window, n, emitted, target_cache
 
 
-STEPS = (model_step, model_sync_step, lookup_step)
+@functools.partial(jax.jit, static_argnames=('draft',), donate_argnames=('draft_cache',))
+def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts, observe_at,
+                   observe_next, observe_p, sampling: RowSampling):
+  """One chunk of a draft cache's catch-up (the draft alone: a prefill of tokens the target
+  already holds), scoring the draft at chosen tokens against what the target drew next.
+
+  For a token x the target drew from p after some position, the draft's q at that position
+  gives β = min(1, q(x) / p(x)), and E_{x~p}[β] = Σ_v min(p(v), q(v)) = α, the acceptance
+  probability of one drafted token there (Leviathan et al. 2023, Def. 3.1). For greedy rows
+  p(x) = 1 and β = q(x).
+
+  Args:
+    draft_cache: bound draft cache (donated); row r holds lengths[r] tokens already.
+    tokens: [R, C] int32 new tokens, right-padded; counts: [R] int32 real ones (0: idle row,
+      bound to the null page).
+    observe_at: [R, M] int32 indexes into C of the tokens after which the draft is scored.
+    observe_next: [R, M] int32 the token the target drew after each; observe_p: [R, M] float32
+      its probability under the target's p, 0 where nothing is observed.
+    sampling: [R] per-row parameters, the rows' requests' (q is processed as p was).
+  Returns:
+    (successes [R] float32 Σ β, trials [R] float32 scored tokens, draft_cache).
+  """
+  logits, draft_cache = chunk_logits(draft, draft_params, draft_cache, tokens, counts, observe_at)
+  q = jnp.take_along_axis(probabilities(logits, sampling), observe_next[..., None], axis=-1)
+  seen = observe_p > 0
+  beta = jnp.where(seen, jnp.minimum(1.0, q[..., 0] / jnp.where(seen, observe_p, 1.0)), 0.0)
+  return beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), draft_cache
+
+
+STEPS = (model_step, model_sync_step, lookup_step, draft_catch_up)

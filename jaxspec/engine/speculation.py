@@ -53,12 +53,15 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
   return made, policy
 
 
-def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int):
+def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int, draft_sync=None):
   """The round's K and caps [num_slots] int32 (caps[slot] <= K, proposals a row may accept),
   from the policy (None: K = 0), checked.
 
   Args:
     decodes: the decoding requests (with `.id` and `.slot`).
+    draft_sync: the engine's lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) or None:
+      it probes when due and tells the policy its catch-up seconds (`KPolicy.sync_s`) before
+      the choice, and catches the draft up after a choice of K >= 1.
   Raises:
     ValueError: the policy chose a K that is not an int candidate in [0, k_max], or caps that
       are not ints in [0, K] (one per request).
@@ -66,6 +69,8 @@ def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int):
   caps = np.zeros((num_slots,), np.int32)
   if policy is None:
     return 0, caps
+  if draft_sync is not None:
+    policy.sync_s = draft_sync.before_choice(decodes)
   k, row_caps = policy.choose([r.id for r in decodes])
   if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
       not 0 <= k <= k_max or len(row_caps) != len(decodes) or \
@@ -75,5 +80,7 @@ def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int):
                      f'candidate in [0, k={k_max}] and each cap an int in [0, K]')
   for request, c in zip(decodes, row_caps):
     caps[request.slot] = c
+  if draft_sync is not None:
+    draft_sync.before_round(decodes, k)
   return k, caps
 

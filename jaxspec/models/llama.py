@@ -210,13 +210,16 @@ class Transformer(nn.Module):
     With `eviction` (a `jaxspec.cache.EvictionState`, which needs a cache), new keys go to the
     slots the eviction policy chooses, attention is masked by position, and a third result is
     the per-token eviction history (arrays [T, layers, B, S]; see `eviction.after_tokens`).
+    With `logits_at` ([B, n] int32 indexes into T), logits are computed at those tokens only
+    ([B, n, V]): prefill needs the last token's, and the unembedding is a large share of a small
+    model's cost.
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens, positions, cache: Optional[paged.PagedKVCache] = None,
-               eviction=None):
+               eviction=None, logits_at=None):
     c = self.config
     embed = nn.Embed(c.vocab_size, c.d_model, embedding_init=nn.initializers.normal(1.0),
                      name='embed')
@@ -233,6 +236,8 @@ class Transformer(nn.Module):
     for i in range(c.num_layers):
       x, cache, history = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache, eviction)
       histories.append(history)
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
     x = RMSNorm(c.norm_eps, name='final_norm')(x, exact_per_token(c, x, cache))
     if c.tie_embeddings:
       logits = matmul_rows(x, embed.embedding.T.astype(c.dtype), c.exact_verify)

@@ -1,0 +1,172 @@
+"""A lazily kept draft cache: K = 0 rounds run the target alone, and the draft catches up only
+when it is needed (host side; the device step is `spec_steps.draft_catch_up`).
+
+Why: with a draft model and an adaptive K policy, a round at K = 0 used to run one draft step
+beside the target step, only to keep the draft's cache in sync. At large batch sizes, where
+K = 0 is the right choice, that made "adaptive" cost more than plain continuous batching, and it
+skewed the policy's cost ratio t(K) / t(0) toward speculating (t(0) held a draft step the
+baseline never pays). Now:
+
+- Prefill writes the target's cache only.
+- Each request keeps `draft_computed`, the tokens of its context the draft cache holds (0 at
+  every admission: after a preemption, or pages shared by the prefix cache or brought back from
+  the host tier, the draft's half of a page need not hold anything).
+- Before a round at K >= 1, every decoding request whose draft lags is caught up: chunks of
+  `chunk_size` tokens through the draft alone, rows bucketed like prefill calls. The K policy
+  sees the seconds this will take (`KPolicy.sync_s`) before it chooses.
+- Every `probe_every` rounds at K = 0 the same catch-up runs as a probe: the draft is scored on
+  the last `observe_tokens` tokens of each request that the target drew at K = 0 (it knows p of
+  each), β = min(1, q(x) / p(x)) with E[β] = α, so the policy's α estimates keep moving while it
+  does not speculate, at one small draft call per `probe_every` target rounds.
+
+After a round at K >= 1 the draft holds what the target holds (the invariant of
+`spec_steps.model_step`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from jaxspec.engine import device, spec_steps
+
+
+class DraftSync:
+  """The engine's lazy draft cache (see the module doc).
+
+  Args:
+    engine: the `Engine` (its draft, caches, chunk size, prefill row buckets, policy).
+    probe_every: K = 0 rounds between two probing catch-ups (>= 1).
+    observe_tokens: M, tokens per request a catch-up scores at most.
+  Attributes:
+    costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
+    rounds_since: K = 0 rounds since the draft last caught up.
+    num_calls: catch-up calls run so far; seconds: their wall time (host and device).
+  """
+
+  def __init__(self, engine, probe_every: int, observe_tokens: int):
+    self.engine = engine
+    self.probe_every, self.observe_tokens = probe_every, observe_tokens
+    self.costs: dict = {}
+    self.rounds_since = 0
+    self.num_calls = 0
+    self.seconds = 0.0
+
+  # ------------------------------------------------------------ round hooks
+
+  def before_choice(self, decodes) -> float:
+    """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
+    policy's `sync_s`: a round at K >= 1 pays it first)."""
+    if self.rounds_since >= self.probe_every and _lagging(decodes):
+      self.catch_up(decodes)
+    return self.pending_s(decodes)
+
+  def before_round(self, decodes, k: int) -> None:
+    """A round at K >= 1 needs every decoding request's draft cache complete."""
+    if k >= 1:
+      self.catch_up(decodes)
+
+  def after_round(self, decodes, k: int) -> None:
+    """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote."""
+    if k >= 1:
+      for request in decodes:
+        request.draft_computed = request.num_computed
+    else:
+      self.rounds_since += 1
+
+  # ------------------------------------------------------------ catch-up
+
+  def pending_s(self, decodes) -> float:
+    """Estimated seconds to catch up `decodes` now: per chunk pass, one call of the row bucket
+    holding the lagging requests (0 when none lags or before `measure`)."""
+    lags = [r.num_computed - r.draft_computed for r in _lagging(decodes)]
+    if not lags or not self.costs:
+      return 0.0
+    passes = math.ceil(max(lags) / self.engine.chunk_size)
+    rows = self.engine.prefill_rows
+    groups, last = divmod(len(lags), rows)
+    per_pass = groups * self.costs[rows] + (self.costs[_bucket(self.engine, last)] if last else 0)
+    return passes * per_pass
+
+  def catch_up(self, decodes) -> None:
+    """Run the draft over every lagging request's context[draft_computed:num_computed], in
+    chunks, and give the policy the scores (as K = 0 observations)."""
+    start = time.perf_counter()
+    lagging = _lagging(decodes)
+    rows = self.engine.prefill_rows
+    for i in range(0, len(lagging), rows):
+      group = lagging[i:i + rows]
+      while group:
+        self._call(group)
+        group = [r for r in group if r.draft_computed < r.num_computed]
+    self.rounds_since = 0
+    self.seconds += time.perf_counter() - start
+
+  def _call(self, group) -> None:
+    engine, m = self.engine, self.observe_tokens
+    rows = _bucket(engine, len(group))
+    table, lengths = device.idle_rows(rows, engine.pages_per_seq)
+    tokens = np.zeros((rows, engine.chunk_size), np.int32)
+    counts = np.zeros((rows,), np.int32)
+    at = np.zeros((rows, m), np.int32)
+    nxt = np.zeros((rows, m), np.int32)
+    prob = np.zeros((rows, m), np.float32)
+    for row, request in enumerate(group):
+      start = request.draft_computed
+      n = min(engine.chunk_size, request.num_computed - start)
+      context = request.context
+      pages = request.handle.pages
+      table[row, :len(pages)] = pages
+      lengths[row] = start
+      tokens[row, :n] = context[start:start + n]
+      counts[row] = n
+      first_output = len(request.prompt)
+      for j, c in enumerate(range(max(0, n - m), n)):   # token start + c; the target drew c + 1
+        position = start + c + 1 - first_output
+        at[row, j] = c
+        if position >= 0 and request.token_p[position] > 0:
+          nxt[row, j] = context[start + c + 1]
+          prob[row, j] = request.token_p[position]
+    sampling = engine._row_sampling(list(enumerate(group)), rows)
+    bound = device.bind([engine.caches[1]], table, lengths)[0]
+    successes, trials, engine.caches[1] = spec_steps.draft_catch_up(
+        engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
+    successes, trials = np.asarray(successes), np.asarray(trials)
+    self.num_calls += 1
+    for row, request in enumerate(group):
+      request.draft_computed += int(counts[row])
+      if trials[row] > 0 and engine.policy is not None:
+        engine.policy.observe(request.id, 0, 0, float(successes[row]), float(trials[row]))
+
+  def measure(self, repeats: int) -> dict:
+    """Compile and time one catch-up call per row bucket over idle rows (the fastest of
+    `repeats`); returns `costs` {rows: seconds}."""
+    engine, m = self.engine, self.observe_tokens
+    for rows in engine.prefill_buckets:
+      times = []
+      for r in range(repeats + 1):                   # the first call compiles
+        table, lengths = device.idle_rows(rows, engine.pages_per_seq)
+        zeros = np.zeros((rows, m), np.int32)
+        start = time.perf_counter()
+        bound = device.bind([engine.caches[1]], table, lengths)[0]
+        out = spec_steps.draft_catch_up(
+            engine.draft, engine.draft_params, bound,
+            np.zeros((rows, engine.chunk_size), np.int32), np.zeros((rows,), np.int32), zeros,
+            zeros, np.zeros((rows, m), np.float32), engine._row_sampling([], rows))
+        engine.caches[1] = out[2]
+        np.asarray(out[0])
+        if r:
+          times.append(time.perf_counter() - start)
+      self.costs[rows] = min(times)
+    return self.costs
+
+
+def _lagging(decodes) -> list:
+  return [r for r in decodes if r.draft_computed < r.num_computed]
+
+
+def _bucket(engine, n: int) -> int:
+  """The smallest compiled row count holding n rows."""
+  return min(b for b in engine.prefill_buckets if b >= n)
