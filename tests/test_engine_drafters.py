@@ -79,14 +79,16 @@ def _requests(seed):
 
 @pytest.mark.parametrize('drafter,policy,num_pages', [
     ('ngram', 'scripted', SMALL),
-    ('model', 'scripted', SMALL),
+    ('model', 'scripted', SMALL),           # a lazy draft cache (the policy has K = 0)
+    ('eager', 'scripted', SMALL),           # the draft runs in K = 0 rounds too
     ('model', 'schedule', BIG),
     ('model', 'goodput', BIG),
 ])
 def test_greedy_every_request_equals_it_decoded_alone(tiny, tiny_draft, alone, drafter, policy,
                                                       num_pages):
   config, params = tiny
-  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1]) if drafter == 'model' else {}
+  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1]) if drafter != 'ngram' else {}
+  drafter = ModelDrafter(lazy=False) if drafter == 'eager' else drafter
   k_policy = Scripted([3, 0, 1, 0, 0, 3, 1]) if policy == 'scripted' else policy
   engine = Engine(config, params, num_pages=num_pages, drafter=drafter, k=K, k_policy=k_policy,
                   **spec, **SHAPES)
@@ -100,18 +102,23 @@ def test_greedy_every_request_equals_it_decoded_alone(tiny, tiny_draft, alone, d
     assert sum(o.metrics.preemptions for o in outs) > 0
   if policy == 'scripted':                        # really switched K, K = 0 rounds included
     assert set(engine.k_rounds) == {0, 1, 3}
+    lazy = isinstance(drafter, str) and drafter == 'model'
+    assert (engine.draft_sync is not None) == lazy
   if policy == 'goodput':
     assert set(engine.step_costs) == {0, 1, 2, 3}
   assert engine.prefix.num_held == 0
 
 
-def test_goodput_leaves_k0_when_the_draft_agrees(tiny):
-  # The tracker starts at α = 0, so the first rounds run K = 0; a draft equal to the target has
-  # Σ min(p, q) = 1 in those rounds, the estimate rises and the policy moves to K_max.
+@pytest.mark.parametrize('lazy', [True, False])
+def test_goodput_leaves_k0_when_the_draft_agrees(tiny, lazy):
+  # The tracker starts at α = 0, so the first rounds run K = 0; a draft equal to the target
+  # scores 1 on what the target drew (lazy: the probe after `probe_every` K = 0 rounds; eager:
+  # Σ min(p, q) = 1 in each K = 0 round), the estimate rises and the policy moves to K_max.
   config, params = tiny
   policy = GoodputK(tracker=AlphaTracker(prior=0.0), costs={k: 1.0 for k in range(K + 1)})
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
-                  k_policy=policy, **SHAPES)
+                  k_policy=policy, drafter=ModelDrafter(lazy=lazy, probe_every=4, probe_budget=None),
+                  **SHAPES)
   prompt = _prompts([11], seed=3)[0]
   rid = engine.add_request(prompt, max_tokens=M)
   out = engine.run()[rid]
@@ -120,12 +127,17 @@ def test_goodput_leaves_k0_when_the_draft_agrees(tiny):
   assert engine.k_rounds[0] >= 1 and engine.k_rounds[K] >= 1
   lengths = out.metrics.accepted_lengths                  # K = 0 rounds first, then no rejection
   assert lengths[0] == 1 and K + 1 in lengths and set(lengths[:-1]) <= {1, K + 1}
+  if lazy:                                                # exactly probe_every rounds at K = 0
+    assert lengths[:5] == [1, 1, 1, 1, K + 1]
 
 
-def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny):
+@pytest.mark.parametrize('lazy', [True, False])
+def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny, lazy):
   # Draft = target at temperature 1 (exact-verify numerics): while the draft cache is in sync,
-  # every proposal is accepted and every K = 0 round observes Σ min(p, q) = 1. A K = 0 round
-  # that skipped the draft (or wrote the wrong token) would make later q differ from p.
+  # every proposal is accepted and every K = 0 observation is 1 (eager: Σ min(p, q) per round;
+  # lazy: min(1, q(x) / p(x)) per token the catch-up scores). A K = 0 round that skipped the
+  # draft (or a catch-up that wrote the wrong token or scored the wrong position) would make
+  # later q differ from p.
   config, params = tiny
   seen = []
 
@@ -135,12 +147,13 @@ def test_sampled_self_draft_stays_in_sync_across_k_switches(tiny):
 
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
                   k_policy=Record([K, 0, 0]), sampling=SamplingParams(temperature=1.0),
-                  **SHAPES)
+                  drafter=ModelDrafter(lazy=lazy), **SHAPES)
   ids = [engine.add_request(p, max_tokens=M) for p in _prompts([6, 19, 11], seed=7)]
   outs = engine.run()
   assert all(len(outs[i].tokens) == M for i in ids)
-  zero = [s for k, _, s, t in seen if k == 0 and t > 0]       # K = 0 rounds (cap 0: no trial)
-  assert len(zero) > 10 and zero == pytest.approx([1.0] * len(zero), abs=1e-5)
+  zero = [s / t for k, _, s, t in seen if k == 0 and t > 0]   # K = 0 (cap 0: no trial)
+  trials = sum(t for k, _, _, t in seen if k == 0)
+  assert trials > 10 and zero == pytest.approx([1.0] * len(zero), abs=1e-5)
   assert all(a == k for k, a, _, _ in seen if k > 0)           # every capped proposal accepted
 
 
@@ -176,7 +189,9 @@ def test_compiles_once_per_k_used_and_never_per_request(tiny, tiny_draft):
   engine.warm_up(cost_repeats=1)
   warm = compile_counts()
   added = {f: warm[f] - before[f] for f in warm}
-  assert added['model_step'] <= 2 and added['model_sync_step'] <= 1 and added['lookup_step'] == 0
+  assert added['model_step'] <= 2 and added['lookup_step'] == 0
+  assert added['model_sync_step'] == 0                      # a lazy draft cache: catch-ups
+  assert set(engine.draft_sync.costs) == set(engine.prefill_buckets)   # compiled and timed
   assert set(engine.step_costs) == {0, 1, K} and all(t > 0 for t in engine.step_costs.values())
   requests = [(p, 3 + 2 * i) for i, p in enumerate(_prompts([1, 7, 9, 23, 40], seed=5))]
   _run_staggered(engine, requests, arrivals=[0, 0, 1, 3, 4])

@@ -14,10 +14,14 @@ baseline never pays). Now:
 - Before a round at K >= 1, every decoding request whose draft lags is caught up: chunks of
   `chunk_size` tokens through the draft alone, rows bucketed like prefill calls. The K policy
   sees the seconds this will take (`KPolicy.sync_s`) before it chooses.
-- Every `probe_every` rounds at K = 0 the same catch-up runs as a probe: the draft is scored on
-  the last `observe_tokens` tokens of each request that the target drew at K = 0 (it knows p of
-  each), β = min(1, q(x) / p(x)) with E[β] = α, so the policy's α estimates keep moving while it
-  does not speculate, at one small draft call per `probe_every` target rounds.
+- A catch-up scores the draft on the last `observe_tokens` tokens of each request it caught up
+  that the target drew at K = 0 (it knows p of each): β = min(1, q(x) / p(x)), E[β] = α.
+- While the policy stays at K = 0, a probe catches up `probe_rows` requests (the least behind)
+  at most every `probe_every` rounds, and only when probing so far cost at most `probe_budget`
+  of the time of the K = 0 rounds since (estimated from the measured call and round costs), so
+  the α estimates keep moving while it does not speculate at a bounded price. Catching up every
+  request every round is what the draft step of an eager K = 0 round did; it costs about as
+  much in the draft however it is batched.
 
 After a round at K >= 1 the draft holds what the target holds (the invariant of
 `spec_steps.model_step`).
@@ -38,7 +42,9 @@ class DraftSync:
 
   Args:
     engine: the `Engine` (its draft, caches, chunk size, prefill row buckets, policy).
-    probe_every: K = 0 rounds between two probing catch-ups (>= 1).
+    probe_every: K = 0 rounds between two probes at least (>= 1).
+    probe_rows: requests a probe catches up.
+    probe_budget: the fraction of K = 0 round time probes may take (None: no bound).
     observe_tokens: M, tokens per request a catch-up scores at most.
   Attributes:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
@@ -46,11 +52,13 @@ class DraftSync:
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
   """
 
-  def __init__(self, engine, probe_every: int, observe_tokens: int):
+  def __init__(self, engine, probe_every: int, probe_rows: int, probe_budget, observe_tokens: int):
     self.engine = engine
-    self.probe_every, self.observe_tokens = probe_every, observe_tokens
+    self.probe_every, self.probe_rows = probe_every, probe_rows
+    self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
     self.costs: dict = {}
     self.rounds_since = 0
+    self.zero_s = 0.0            # estimated seconds of the K = 0 rounds since the last catch-up
     self.num_calls = 0
     self.seconds = 0.0
 
@@ -59,8 +67,12 @@ class DraftSync:
   def before_choice(self, decodes) -> float:
     """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
     policy's `sync_s`: a round at K >= 1 pays it first)."""
-    if self.rounds_since >= self.probe_every and _lagging(decodes):
-      self.catch_up(decodes)
+    if self.rounds_since >= self.probe_every:
+      probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
+                     key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
+      if probe and (self.probe_budget is None or
+                    self.pending_s(probe) <= self.probe_budget * self.zero_s):
+        self.catch_up(probe)
     return self.pending_s(decodes)
 
   def before_round(self, decodes, k: int) -> None:
@@ -75,6 +87,7 @@ class DraftSync:
         request.draft_computed = request.num_computed
     else:
       self.rounds_since += 1
+      self.zero_s += self.engine.step_costs.get(0, 0.0)
 
   # ------------------------------------------------------------ catch-up
 
@@ -101,7 +114,7 @@ class DraftSync:
       while group:
         self._call(group)
         group = [r for r in group if r.draft_computed < r.num_computed]
-    self.rounds_since = 0
+    self.rounds_since, self.zero_s = 0, 0.0
     self.seconds += time.perf_counter() - start
 
   def _call(self, group) -> None:

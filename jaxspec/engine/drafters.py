@@ -103,29 +103,39 @@ class ModelDrafter(Drafter):
 
   K = 0 rounds: with a lazy draft cache (the default when the engine's K policy may choose
   K = 0), the target runs alone and the draft catches up later, in chunks, before the next round
-  at K >= 1 or every `probe_every` rounds at K = 0 to score itself on what the target drew
-  (`jaxspec.engine.draft_sync`): K = 0 then costs what plain continuous batching costs. With
+  at K >= 1, and a few requests now and then (probes) to score it on what the target drew
+  (`jaxspec.engine.draft_sync`): K = 0 then costs about what plain continuous batching costs. With
   `lazy=False` the draft runs on the pending token too (`spec_steps.model_sync_step`): its cache
   stays in sync and Σ min(p, q) is the round's acceptance observation (trials 1).
 
   Args:
     lazy: keep the draft cache lazily when the policy may choose K = 0 (ignored otherwise: at
       K >= 1 every round the draft is always in sync, and it is prefilled with the target).
-    probe_every: K = 0 rounds between two catch-ups that score the draft (>= 1).
+    probe_every: K = 0 rounds between two probes at least (>= 1).
+    probe_rows: requests a probe catches up and scores (>= 1; the least behind first).
+    probe_budget: the fraction of the K = 0 rounds' time that probes may take, in (0, 1]
+      (estimated from the measured costs; None: probe every `probe_every` rounds regardless).
     observe_tokens: M, tokens per request a catch-up scores at most (its last M; >= 1).
   Raises:
-    ValueError: probe_every or observe_tokens not an int >= 1.
+    ValueError: a value out of range.
   """
 
   uses_draft_model = True
 
-  def __init__(self, lazy: bool = True, probe_every: int = 16, observe_tokens: int = 8):
+  def __init__(self, lazy: bool = True, probe_every: int = 16, probe_rows: int = 2,
+               probe_budget: Optional[float] = 0.02, observe_tokens: int = 8):
     if not isinstance(lazy, bool):
       raise ValueError(f'lazy must be a bool, got {lazy!r}')
-    for name, v in (('probe_every', probe_every), ('observe_tokens', observe_tokens)):
+    for name, v in (('probe_every', probe_every), ('probe_rows', probe_rows),
+                    ('observe_tokens', observe_tokens)):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f'{name} must be an int >= 1, got {v!r}')
-    self.lazy, self.probe_every, self.observe_tokens = lazy, probe_every, observe_tokens
+    if probe_budget is not None and (isinstance(probe_budget, bool) or
+                                     not isinstance(probe_budget, (int, float)) or
+                                     not 0 < probe_budget <= 1):
+      raise ValueError(f'probe_budget must be None or a number in (0, 1], got {probe_budget!r}')
+    self.lazy, self.probe_every, self.probe_rows = lazy, probe_every, probe_rows
+    self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
 
   def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0

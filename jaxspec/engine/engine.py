@@ -142,8 +142,9 @@ class Engine:
     self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
     lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
             0 in self.policy.candidates)
-    self.draft_sync = draft_sync.DraftSync(self, self.drafter.probe_every,
-                                           self.drafter.observe_tokens) if lazy else None
+    d = self.drafter
+    self.draft_sync = draft_sync.DraftSync(self, d.probe_every, d.probe_rows, d.probe_budget,
+                                           d.observe_tokens) if lazy else None
     self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
                                prefill_rows=prefill_rows, apply_plan=self._apply_plan)
     self.outputs: dict[Hashable, RequestOutput] = {}

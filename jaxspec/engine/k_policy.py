@@ -33,6 +33,8 @@ import math
 import numbers
 from typing import Hashable, Mapping, Optional, Sequence
 
+import numpy as np
+
 
 def _real(name: str, value, low: float, high: float, high_open: bool = False) -> float:
   """`value` as a finite float in [low, high] (or [low, high)); ValueError naming it."""
@@ -54,11 +56,13 @@ class KPolicy(abc.ABC):
       the cost table at `warm_up`, or before its first decode round).
     sync_s: seconds the engine must spend before a round at K >= 1 to bring a lazily kept draft
       cache up to date (`jaxspec.engine.draft_sync`), set before each `choose`; 0 when the
-      draft is in sync or there is none.
+      draft is in sync or there is none. sync_room: the mean tokens the decoding requests may
+      still emit then (the catch-up serves the rounds that emit them).
   """
 
   needs_costs = False
   sync_s = 0.0
+  sync_room = 0.0
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -234,8 +238,8 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) = d(K) + h, plus `sync_s` at K >= 1 (a lazy draft cache's catch-up, paid before that
-  round): d(K) the wall time of the device call of one decode round at K for the engine's static
+  t(K) = d(K) + h, plus at K >= 1 a lazy draft cache's catch-up (`sync_s`, paid once before
+  that round, spread over the rounds it serves: see `goodput`): d(K) the wall time of the device call of one decode round at K for the engine's static
   shape (its steps run all B slots, idle rows included, so d depends on K, not
   on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens from
   the same round), and h the host seconds per round around it (scheduling, tables, proposals,
@@ -313,15 +317,24 @@ class GoodputK(KPolicy):
                           nondecreasing([self._device_s[k] for k in self.candidates])))
 
   def goodput(self, alphas: Sequence[float], k: int) -> float:
-    """Σ_i E[tokens_i | α_i, K] / (d(K) + h + [K >= 1] sync_s), tokens per second."""
-    seconds = self.costs[k] + (self.host_s or 0.0) + (self.sync_s if k >= 1 else 0.0)
-    return sum(expected_tokens(a, k) for a in alphas) / seconds
+    """Σ_i E[tokens_i | α_i, K] / (d(K) + h + [K >= 1] sync_s / R), tokens per second, with
+    R = max(1, sync_room / mean_i E[tokens_i]) the rounds the catch-up serves."""
+    return self._per_second(sum(expected_tokens(a, k) for a in alphas), len(alphas), k)
+
+  def _per_second(self, tokens: float, rows: int, k: int) -> float:
+    seconds = self.costs[k] + (self.host_s or 0.0)
+    if k >= 1 and self.sync_s > 0:
+      seconds += self.sync_s / max(1.0, self.sync_room * rows / tokens)
+    return tokens / seconds
 
   def choose(self, request_ids):
     if self.costs is None:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
-    alphas = [self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha]
-    scores = {k: self.goodput(alphas, k) for k in self.candidates}
+    alphas = np.array([self.tracker.alpha(r) for r in request_ids] or
+                      [self.tracker.global_alpha])
+    # Σ_i E[tokens_i | K] for K = 0..K_max at once: cumulative sums of α_i^j (`goodput`).
+    totals = np.cumsum(alphas[:, None] ** np.arange(self.k_max + 1), axis=1).sum(axis=0)
+    scores = {k: self._per_second(float(totals[k]), len(alphas), k) for k in self.candidates}
     best = max(scores.values())
     k = min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
     return k, [k] * len(request_ids)

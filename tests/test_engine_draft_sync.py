@@ -1,0 +1,131 @@
+"""The lazy draft cache (`jaxspec.engine.draft_sync`): K = 0 rounds never run the draft, the probe
+scores the draft on exactly the tokens the target drew at K = 0, catch-ups over prefix-shared
+pages leave a correct draft cache, the policy sees the catch-up seconds."""
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import Engine
+from jaxspec.engine.drafters import ModelDrafter
+from jaxspec.engine.k_policy import GoodputK, KPolicy
+from jaxspec.models import Transformer
+
+L, K = 8, 3
+SHAPES = dict(num_slots=3, page_size=L, chunk_size=8, num_pages=64)   # as test_engine_drafters
+
+
+class Record(KPolicy):
+  """K from a fixed cycle (candidates include 0, so the draft cache is lazy); records the
+  observations that observed something."""
+
+  def __init__(self, ks):
+    super().__init__()
+    self.ks, self.calls, self.seen = list(ks), 0, []
+
+  @property
+  def candidates(self):
+    return tuple(sorted(set(self.ks) | {0}))
+
+  def choose(self, request_ids):
+    k = self.ks[self.calls % len(self.ks)]
+    self.calls += 1
+    return k, [k] * len(request_ids)
+
+  def observe(self, request_id, k, accepted, successes, trials):
+    if trials > 0:
+      self.seen.append((request_id, k, accepted, successes, trials))
+
+
+def _prompts(lengths, seed):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(3, 64, size=n).tolist() for n in lengths]
+
+
+def test_k0_rounds_never_run_the_draft(tiny, tiny_draft):
+  config, params = tiny
+  policy = Record([0])
+  engine = Engine(config, params, draft=tiny_draft[0], draft_params=tiny_draft[1], k=K,
+                  k_policy=policy, drafter=ModelDrafter(probe_every=1000), **SHAPES)
+  draft_pages = np.asarray(engine.caches[1].k_pages).copy()
+  ids = [engine.add_request(p, max_tokens=12) for p in _prompts([5, 13], seed=0)]
+  outs = engine.run()
+  assert [len(outs[i].tokens) for i in ids] == [12, 12]
+  assert engine.draft_sync.num_calls == 0 and policy.seen == []
+  np.testing.assert_array_equal(np.asarray(engine.caches[1].k_pages), draft_pages)
+
+
+def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
+  # Greedy: β = q(x) = [draft argmax after the context so far == x] for every token x the target
+  # drew in a K = 0 round; the first token (drawn by prefill) has no known p and is not scored.
+  # Recomputed here from one causal pass of the draft over the whole context.
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  policy = Record([0])
+  engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K, k_policy=policy,
+                  drafter=ModelDrafter(probe_every=3, probe_rows=2, probe_budget=None,
+                                          observe_tokens=L), **SHAPES)
+  prompts = _prompts([6, 11], seed=1)
+  ids = [engine.add_request(p, max_tokens=17) for p in prompts]
+  outs = engine.run()
+  assert engine.draft_sync.num_calls >= 5
+  for rid, prompt in zip(ids, prompts):
+    context = prompt + outs[rid].tokens
+    positions = np.arange(len(context), dtype=np.int32)[None]
+    logits, _ = Transformer(draft).apply(draft_params, np.asarray(context, np.int32)[None],
+                                         positions, None)
+    hits = np.argmax(np.asarray(logits[0]), axis=-1)[:-1] == np.asarray(context[1:])
+    got = [(s, t) for r, k, _, s, t in policy.seen if r == rid]
+    assert all(k == 0 for r, k, *_ in policy.seen)
+    trials = int(sum(t for _, t in got))
+    # Scored: outputs 2.. (K = 0 draws) up to what the last probe before the end caught up.
+    assert 3 <= trials <= 16
+    first = len(prompt)                             # index in context of output 1
+    expected = hits[first:first + trials].sum()     # predictions of outputs 2 .. trials + 1
+    assert sum(s for s, _ in got) == expected
+
+
+def test_catch_up_over_prefix_shared_pages_leaves_a_correct_draft(tiny):
+  # The second request finds the first's prompt pages in the prefix cache; their draft half was
+  # never written (the first prefilled the target only). With draft = target, every proposal is
+  # accepted only if the catch-up rebuilt the draft cache of both requests correctly.
+  config, params = tiny
+  policy = Record([0, 0, K])
+  engine = Engine(config, params, draft=config, draft_params=params, k=K, k_policy=policy,
+                  **SHAPES)
+  prompt = _prompts([3 * L + 2], seed=2)[0]
+  first = engine.add_request(prompt, max_tokens=14)
+  for _ in range(4):
+    engine.step()
+  second = engine.add_request(prompt, max_tokens=14)
+  outs = engine.run()
+  assert outs[second].metrics.cached_tokens >= 3 * L
+  for rid in (first, second):
+    m = outs[rid].metrics
+    assert m.proposed > 0 and m.accepted == m.proposed
+  assert outs[first].tokens == outs[second].tokens
+
+
+def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
+  config, params = tiny
+  engine = Engine(config, params, draft=tiny_draft[0], draft_params=tiny_draft[1], k=K,
+                  k_policy=Record([0]), **SHAPES)
+  sync = engine.draft_sync
+  sync.costs = {1: 0.5, 2: 0.75, 3: 1.0}                  # seconds per call, per row bucket
+
+  class Req:
+    def __init__(self, computed, drafted):
+      self.num_computed, self.draft_computed = computed, drafted
+
+  assert sync.pending_s([Req(9, 9), Req(4, 4)]) == 0.0
+  assert sync.pending_s([Req(9, 2), Req(4, 4)]) == 0.5                 # 1 row, 1 pass
+  assert sync.pending_s([Req(20, 2), Req(4, 0), Req(5, 5)]) == 3 * 0.75  # 2 rows, 3 passes
+  # Goodput pays the catch-up before a round at K >= 1 only.
+  policy = GoodputK(costs={0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6})
+  policy.setup(K)
+  for _ in range(20):
+    policy.observe('r', 2, 2, 2.0, 2.0)                  # α -> 1
+  assert policy.choose(['r'])[0] == K
+  policy.sync_s, policy.sync_room = 10.0, 4.0           # one round left: pays it all
+  assert policy.choose(['r'])[0] == 0
+  policy.sync_room = 4000.0                              # ~1000 rounds share it
+  assert policy.choose(['r'])[0] == K
