@@ -3,7 +3,6 @@ scores the draft on exactly the tokens the target drew at K = 0, catch-ups over 
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
 import numpy as np
-import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.drafters import ModelDrafter
@@ -125,7 +124,7 @@ def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
   for _ in range(20):
     policy.observe('r', 2, 2, 2.0, 2.0)                  # α -> 1
   assert policy.choose(['r'])[0] == K
-  policy.sync_s, policy.sync_room = 10.0, 4.0           # one round left: pays it all
+  policy.sync_s, policy.rooms = 10.0, [4]               # one round left: pays it all
   assert policy.choose(['r'])[0] == 0
-  policy.sync_room = 4000.0                              # ~1000 rounds share it
+  policy.rooms = [4000]                                  # ~1000 rounds share it
   assert policy.choose(['r'])[0] == K

@@ -326,14 +326,29 @@ def test_goodput_follows_alpha_and_the_cost_table():
   policy.round_timing(0, 1.0, 10.0)
   assert policy.choose(['a'])[0] == 1                        # 1 / 11 < 1.6 / 12
   # Live rounds at K = 1 costing more than the start-up table said move the choice back.
+  policy.round_timing(0, 1.0, 10.0)
   for _ in range(30):
     policy.round_timing(1, 20.0, 10.0)
   assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
+  # A K not run yet keeps its start-up ratio to those run: live K = 0 rounds at twice the
+  # start-up time make the table's K = 2 twice as dear too.
+  policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0})
+  policy.setup(2)
+  for _ in range(50):
+    policy.round_timing(0, 2.0, 0.0)
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0}, rel=1e-6)
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke
   assert _goodput(0.3, noisy) == 0
   assert expected_tokens(0.5, 2) == 1.75 and expected_tokens(1.0, 3) == 4
+  # A round emits at most `room` tokens: near the end of requests a large K gains nothing.
+  policy = GoodputK(tracker=AlphaTracker(prior=0.9), costs={0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6})
+  policy.setup(3)
+  assert policy.choose(['a', 'b'])[0] == 3
+  policy.rooms = [2, 2]                                      # K = 1 emits both; more is waste
+  assert policy.choose(['a', 'b'])[0] == 1
+  assert policy.goodput([0.9, 0.9], 3, [2, 2]) == pytest.approx(2 * 1.9 / 1.6)
 
 
 def test_goodput_alpha_recovers_after_k0_rounds():

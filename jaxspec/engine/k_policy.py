@@ -56,13 +56,15 @@ class KPolicy(abc.ABC):
       the cost table at `warm_up`, or before its first decode round).
     sync_s: seconds the engine must spend before a round at K >= 1 to bring a lazily kept draft
       cache up to date (`jaxspec.engine.draft_sync`), set before each `choose`; 0 when the
-      draft is in sync or there is none. sync_room: the mean tokens the decoding requests may
-      still emit then (the catch-up serves the rounds that emit them).
+      draft is in sync or there is none.
+    rooms: tokens each request of the coming `choose` may still emit (aligned with its
+      request_ids; set by the engine before each `choose`, None when unknown): a round emits at
+      most that many, and a lazy draft's catch-up serves the rounds that emit them.
   """
 
   needs_costs = False
   sync_s = 0.0
-  sync_room = 0.0
+  rooms: Optional[Sequence[int]] = None
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -239,15 +241,18 @@ class GoodputK(KPolicy):
   TurboSpec), every row capped at K.
 
   t(K) = d(K) + h, plus at K >= 1 a lazy draft cache's catch-up (`sync_s`, paid once before
-  that round, spread over the rounds it serves: see `goodput`): d(K) the wall time of the device call of one decode round at K for the engine's static
-  shape (its steps run all B slots, idle rows included, so d depends on K, not
-  on how many rows are busy; the batch size enters through Σ_i: more rows gain more tokens from
-  the same round), and h the host seconds per round around it (scheduling, tables, proposals,
-  emitting; the same at every K). d starts from the table measured over idle rows at start-up
-  and each K's entry follows an EMA of the rounds really run at it (`round_timing`; live rounds
-  also pay what idle ones skip, e.g. a draft model's extra step after a fully accepted round),
-  kept non-decreasing in K; h is an EMA of the reported host time. Without h, a K > 0 round
-  looks relatively dearer than it is when host work is a large part of a round.
+  that round, spread over the rounds it serves: see `goodput`). d(K) is the wall time of the
+  device call of one decode round at K for the engine's static shape (its steps run all B
+  slots, idle rows included, so d depends on K, not on how many rows are busy; the batch size
+  enters through Σ_i: more rows gain more tokens from the same round). It starts from the table
+  measured over idle rows at start-up; a K run live follows an EMA of its live rounds
+  (`round_timing`; live rounds also pay what idle ones skip, e.g. a draft model's extra step
+  after a fully accepted round), and a K not run yet is its start-up time times the mean
+  live / start-up ratio of the K values run, so the table's ratios survive a drift in the
+  machine's speed; kept non-decreasing in K. h is an EMA of the host seconds per round around
+  the call (scheduling, tables, proposals, emitting; the same at every K): without it a K > 0
+  round looks relatively dearer than it is when host work is a large part of a round. E_i is
+  capped by what request i may still emit (`KPolicy.rooms`).
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -270,7 +275,8 @@ class GoodputK(KPolicy):
     timing_decay = _real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
     self.timing_decay = timing_decay
     self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
-    self._device_s: dict = {}               # d(K) before the non-decreasing fit
+    self._idle: dict = {}                   # d(K) of the start-up table
+    self._live: dict = {}                   # EMA of live rounds' device seconds per K run
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -309,22 +315,34 @@ class GoodputK(KPolicy):
            if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
     if bad:
       raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
-    self._device_s = {k: float(costs[k]) for k in self.candidates}
+    self._idle = {k: float(costs[k]) for k in self.candidates}
+    self._live = {}
     self._fit()
 
   def _fit(self):
-    self.costs = dict(zip(self.candidates,
-                          nondecreasing([self._device_s[k] for k in self.candidates])))
+    # A K run live costs its EMA; one not run yet costs its start-up time scaled by the mean
+    # live / start-up ratio of those run (live rounds pay for real pages and lengths, and the
+    # machine's speed drifts: scaling keeps the table's ratios instead of comparing a live K
+    # with an idle one).
+    scale = (sum(self._live[k] / self._idle[k] for k in self._live) / len(self._live)
+             if self._live else 1.0)
+    d = [self._live.get(k, self._idle[k] * scale) for k in self.candidates]
+    self.costs = dict(zip(self.candidates, nondecreasing(d)))
 
-  def goodput(self, alphas: Sequence[float], k: int) -> float:
-    """Σ_i E[tokens_i | α_i, K] / (d(K) + h + [K >= 1] sync_s / R), tokens per second, with
-    R = max(1, sync_room / mean_i E[tokens_i]) the rounds the catch-up serves."""
-    return self._per_second(sum(expected_tokens(a, k) for a in alphas), len(alphas), k)
+  def goodput(self, alphas: Sequence[float], k: int,
+              rooms: Optional[Sequence[int]] = None) -> float:
+    """Σ_i E_i / (d(K) + h + [K >= 1] sync_s / R), tokens per second: E_i = E[tokens | α_i,
+    min(K, room_i - 1)] (a round emits at most room_i tokens; uncapped without rooms) and
+    R = max(1, mean_i room_i / mean_i E_i), the rounds the catch-up serves (1 without rooms)."""
+    caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
+    tokens = sum(expected_tokens(a, c) for a, c in zip(alphas, caps))
+    return self._per_second(tokens, len(alphas), k, rooms)
 
-  def _per_second(self, tokens: float, rows: int, k: int) -> float:
+  def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
     seconds = self.costs[k] + (self.host_s or 0.0)
     if k >= 1 and self.sync_s > 0:
-      seconds += self.sync_s / max(1.0, self.sync_room * rows / tokens)
+      room = sum(rooms) / len(rooms) if rooms else 0.0
+      seconds += self.sync_s / max(1.0, room * rows / tokens)
     return tokens / seconds
 
   def choose(self, request_ids):
@@ -332,9 +350,14 @@ class GoodputK(KPolicy):
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     alphas = np.array([self.tracker.alpha(r) for r in request_ids] or
                       [self.tracker.global_alpha])
-    # Σ_i E[tokens_i | K] for K = 0..K_max at once: cumulative sums of α_i^j (`goodput`).
-    totals = np.cumsum(alphas[:, None] ** np.arange(self.k_max + 1), axis=1).sum(axis=0)
-    scores = {k: self._per_second(float(totals[k]), len(alphas), k) for k in self.candidates}
+    rooms = list(self.rooms) if self.rooms is not None and request_ids else None
+    # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of α_i^j, j < room_i.
+    powers = alphas[:, None] ** np.arange(self.k_max + 1)
+    if rooms is not None:
+      powers = np.where(np.arange(self.k_max + 1) < np.array(rooms)[:, None], powers, 0.0)
+    totals = np.cumsum(powers, axis=1).sum(axis=0)
+    scores = {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
+              for k in self.candidates}
     best = max(scores.values())
     k = min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
     return k, [k] * len(request_ids)
@@ -348,8 +371,8 @@ class GoodputK(KPolicy):
   def round_timing(self, k, device_s, host_s):
     d = self.timing_decay
     self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
-    if k in self._device_s:
-      self._device_s[k] = d * self._device_s[k] + (1 - d) * device_s
+    if k in self._idle:
+      self._live[k] = device_s if k not in self._live else d * self._live[k] + (1 - d) * device_s
       self._fit()
 
 

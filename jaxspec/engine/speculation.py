@@ -58,10 +58,11 @@ def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int, draft
   from the policy (None: K = 0), checked.
 
   Args:
-    decodes: the decoding requests (with `.id` and `.slot`).
+    decodes: the decoding requests (with `.id`, `.slot` and `.room`, given to the policy as
+      `KPolicy.rooms`).
     draft_sync: the engine's lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) or None:
-      it probes when due and tells the policy its catch-up seconds (`KPolicy.sync_s`,
-      `sync_room`) before the choice, and catches the draft up after a choice of K >= 1.
+      it probes when due and tells the policy its catch-up seconds (`KPolicy.sync_s`) before
+      the choice, and catches the draft up after a choice of K >= 1.
   Raises:
     ValueError: the policy chose a K that is not an int candidate in [0, k_max], or caps that
       are not ints in [0, K] (one per request).
@@ -71,7 +72,7 @@ def choose(policy: Optional[KPolicy], decodes, num_slots: int, k_max: int, draft
     return 0, caps
   if draft_sync is not None:
     policy.sync_s = draft_sync.before_choice(decodes)
-    policy.sync_room = sum(r.room for r in decodes) / max(1, len(decodes))
+  policy.rooms = [r.room for r in decodes]
   k, row_caps = policy.choose([r.id for r in decodes])
   if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
       not 0 <= k <= k_max or len(row_caps) != len(decodes) or \
