@@ -331,12 +331,16 @@ def test_goodput_follows_alpha_and_the_cost_table():
     policy.round_timing(1, 20.0, 10.0)
   assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
   # A K not run yet keeps its start-up ratio to those run: live K = 0 rounds at twice the
-  # start-up time make the table's K = 2 twice as dear too.
+  # start-up time make the table's K = 2 twice as dear too; once a K >= 1 has run, the others
+  # follow its live / start-up ratio.
   policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0})
   policy.setup(2)
   for _ in range(50):
     policy.round_timing(0, 2.0, 0.0)
   assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0}, rel=1e-6)
+  for _ in range(50):
+    policy.round_timing(1, 4.5, 0.0)
+  assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0}, rel=1e-6)
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke
@@ -365,6 +369,20 @@ def test_goodput_alpha_recovers_after_k0_rounds():
   assert chosen == sorted(chosen) and policy.tracker.alpha('a') > 0.5
   # A new request starts at the global estimate; finishing forgets the request's own.
   assert policy.tracker.alpha('new') == pytest.approx(policy.tracker.global_alpha)
+
+
+def test_alpha_tracker_global_estimate_has_a_prior_and_decays_per_round():
+  tracker = AlphaTracker(decay=0.8, prior=0.5, prior_trials=1.0)
+  tracker.observe('a', 0.0, 1.0)                             # one unlucky first round
+  assert tracker.global_alpha == pytest.approx(0.25)         # (0 + 1 x 0.5) / (1 + 1)
+  # 64 requests: the global sums decay about once per round of all of them, so eight
+  # rejections after a round in which all 64 accepted do not drag it below 0.8.
+  tracker = AlphaTracker(decay=0.8, prior=0.5, prior_trials=0.0)
+  for r in range(64):
+    tracker.observe(r, 1.0, 1.0)
+  for r in range(8):
+    tracker.observe(r, 0.0, 1.0)
+  assert 0.8 < tracker.global_alpha < 1.0
 
 
 def test_bad_engine_arguments(tiny, tiny_draft):

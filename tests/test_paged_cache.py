@@ -38,6 +38,20 @@ def test_paged_prefill_matches_uncached_forward(tiny):
   assert cache.lengths.tolist() == [21, 21]
 
 
+def test_logits_at_gives_the_full_logits_at_those_tokens(tiny):
+  # Prefill asks for the last token's logits only; the cache and those logits must not change.
+  config, params, cache = _setup(tiny, 2)
+  tokens, positions = _tokens(2, 13), _positions(0, 13, 2)
+  model = Transformer(config)
+  full, full_cache = model.apply(params, tokens, positions, cache)
+  at = jnp.array([[12, 0, 5], [3, 3, 11]], jnp.int32)
+  some, some_cache = model.apply(params, tokens, positions, cache, logits_at=at)
+  assert some.shape == (2, 3, config.vocab_size)
+  np.testing.assert_allclose(some, jnp.take_along_axis(full, at[..., None], axis=1),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(some_cache.k_pages, full_cache.k_pages)
+
+
 @pytest.mark.parametrize('preset, batch', [('test-tiny', 1), ('test-tiny', 4),
                                             ('target-12m', 1), ('target-12m', 4),
                                             ('draft-1m', 4)])

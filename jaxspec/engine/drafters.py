@@ -122,8 +122,8 @@ class ModelDrafter(Drafter):
 
   uses_draft_model = True
 
-  def __init__(self, lazy: bool = True, probe_every: int = 16, probe_rows: int = 2,
-               probe_budget: Optional[float] = 0.02, observe_tokens: int = 8):
+  def __init__(self, lazy: bool = True, probe_every: int = 8, probe_rows: int = 1,
+               probe_budget: Optional[float] = 0.03, observe_tokens: int = 8):
     if not isinstance(lazy, bool):
       raise ValueError(f'lazy must be a bool, got {lazy!r}')
     for name, v in (('probe_every', probe_every), ('probe_rows', probe_rows),

@@ -170,13 +170,15 @@ class AlphaTracker:
   """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
   request's (successes, trials) observations (decay per observed round); a request with no
   observation yet uses the global estimate, the same ratio over every request's observations
-  (decayed per observation, of any request).
+  with `prior_trials` pseudo-trials of `prior` (its sums decay by decay^(1/n) per observation,
+  n the requests tracked: about `decay` per round of n requests, so at a large batch it is not
+  just the last few requests' observations).
 
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
     prior: α before any observation at all, in [0, 1].
-    prior_trials: pseudo-trials of the global estimate mixed into each request's (so one
-      unlucky first round does not pin a new request to α = 0).
+    prior_trials: pseudo-trials of the global estimate mixed into each request's, and of the
+      prior into the global one (so one unlucky first round pins neither to α = 0).
   Raises:
     ValueError: a value out of range.
   """
@@ -191,9 +193,10 @@ class AlphaTracker:
 
   @property
   def global_alpha(self) -> float:
-    """α over every request's observations (the prior before any)."""
+    """α over every request's observations, with `prior_trials` pseudo-trials of the prior."""
     s, n = self._global
-    return s / n if n > 0 else self.prior
+    w = self.prior_trials
+    return (s + w * self.prior) / (n + w) if n + w > 0 else self.prior
 
   def alpha(self, request_id) -> float:
     """The request's α estimate in [0, 1]."""
@@ -204,13 +207,15 @@ class AlphaTracker:
 
   def observe(self, request_id, successes: float, trials: float) -> None:
     """Add one round's (accepted positions, tried positions) of a request; trials <= 0: no
-    observation. Decays the request's and the global sums by `decay` first."""
+    observation. Decays the request's sums by `decay` and the global ones by decay^(1/n)
+    first (n requests tracked)."""
     if trials <= 0:
       return
     s, n = self._sums.get(request_id, (0.0, 0.0))
     self._sums[request_id] = (self.decay * s + successes, self.decay * n + trials)
     gs, gn = self._global
-    self._global = [self.decay * gs + successes, self.decay * gn + trials]
+    d = self.decay ** (1.0 / len(self._sums))
+    self._global = [d * gs + successes, d * gn + trials]
 
   def forget(self, request_id) -> None:
     """Drop a finished request's sums (the global estimate keeps its observations)."""
@@ -248,8 +253,8 @@ class GoodputK(KPolicy):
   measured over idle rows at start-up; a K run live follows an EMA of its live rounds
   (`round_timing`; live rounds also pay what idle ones skip, e.g. a draft model's extra step
   after a fully accepted round), and a K not run yet is its start-up time times the mean
-  live / start-up ratio of the K values run, so the table's ratios survive a drift in the
-  machine's speed; kept non-decreasing in K. h is an EMA of the host seconds per round around
+  live / start-up ratio of the K >= 1 values run (of any K run when none is), so the table's
+  ratios survive a drift in the machine's speed; kept non-decreasing in K. h is an EMA of the host seconds per round around
   the call (scheduling, tables, proposals, emitting; the same at every K): without it a K > 0
   round looks relatively dearer than it is when host work is a large part of a round. E_i is
   capped by what request i may still emit (`KPolicy.rooms`).
@@ -320,12 +325,14 @@ class GoodputK(KPolicy):
     self._fit()
 
   def _fit(self):
-    # A K run live costs its EMA; one not run yet costs its start-up time scaled by the mean
-    # live / start-up ratio of those run (live rounds pay for real pages and lengths, and the
-    # machine's speed drifts: scaling keeps the table's ratios instead of comparing a live K
-    # with an idle one).
-    scale = (sum(self._live[k] / self._idle[k] for k in self._live) / len(self._live)
-             if self._live else 1.0)
+    # A K run live costs its EMA; one not run yet costs its start-up time times the mean
+    # live / start-up ratio of the K >= 1 values run (of any K run when none is): live
+    # speculative rounds pay what idle ones skip (the draft's extra step after a fully accepted
+    # round), and the machine's speed drifts, so comparing a live K with an idle one is biased.
+    def ratio(ks):
+      return sum(self._live[k] / self._idle[k] for k in ks) / len(ks)
+    spec = [k for k in self._live if k >= 1]
+    scale = ratio(spec) if spec else ratio(list(self._live)) if self._live else 1.0
     d = [self._live.get(k, self._idle[k] * scale) for k in self.candidates]
     self.costs = dict(zip(self.candidates, nondecreasing(d)))
 
