@@ -44,7 +44,7 @@ def test_k0_rounds_never_run_the_draft(tiny, tiny_draft):
   config, params = tiny
   policy = Record([0])
   engine = Engine(config, params, draft=tiny_draft[0], draft_params=tiny_draft[1], k=K,
-                  k_policy=policy, drafter=ModelDrafter(probe_every=1000), **SHAPES)
+                  k_policy=policy, drafter=ModelDrafter(probe_every=None), **SHAPES)
   draft_pages = np.asarray(engine.caches[1].k_pages).copy()
   ids = [engine.add_request(p, max_tokens=12) for p in _prompts([5, 13], seed=0)]
   outs = engine.run()

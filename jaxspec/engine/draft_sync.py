@@ -17,9 +17,11 @@ baseline never pays). Now:
 - A catch-up scores the draft on the last `observe_tokens` tokens of each request it caught up
   that the target drew at K = 0 (it knows p of each): β = min(1, q(x) / p(x)), E[β] = α.
 - While the policy stays at K = 0, a probe catches up `probe_rows` requests (the least behind)
-  at most every `probe_every` rounds, and only when probing so far cost at most `probe_budget`
-  of the time of the K = 0 rounds since (estimated from the measured call and round costs), so
-  the α estimates keep moving while it does not speculate at a bounded price. Catching up every
+  and scores them: after 1, 2, 4, ... K = 0 rounds (doubling, from the last round at K >= 1,
+  so a switch to K = 0 on a noisy estimate is re-checked soon), then at most every
+  `probe_every` rounds and only when probing so far cost at most `probe_budget` of the time of
+  the K = 0 rounds since (estimated from the measured call and round costs), so the α
+  estimates keep moving while it does not speculate at a bounded price. Catching up every
   request every round is what the draft step of an eager K = 0 round did; it costs about as
   much in the draft however it is batched.
 
@@ -42,7 +44,8 @@ class DraftSync:
 
   Args:
     engine: the `Engine` (its draft, caches, chunk size, prefill row buckets, policy).
-    probe_every: K = 0 rounds between two probes at least (>= 1).
+    probe_every: K = 0 rounds between two probes at least (>= 1) once the early, doubling ones
+      are done; None: never probe.
     probe_rows: requests a probe catches up.
     probe_budget: the fraction of K = 0 round time probes may take (None: no bound).
     observe_tokens: M, tokens per request a catch-up scores at most.
@@ -50,6 +53,7 @@ class DraftSync:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
+    live_ratio: EMA of a catch-up's wall time over its estimate from `costs` (1 before any).
   """
 
   def __init__(self, engine, probe_every: int, probe_rows: int, probe_budget, observe_tokens: int):
@@ -58,21 +62,28 @@ class DraftSync:
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
     self.costs: dict = {}
     self.rounds_since = 0
+    self.backoff = 1             # K = 0 rounds before the next early probe (doubles)
     self.zero_s = 0.0            # estimated seconds of the K = 0 rounds since the last catch-up
     self.num_calls = 0
     self.seconds = 0.0
+    self.live_ratio = 1.0
 
   # ------------------------------------------------------------ round hooks
 
   def before_choice(self, decodes) -> float:
     """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
     policy's `sync_s`: a round at K >= 1 pays it first)."""
-    if self.rounds_since >= self.probe_every:
+    early = self.probe_every is not None and self.backoff < self.probe_every
+    due = self.probe_every is not None and self.rounds_since >= (
+        self.backoff if early else self.probe_every)
+    if due:
       probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                      key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
-      if probe and (self.probe_budget is None or
+      if probe and (early or self.probe_budget is None or
                     self.pending_s(probe) <= self.probe_budget * self.zero_s):
         self.catch_up(probe)
+        if early:
+          self.backoff *= 2
     return self.pending_s(decodes)
 
   def before_round(self, decodes, k: int) -> None:
@@ -85,6 +96,7 @@ class DraftSync:
     if k >= 1:
       for request in decodes:
         request.draft_computed = request.num_computed
+      self.backoff = 1
     else:
       self.rounds_since += 1
       self.zero_s += self.engine.step_costs.get(0, 0.0)
@@ -93,8 +105,12 @@ class DraftSync:
 
   def pending_s(self, decodes) -> float:
     """Estimated seconds to catch up `decodes` now: per chunk pass, one call of the row bucket
-    holding the lagging requests (0 when none lags or before `measure`)."""
-    lags = [r.num_computed - r.draft_computed for r in _lagging(decodes)]
+    holding the lagging requests, times `live_ratio` (0 when none lags or before `measure`)."""
+    return self._estimate(_lagging(decodes)) * self.live_ratio
+
+  def _estimate(self, lagging) -> float:
+    """Seconds of the catch-up calls of `lagging` by the start-up table alone."""
+    lags = [r.num_computed - r.draft_computed for r in lagging]
     if not lags or not self.costs:
       return 0.0
     passes = math.ceil(max(lags) / self.engine.chunk_size)
@@ -108,6 +124,7 @@ class DraftSync:
     chunks, and give the policy the scores (as K = 0 observations)."""
     start = time.perf_counter()
     lagging = _lagging(decodes)
+    estimate = self._estimate(lagging)
     rows = self.engine.prefill_rows
     for i in range(0, len(lagging), rows):
       group = lagging[i:i + rows]
@@ -115,7 +132,10 @@ class DraftSync:
         self._call(group)
         group = [r for r in group if r.draft_computed < r.num_computed]
     self.rounds_since, self.zero_s = 0, 0.0
-    self.seconds += time.perf_counter() - start
+    spent = time.perf_counter() - start
+    self.seconds += spent
+    if estimate > 0:     # host work and live pages: the table alone underestimates
+      self.live_ratio = 0.8 * self.live_ratio + 0.2 * spent / estimate
 
   def _call(self, group) -> None:
     engine, m = self.engine, self.observe_tokens

@@ -48,13 +48,14 @@ class Round:
 
 
 def plain_round(engine, caches, pending, room, stop, rng, sampling):
-  """A K = 0 round without any drafter: `device.decode_round`. Returns (Round, caches)."""
+  """A K = 0 round of the target alone: `device.decode_round`. Returns (Round, [target cache])
+  (the engine keeps any cache it did not bind, e.g. a lazy draft's)."""
   window, emitted, token_p, target_cache = device.decode_round(
       engine.target, engine.target_params, caches[0], pending, room, stop, rng, sampling)
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-               np.zeros((b,)), np.asarray(token_p)), [target_cache] + caches[1:]
+               np.zeros((b,)), np.asarray(token_p)), [target_cache]
 
 
 def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):
@@ -85,7 +86,8 @@ class Drafter(abc.ABC):
     Args:
       engine: the `Engine` (models, params, sampling).
       caches: [target cache, (draft cache)] bound to this round's page tables and lengths
-        (donated: use the returned ones).
+        (donated: use the returned ones); the target's alone in a K = 0 round of a lazy draft
+        cache (`jaxspec.engine.draft_sync`).
       k: the round's K in [0, K_max] (static: one compile per value).
       pending: [B] int32 last committed token per slot; room: [B] int32 tokens a slot may still
         emit (0: idle); stop: [B, S] int32 stop ids, -1 padded.
@@ -94,7 +96,7 @@ class Drafter(abc.ABC):
       rng: PRNG key.
       sampling: `RowSampling`, each slot's request's parameters ([B] arrays; idle rows greedy).
     Returns:
-      (Round, caches).
+      (Round, caches): the caches it was given, updated.
     """
 
 
@@ -111,7 +113,8 @@ class ModelDrafter(Drafter):
   Args:
     lazy: keep the draft cache lazily when the policy may choose K = 0 (ignored otherwise: at
       K >= 1 every round the draft is always in sync, and it is prefilled with the target).
-    probe_every: K = 0 rounds between two probes at least (>= 1).
+    probe_every: K = 0 rounds between two probes at least (>= 1), after early probes at 1, 2,
+      4, ... rounds from the last round at K >= 1; None: never probe.
     probe_rows: requests a probe catches up and scores (>= 1; the least behind first).
     probe_budget: the fraction of the K = 0 rounds' time that probes may take, in (0, 1]
       (estimated from the measured costs; None: probe every `probe_every` rounds regardless).
@@ -122,12 +125,12 @@ class ModelDrafter(Drafter):
 
   uses_draft_model = True
 
-  def __init__(self, lazy: bool = True, probe_every: int = 8, probe_rows: int = 1,
+  def __init__(self, lazy: bool = True, probe_every: Optional[int] = 8, probe_rows: int = 1,
                probe_budget: Optional[float] = 0.03, observe_tokens: int = 8):
     if not isinstance(lazy, bool):
       raise ValueError(f'lazy must be a bool, got {lazy!r}')
-    for name, v in (('probe_every', probe_every), ('probe_rows', probe_rows),
-                    ('observe_tokens', observe_tokens)):
+    for name, v in (('probe_every', 1 if probe_every is None else probe_every),
+                    ('probe_rows', probe_rows), ('observe_tokens', observe_tokens)):
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f'{name} must be an int >= 1, got {v!r}')
     if probe_budget is not None and (isinstance(probe_budget, bool) or

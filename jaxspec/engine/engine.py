@@ -359,16 +359,19 @@ class Engine:
     """One decode round at K = k with per-row sampling (`RowSampling`), caps [B] (default k)
     and contexts [B] (token lists or None; the drafters that read them need them for busy
     rows). Returns a `drafters.Round`."""
-    caches = device.bind(self.caches, table, lengths)
+    # A lazy draft sits out K = 0 rounds: bind (and donate) the target's cache only.
+    used = 1 if self.drafter is None or (self.draft_sync is not None and k == 0) else None
+    caches = device.bind(self.caches[:used], table, lengths)
     rng = self._next_rng()
     if self.drafter is None:
       result, self.caches = plain_round(self, caches, pending, room, stop, rng, sampling)
       return result
     caps = np.full((self.num_slots,), k, np.int32) if caps is None else caps
     contexts = [None] * self.num_slots if contexts is None else contexts
-    result, self.caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
-                                              stop=stop, caps=caps, contexts=contexts, rng=rng,
-                                              sampling=sampling)
+    result, caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
+                                         stop=stop, caps=caps, contexts=contexts, rng=rng,
+                                         sampling=sampling)
+    self.caches = caches + self.caches[len(caches):]
     return result
 
   def _prefill(self, prefills, emitted) -> None:
