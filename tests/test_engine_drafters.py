@@ -97,7 +97,9 @@ def test_greedy_every_request_equals_it_decoded_alone(tiny, tiny_draft, alone, d
   for (prompt, m), out in zip(requests, outs):
     assert out.tokens == alone(prompt, m)
   proposed = sum(o.metrics.proposed for o in outs)
-  assert 0 < sum(o.metrics.accepted for o in outs) < proposed
+  accepted = sum(o.metrics.accepted for o in outs)
+  # Rejections too (rollback exercised), except under goodput, whose K choices follow timing.
+  assert 0 < accepted <= proposed and (policy == 'goodput' or accepted < proposed)
   if num_pages == SMALL:
     assert sum(o.metrics.preemptions for o in outs) > 0
   if policy == 'scripted':                        # really switched K, K = 0 rounds included
@@ -331,17 +333,19 @@ def test_goodput_follows_alpha_and_the_cost_table():
   for _ in range(30):
     policy.round_timing(1, 20.0, 10.0)
   assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
-  # A K not run yet keeps its start-up ratio to those run: live K = 0 rounds at twice the
-  # start-up time make the table's K = 2 twice as dear too; once a K >= 1 has run, the others
-  # follow its live / start-up ratio.
+  # Live / start-up ratios: live K = 0 rounds at twice the start-up time make every K twice as
+  # dear until a K >= 1 has run; then all K >= 1 follow their group's median ratio, so one slow
+  # round at K = 1 does not price K >= 1 out (a K not chosen would never be measured again).
   policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0})
   policy.setup(2)
-  for _ in range(50):
+  for _ in range(5):
     policy.round_timing(0, 2.0, 0.0)
-  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0}, rel=1e-6)
-  for _ in range(50):
-    policy.round_timing(1, 4.5, 0.0)
-  assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0}, rel=1e-6)
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
+  policy.round_timing(2, 6.0, 0.0)                                  # ratio 3 for K >= 1
+  assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
+  policy.round_timing(2, 6.0, 0.0)
+  policy.round_timing(1, 15.0, 0.0)                                 # one slow round: ratio 10
+  assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
   assert nondecreasing([1.0, 2.0, 1.0, 3.0]) == [1.0, 1.5, 1.5, 3.0]
   noisy = {0: 1.0, 1: 3.0, 2: 3.0, 3: 3.0, 4: 1.0}              # K = 4 "cheap" by a fluke

@@ -29,7 +29,9 @@ policy can leave K = 0 again.
 from __future__ import annotations
 
 import abc
+import collections
 import math
+import statistics
 import numbers
 from typing import Hashable, Mapping, Optional, Sequence
 
@@ -249,12 +251,14 @@ class GoodputK(KPolicy):
   that round, spread over the rounds it serves: see `goodput`). d(K) is the wall time of the
   device call of one decode round at K for the engine's static shape (its steps run all B
   slots, idle rows included, so d depends on K, not on how many rows are busy; the batch size
-  enters through Σ_i: more rows gain more tokens from the same round). It starts from the table
-  measured over idle rows at start-up; a K run live follows an EMA of its live rounds
-  (`round_timing`; live rounds also pay what idle ones skip, e.g. a draft model's extra step
-  after a fully accepted round), and a K not run yet is its start-up time times the mean
-  live / start-up ratio of the K >= 1 values run (of any K run when none is), so the table's
-  ratios survive a drift in the machine's speed; kept non-decreasing in K. h is an EMA of the host seconds per round around
+  enters through Σ_i: more rows gain more tokens from the same round). It is the table measured
+  over idle rows at start-up times the median live / start-up ratio of the last `window` live
+  rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts at K = 0's):
+  live rounds also pay what idle ones skip (e.g. a draft model's extra step after a fully
+  accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1 keeps the
+  table's ratios among them and a median keeps one slow round from pricing a K out for good (a
+  K not chosen is not measured again); kept non-decreasing in K. h is an EMA of the host seconds
+  per round around
   the call (scheduling, tables, proposals, emitting; the same at every K): without it a K > 0
   round looks relatively dearer than it is when host work is a large part of a round. E_i is
   capped by what request i may still emit (`KPolicy.rooms`).
@@ -266,22 +270,27 @@ class GoodputK(KPolicy):
       K gains ~1 token and K = 0 is chosen).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
     costs: the cost table d(K) {K: seconds}, if known (else the engine measures it).
-    timing_decay: weight of the past in the EMAs of d(K) and h (per round), in [0, 1).
+    timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
+    window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
+      d(K) (>= 1).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin < 0, timing_decay outside [0, 1).
+      non-positive time, margin < 0, timing_decay outside [0, 1), window < 1.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
-               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9):
+               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
+               window: int = 16):
     super().__init__()
     margin = _real('margin', margin, 0.0, math.inf, high_open=True)
     timing_decay = _real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+      raise ValueError(f'window must be an int >= 1, got {window!r}')
     self.timing_decay = timing_decay
     self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
     self._idle: dict = {}                   # d(K) of the start-up table
-    self._live: dict = {}                   # EMA of live rounds' device seconds per K run
+    self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -321,19 +330,19 @@ class GoodputK(KPolicy):
     if bad:
       raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
     self._idle = {k: float(costs[k]) for k in self.candidates}
-    self._live = {}
+    for ratios in self._ratios.values():
+      ratios.clear()
     self._fit()
 
   def _fit(self):
-    # A K run live costs its EMA; one not run yet costs its start-up time times the mean
-    # live / start-up ratio of the K >= 1 values run (of any K run when none is): live
-    # speculative rounds pay what idle ones skip (the draft's extra step after a fully accepted
-    # round), and the machine's speed drifts, so comparing a live K with an idle one is biased.
-    def ratio(ks):
-      return sum(self._live[k] / self._idle[k] for k in ks) / len(ks)
-    spec = [k for k in self._live if k >= 1]
-    scale = ratio(spec) if spec else ratio(list(self._live)) if self._live else 1.0
-    d = [self._live.get(k, self._idle[k] * scale) for k in self.candidates]
+    # d(K) = start-up time x the median live / start-up ratio of the recent rounds of its
+    # group: K = 0, or K >= 1 (before any, K = 0's). Live speculative rounds pay what idle ones
+    # skip (the draft's extra step after a fully accepted round) and the machine's speed
+    # drifts; a median over a group shared by every K >= 1 keeps one slow round from pricing a
+    # K out for good (a K not chosen is never measured again).
+    zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
+    spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
+    d = [self._idle[k] * (zero if k == 0 else spec) for k in self.candidates]
     self.costs = dict(zip(self.candidates, nondecreasing(d)))
 
   def goodput(self, alphas: Sequence[float], k: int,
@@ -379,7 +388,7 @@ class GoodputK(KPolicy):
     d = self.timing_decay
     self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
     if k in self._idle:
-      self._live[k] = device_s if k not in self._live else d * self._live[k] + (1 - d) * device_s
+      self._ratios[min(k, 1)].append(device_s / self._idle[k])
       self._fit()
 
 
