@@ -19,8 +19,8 @@ threshold.md / threshold.json beside summary.md, plots in plots/.
 
 Sizes: per workload N = 2 x B requests of 64-token prompts, 32 tokens each, one pass (three
 setting orders over the three workloads): the 7-case sweep took 15.5 min on the 2-core
-development machine (load average ~4), most of it compiling ~15 step variants per B and the
-B = 32 and 64 cases; `:smoke` ~20-60 s.
+development machine (load average ~4) and 16 min 52 s idle with --config.repeats=2, most of it
+compiling ~15 step variants per B and the B = 32 and 64 cases; `:smoke` ~20-60 s.
 
 settings: 'name=key:value,...;name2=...', keys are `Engine` keyword arguments (k, drafter,
 k_policy, chunk_size, prefix_caching, ...); k >= 1 uses the draft model unless drafter:ngram
