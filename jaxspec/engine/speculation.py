@@ -30,9 +30,12 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
   """
   made = make_drafter(drafter, has_draft_model)
   got = f'draft={"a model" if has_draft_model else "None"}'
-  if (made is None) != (k == 0):
-    raise ValueError(f"speculation needs a drafter (a draft model, or drafter='ngram') and "
-                     f'k >= 1; got {got}, drafter={drafter!r}, k={k}')
+  if made is not None and k == 0:
+    raise ValueError(f'a drafter (a draft model, or drafter=\'ngram\') speculates: it needs the '
+                     f'speculation length k >= 1; got {got}, drafter={drafter!r}, k={k}')
+  if made is None and k != 0:
+    raise ValueError(f"k={k} >= 1 needs a drafter (a draft model, or drafter='ngram'); got "
+                     f'{got}, drafter={drafter!r}, k={k}')
   if made is not None and made.uses_draft_model != has_draft_model:
     need = 'needs a' if made.uses_draft_model else 'takes no'
     raise ValueError(f'drafter={drafter!r} {need} draft model, got {got}')
