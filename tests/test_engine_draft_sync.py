@@ -3,6 +3,7 @@ scores the draft on exactly the tokens the target drew at K = 0, catch-ups over 
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
 import numpy as np
+import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.drafters import ModelDrafter
@@ -128,3 +129,19 @@ def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
   assert policy.choose(['r'])[0] == 0
   policy.rooms = [4000]                                  # ~1000 rounds share it
   assert policy.choose(['r'])[0] == K
+
+
+def test_fastest_times_each_call_after_an_untimed_one():
+  from jaxspec.engine.timing import fastest
+  counts = {'a': 0, 'b': 0}
+
+  def call(key):
+    def run():
+      counts[key] += 1
+    return run
+
+  times = fastest({'a': call('a'), 'b': call('b')}, repeats=3)
+  assert counts == {'a': 4, 'b': 4} and set(times) == {'a', 'b'}
+  assert all(t >= 0 for t in times.values())
+  with pytest.raises(ValueError, match='repeats must be an int >= 1, got 0'):
+    fastest({'a': call('a')}, repeats=0)

@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from jaxspec.engine import device, spec_steps
+from jaxspec.engine import device, spec_steps, timing
 
 
 class DraftSync:
@@ -44,11 +44,11 @@ class DraftSync:
 
   Args:
     engine: the `Engine` (its draft, caches, chunk size, prefill row buckets, policy).
-    probe_every: K = 0 rounds between two probes at least (>= 1) once the early, doubling ones
-      are done; None: never probe.
-    probe_rows: requests a probe catches up.
-    probe_budget: the fraction of K = 0 round time probes may take (None: no bound).
-    observe_tokens: M, tokens per request a catch-up scores at most.
+    drafter: the engine's lazy `ModelDrafter`, whose settings it follows: probe_every (K = 0
+      rounds between two probes at least once the early, doubling ones are done; None: never
+      probe), probe_rows (requests a probe catches up), probe_budget (the fraction of K = 0
+      round time probes may take; None: no bound), observe_tokens (M, tokens per request a
+      catch-up scores at most).
   Attributes:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
     rounds_since: K = 0 rounds since the draft last caught up.
@@ -56,10 +56,10 @@ class DraftSync:
     live_ratio: EMA of a catch-up's wall time over its estimate from `costs` (1 before any).
   """
 
-  def __init__(self, engine, probe_every: int, probe_rows: int, probe_budget, observe_tokens: int):
+  def __init__(self, engine, drafter):
     self.engine = engine
-    self.probe_every, self.probe_rows = probe_every, probe_rows
-    self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
+    self.probe_every, self.probe_rows = drafter.probe_every, drafter.probe_rows
+    self.probe_budget, self.observe_tokens = drafter.probe_budget, drafter.observe_tokens
     self.costs: dict = {}
     self.rounds_since = 0
     self.backoff = 1             # K = 0 rounds before the next early probe (doubles)
@@ -174,15 +174,14 @@ class DraftSync:
         engine.policy.observe(request.id, 0, 0, float(successes[row]), float(trials[row]))
 
   def measure(self, repeats: int) -> dict:
-    """Compile and time one catch-up call per row bucket over idle rows (the fastest of
-    `repeats`); returns `costs` {rows: seconds}."""
+    """Compile and time one catch-up call per row bucket over idle rows (`timing.fastest`);
+    returns `costs` {rows: seconds}."""
     engine, m = self.engine, self.observe_tokens
-    for rows in engine.prefill_buckets:
-      times = []
-      for r in range(repeats + 1):                   # the first call compiles
+
+    def call_of(rows):
+      def call():
         table, lengths = device.idle_rows(rows, engine.pages_per_seq)
         zeros = np.zeros((rows, m), np.int32)
-        start = time.perf_counter()
         bound = device.bind([engine.caches[1]], table, lengths)[0]
         out = spec_steps.draft_catch_up(
             engine.draft, engine.draft_params, bound,
@@ -190,9 +189,10 @@ class DraftSync:
             zeros, np.zeros((rows, m), np.float32), engine._row_sampling([], rows))
         engine.caches[1] = out[2]
         np.asarray(out[0])
-        if r:
-          times.append(time.perf_counter() - start)
-      self.costs[rows] = min(times)
+      return call
+
+    self.costs.update(timing.fastest({rows: call_of(rows) for rows in engine.prefill_buckets},
+                                     repeats))
     return self.costs
 
 

@@ -28,10 +28,9 @@ import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
-from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import RowSampling, SamplingParams
-from jaxspec.engine import device, draft_sync, speculation
+from jaxspec.engine import admission, device, draft_sync, speculation, timing
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
@@ -142,9 +141,7 @@ class Engine:
     self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
     lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
             0 in self.policy.candidates)
-    d = self.drafter
-    self.draft_sync = draft_sync.DraftSync(self, d.probe_every, d.probe_rows, d.probe_budget,
-                                           d.observe_tokens) if lazy else None
+    self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
     self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
                                prefill_rows=prefill_rows, apply_plan=self._apply_plan)
     self.outputs: dict[Hashable, RequestOutput] = {}
@@ -194,28 +191,8 @@ class Engine:
       if request_id in self._live or request_id in self.outputs:
         raise ValueError(f'request id {request_id!r} is already in use')
     try:
-      _, slack, stop = check_request(self.target, [prompt_tokens], max_new_tokens=max_tokens,
-                                     stop_tokens=stop_tokens, draft=self.draft,
-                                     draft_params=self.draft_params,
-                                     k=self.k if self.draft is not None else None,
-                                     max_tokens_name='max_tokens', one_request=True)
-      slack = max(slack, self.window)
-      stop = tuple(stop.tolist())
-      if len(stop) > self.max_stop_tokens:
-        raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={self.max_stop_tokens}')
-      prompt = [int(t) for t in prompt_tokens]
-      span = len(prompt) + max_tokens + slack
-      if span > self.max_seq_len:
-        raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
-                         f'{span} exceeds the engine\'s max_seq_len={self.max_seq_len}')
-      need = self._request_pages(span)
-      if need > self.prefix.num_pages - 1:
-        raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
-                         f'needs {need} pages, the pool has {self.prefix.num_pages - 1}')
-      salt = salt_bytes(salt)
-      sampling = self.sampling if sampling is None else sampling
-      if not isinstance(sampling, SamplingParams):
-        raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
+      prompt, stop, salt, sampling = admission.check(self, prompt_tokens, max_tokens,
+                                                      stop_tokens, salt, sampling)
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
@@ -293,21 +270,19 @@ class Engine:
 
     Returns:
       `step_costs`.
+    Raises:
+      ValueError: repeats not an int >= 1.
     """
-    _positive_int('repeats', repeats)
     ks = self.policy.candidates if self.policy is not None else (0,)
     zeros = np.zeros((self.num_slots,), np.int32)
-    stop = self._stop_table([])
-    sampling = self._row_sampling([], self.num_slots)
-    times = {k: [] for k in ks}
-    for r in range(repeats + 1):       # round 0 compiles; K interleaved so load drifts hit all K
-      for k in ks:
-        table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
-        start = time.perf_counter()
-        self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k, caps=zeros)
-        if r:
-          times[k].append(time.perf_counter() - start)
-    self.step_costs.update({k: min(t) for k, t in times.items()})
+    stop, sampling = self._stop_table([]), self._row_sampling([], self.num_slots)
+
+    def round_at(k):
+      table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+      return lambda: self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
+                                       caps=zeros)
+
+    self.step_costs.update(timing.fastest({k: round_at(k) for k in ks}, repeats))
     if self.draft_sync is not None:
       self.draft_sync.measure(repeats)
     if self.policy is not None and self.policy.needs_costs:

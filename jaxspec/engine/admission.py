@@ -1,0 +1,49 @@
+"""Checking a new request against an engine before it is queued (host side): everything that
+can be refused at `Engine.add_request` is refused here, so a queued request never fails later.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from jaxspec.cache.prefix import salt_bytes
+from jaxspec.decoding.generate import check_request
+from jaxspec.decoding.sampling import SamplingParams
+
+
+def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Sequence[int],
+          salt, sampling: Optional[SamplingParams]):
+  """(prompt list of int, stop tuple of int, salt bytes, SamplingParams) of a new request.
+
+  Args:
+    engine: the `Engine` (its models, K, window, max_seq_len, pool, stop-table width, default
+      sampling).
+    prompt_tokens, max_tokens, stop_tokens, salt, sampling: as `Engine.add_request`.
+  Raises:
+    ValueError (or TypeError from the checks it shares with `generate`): an empty prompt, a
+      token or stop id outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1)
+      tokens past the engine's max_seq_len or past what the pool holds, more stop ids than
+      `max_stop_tokens`, a salt that is not str or bytes, sampling that is not a SamplingParams.
+  """
+  _, slack, stop = check_request(engine.target, [prompt_tokens], max_new_tokens=max_tokens,
+                                 stop_tokens=stop_tokens, draft=engine.draft,
+                                 draft_params=engine.draft_params,
+                                 k=engine.k if engine.draft is not None else None,
+                                 max_tokens_name='max_tokens', one_request=True)
+  slack = max(slack, engine.window)
+  stop = tuple(stop.tolist())
+  if len(stop) > engine.max_stop_tokens:
+    raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={engine.max_stop_tokens}')
+  prompt = [int(t) for t in prompt_tokens]
+  span = len(prompt) + max_tokens + slack
+  if span > engine.max_seq_len:
+    raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
+                     f'{span} exceeds the engine\'s max_seq_len={engine.max_seq_len}')
+  need = engine._request_pages(span)
+  if need > engine.prefix.num_pages - 1:
+    raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
+                     f'needs {need} pages, the pool has {engine.prefix.num_pages - 1}')
+  sampling = engine.sampling if sampling is None else sampling
+  if not isinstance(sampling, SamplingParams):
+    raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
+  return prompt, stop, salt_bytes(salt), sampling
