@@ -429,7 +429,8 @@ class Engine:
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
             token_p=None) -> None:
     request.output.extend(tokens)
-    request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
+    if self.draft_sync is not None:      # only a lazy draft's catch-up reads p(token)
+      request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
     request.metrics.num_tokens = len(request.output)
     emitted.setdefault(request.id, []).extend(tokens)
     if request.metrics.first_token_s is None:

@@ -107,8 +107,8 @@ class Request:
     num_computed: tokens of `context` whose keys/values the caches hold (its cache length).
     draft_computed: of those, the tokens the draft's cache holds too, when the engine keeps it
       lazily (`jaxspec.engine.draft_sync`; 0 at every admission).
-    token_p: per emitted token, the target probability p(token) it was drawn with where known
-      (rounds at K = 0), else 0.
+    token_p: with a lazy draft cache, per emitted token, the target probability p(token) it was
+      drawn with where known (rounds at K = 0), else 0 (empty otherwise).
     order: admission sequence number (lower = older = higher priority).
   """
 
