@@ -296,7 +296,7 @@ def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: in
   for r in range(rounds):
     for name in rotated(names, r):
       engine = engines[name][0]
-      times[name].append(engine.measure_costs(1)[engine.k])
+      times[name].append(engine.measure_costs(1, widths=(engine.num_slots,))[engine.k])
   out = {}
   for name in names:
     ratios = ([t / b for t, b in zip(times[name], times[base])] if base in times else [])

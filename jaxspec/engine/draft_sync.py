@@ -76,6 +76,14 @@ class DraftSync:
     early = self.probe_every is not None and self.backoff < self.probe_every
     due = self.probe_every is not None and self.rounds_since >= (
         self.backoff if early else self.probe_every)
+    policy = self.engine.policy
+    if due and policy is not None:      # could a better α estimate change the choice?
+      policy.sync_s = self.pending_s(decodes)
+      if not policy.worth_probing([r.id for r in decodes]):
+        due = False                     # asked again after the next gap, as if it had probed
+        self.rounds_since = 0
+        if early:
+          self.backoff *= 2
     if due:
       probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                      key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
@@ -91,15 +99,16 @@ class DraftSync:
     if k >= 1:
       self.catch_up(decodes)
 
-  def after_round(self, decodes, k: int) -> None:
-    """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote."""
+  def after_round(self, decodes, k: int, zero_s: float) -> None:
+    """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote; a K = 0
+    round adds its estimated seconds `zero_s` (its row bucket's t(0)) to the probe budget's base."""
     if k >= 1:
       for request in decodes:
         request.draft_computed = request.num_computed
       self.backoff = 1
     else:
       self.rounds_since += 1
-      self.zero_s += self.engine.step_costs.get(0, 0.0)
+      self.zero_s += zero_s
 
   # ------------------------------------------------------------ catch-up
 

@@ -43,6 +43,23 @@ def _positive_int(name, value, minimum=1):
     raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
 
 
+def _decode_buckets(num_slots: int, buckets) -> tuple:
+  """The sorted decode row buckets (default num_slots // 4^i >= 1); ValueError naming a bad one."""
+  if buckets is None:
+    return tuple(sorted({num_slots // 4 ** i for i in range(num_slots.bit_length())
+                         if num_slots // 4 ** i >= 1}))
+  try:
+    made = tuple(sorted(set(buckets)))
+  except TypeError:
+    raise ValueError(f'decode_buckets must be a sequence of ints, got {buckets!r}') from None
+  bad = [b for b in made if isinstance(b, bool) or not isinstance(b, int) or
+         not 1 <= b <= num_slots]
+  if bad or num_slots not in made:
+    raise ValueError(f'decode_buckets={buckets!r} must be ints in [1, num_slots={num_slots}] '
+                     f'including num_slots')
+  return made
+
+
 class Engine:
   """Continuous batching over one paged pool, with optional batched speculative decoding.
 
@@ -56,6 +73,12 @@ class Engine:
     prefill_rows: requests prefilled per step at most (default: num_slots). A step's prefill
       call has the smallest row count in `prefill_buckets` (powers of two below prefill_rows,
       and prefill_rows) that holds its prefilling requests, each compiled once.
+    decode_buckets: row counts a decode round is compiled for (each in [1, num_slots], num_slots
+      among them); a round runs its busy requests in the smallest that holds them, so when
+      few slots are busy (the last requests of a wave, which finish at different rounds under
+      speculation) it does not pay for all B rows (vLLM pads a decode batch to the nearest
+      captured CUDA-graph size alike). Default: num_slots, num_slots // 4, num_slots // 16, ...
+      down to 1; (num_slots,): every round runs all B slots. Each bucket is one compile per K.
     draft, draft_params: the draft model (for drafter 'model').
     k: speculation length K in [1, MAX_K] (K_max for adaptive policies); K = 0 (no draft, no
       drafter) is plain continuous batching.
@@ -76,12 +99,17 @@ class Engine:
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
-    step_costs: {K: seconds} t(K), the fastest of a few timed decode rounds at K for this
-      engine's static shape (dispatch, device step and reading the tokens back), measured by
-      `warm_up` (or `measure_costs`) over idle rows; the steps run all B slots whether busy or
-      not, so t depends on K, not on how many rows are busy. Not included: the scheduler's host
-      work and prefill chunks (the same at every K), a draft model's extra step after a fully
-      accepted round, prompt lookup's host search. Empty until measured.
+    row_costs: {rows: {K: seconds}} t(rows, K), the fastest of a few timed decode rounds at K
+      for each decode row bucket (dispatch, device step and reading the tokens back), measured
+      by `warm_up` (or `measure_costs`) over idle rows; a round costs what its bucket costs,
+      however many of its rows are busy. Not included: the scheduler's host work and prefill
+      chunks (the same at every K), a draft model's extra step after a fully accepted round,
+      prompt lookup's host search. Empty until measured.
+    prefill_costs: {rows: seconds} one prefill call per row bucket, timed by `warm_up` for a K
+      policy that needs a cost table (else empty): what a K policy is told lock-step
+      admissions save (`speculation.split_cost`).
+    step_costs: {K: seconds} the full batch's row (`row_costs[num_slots]`), t(K) of a round
+      over all B slots.
     drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
     draft_sync: the lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) when the drafter
       is a lazy `ModelDrafter` and the policy may choose K = 0 (else None: the draft is
@@ -94,7 +122,7 @@ class Engine:
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
                page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
-               draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
+               decode_buckets: Optional[Sequence[int]] = None, draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
                drafter: Optional[str | Drafter] = None, k_policy: str | KPolicy = 'fixed',
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
@@ -123,10 +151,12 @@ class Engine:
     # Row counts a prefill call is compiled for: powers of two below prefill_rows, and it.
     self.prefill_buckets = tuple(sorted({1 << i for i in range(prefill_rows.bit_length())
                                          if 1 << i < prefill_rows} | {prefill_rows}))
+    self.decode_buckets = _decode_buckets(num_slots, decode_buckets)
     self.max_stop_tokens = max_stop_tokens
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
     self.k_rounds: collections.Counter = collections.Counter()
-    self.step_costs: dict = {}
+    self.row_costs: dict = {}
+    self.prefill_costs: dict = {}
     self._schedule_s = 0.0       # host seconds of the last step's scheduling
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
@@ -246,47 +276,70 @@ class Engine:
 
   def warm_up(self, cost_repeats: int = 5) -> None:
     """Compile every device step with idle rows only (nothing is written but the null page):
-    prefill, the decode round at every K the policy may choose, and the host-tier copies when
-    there is a host tier, so that timed steps do not compile; then measure `step_costs`.
+    prefill per row bucket, the decode round at every K the policy may choose and every decode
+    row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
+    compile; then measure `row_costs` (and `prefill_costs` for a policy that needs costs).
 
     Args:
-      cost_repeats: timed decode rounds per K (>= 1).
+      cost_repeats: timed calls per (rows, K) and per prefill bucket (>= 1).
     """
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
-    for rows in self.prefill_buckets:
+
+    def prefill_at(rows):
       table, lengths = device.idle_rows(rows, self.pages_per_seq)
       tokens = np.zeros((rows, self.chunk_size), np.int32)
-      self._call_prefill(table, lengths, tokens, np.zeros((rows,), np.int32),
-                         self._row_sampling([], rows))
+      zeros, sampling = np.zeros((rows,), np.int32), self._row_sampling([], rows)
+      return lambda: self._call_prefill(table, lengths, tokens, zeros, sampling)
+
+    # Timed only for a policy that prices lock-step admissions (`speculation.split_cost`).
+    calls = {rows: prefill_at(rows) for rows in self.prefill_buckets}
+    if self.policy is not None and self.policy.needs_costs:
+      self.prefill_costs = timing.fastest(calls, cost_repeats)
+    else:
+      for call in calls.values():     # compile only
+        call()
     self.measure_costs(cost_repeats)
 
-  def measure_costs(self, repeats: int = 5) -> dict:
-    """Time one decode round at every K the policy may choose (compiling it first if needed),
-    over idle rows, `repeats` times each (the K values interleaved); store the fastest in
-    `step_costs` (seconds: timing noise on a shared machine only adds) and give them to a
-    policy that needs a cost table; with a lazy draft cache, time its catch-up calls too
-    (`draft_sync.costs`).
+  @property
+  def step_costs(self) -> dict:
+    return self.row_costs.get(self.num_slots, {})
 
+  def measure_costs(self, repeats: int = 5, widths: Optional[Sequence[int]] = None) -> dict:
+    """Time one decode round at every K the policy may choose and every decode row bucket
+    (compiling it first if needed), over idle rows, `repeats` times each (interleaved); store
+    the fastest in `row_costs` (seconds: timing noise on a shared machine only adds) and give
+    them to a policy that needs a cost table; with a lazy draft cache, time its catch-up calls
+    too (`draft_sync.costs`).
+
+    Args:
+      repeats: timed rounds per (rows, K), >= 1.
+      widths: the row buckets to time (default every one of `decode_buckets`).
     Returns:
-      `step_costs`.
+      `step_costs` (the full batch's row).
     Raises:
-      ValueError: repeats not an int >= 1.
+      ValueError: repeats not an int >= 1, a width that is not a decode bucket.
     """
     ks = self.policy.candidates if self.policy is not None else (0,)
-    zeros = np.zeros((self.num_slots,), np.int32)
-    stop, sampling = self._stop_table([]), self._row_sampling([], self.num_slots)
+    widths = self.decode_buckets if widths is None else tuple(widths)
+    if any(w not in self.decode_buckets for w in widths):
+      raise ValueError(f'widths {widths} must be decode buckets {self.decode_buckets}')
 
-    def round_at(k):
-      table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
+    def round_at(rows, k):
+      table, lengths = device.idle_rows(rows, self.pages_per_seq)
+      zeros = np.zeros((rows,), np.int32)
+      stop, sampling = self._stop_table([], rows), self._row_sampling([], rows)
       return lambda: self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
                                        caps=zeros)
 
-    self.step_costs.update(timing.fastest({k: round_at(k) for k in ks}, repeats))
+    timed = timing.fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks},
+                           repeats)
+    for (rows, k), seconds in timed.items():
+      self.row_costs.setdefault(rows, {})[k] = seconds
     if self.draft_sync is not None:
       self.draft_sync.measure(repeats)
     if self.policy is not None and self.policy.needs_costs:
-      self.policy.set_costs(self.step_costs)
+      self.policy.set_costs(self.step_costs, by_rows=self.row_costs)
     return self.step_costs
 
   # ---------------------------------------------------------------- internals
@@ -307,10 +360,16 @@ class Engine:
   def _apply_plan(self, plan) -> None:
     self.caches = self.prefix.apply(plan, self.caches)
 
-  def _stop_table(self, requests) -> np.ndarray:
-    stop = np.full((self.num_slots, self.max_stop_tokens), -1, np.int32)
-    for r in requests:
-      stop[r.slot, :len(r.stop_tokens)] = r.stop_tokens
+  def _decode_layout(self, decodes) -> tuple:
+    """(rows of the round's call: the smallest decode bucket holding `decodes`, [each request's
+    row]) (hook: its slot under eviction, where per-slot state lives on device)."""
+    return min(b for b in self.decode_buckets if b >= len(decodes)), list(range(len(decodes)))
+
+  def _stop_table(self, rows, num_rows: int) -> np.ndarray:
+    """[num_rows, max_stop_tokens] int32 stop ids, -1 padded: rows[i] = (row, request)."""
+    stop = np.full((num_rows, self.max_stop_tokens), -1, np.int32)
+    for row, r in rows:
+      stop[row, :len(r.stop_tokens)] = r.stop_tokens
     return stop
 
   def _row_sampling(self, rows, num_rows: int) -> RowSampling:
@@ -341,8 +400,9 @@ class Engine:
     if self.drafter is None:
       result, self.caches = plain_round(self, caches, pending, room, stop, rng, sampling)
       return result
-    caps = np.full((self.num_slots,), k, np.int32) if caps is None else caps
-    contexts = [None] * self.num_slots if contexts is None else contexts
+    rows = pending.shape[0]
+    caps = np.full((rows,), k, np.int32) if caps is None else caps
+    contexts = [None] * rows if contexts is None else contexts
     result, caches = self.drafter.decode(self, caches, k=k, pending=pending, room=room,
                                          stop=stop, caps=caps, contexts=contexts, rng=rng,
                                          sampling=sampling)
@@ -382,46 +442,54 @@ class Engine:
     if self.policy is not None and self.policy.needs_costs:
       self.measure_costs()     # before the round's clock starts: not host time of a round
     start = time.perf_counter()
-    table, lengths = device.idle_rows(self.num_slots, self.pages_per_seq)
-    pending = np.zeros((self.num_slots,), np.int32)
-    room = np.zeros((self.num_slots,), np.int32)
-    for request in decodes:
-      s = request.slot
+    width, rows = self._decode_layout(decodes)
+    layout = list(zip(rows, decodes))
+    table, lengths = device.idle_rows(width, self.pages_per_seq)
+    pending = np.zeros((width,), np.int32)
+    room = np.zeros((width,), np.int32)
+    for row, request in layout:
       pages = request.handle.pages
-      table[s, :len(pages)] = pages
-      lengths[s] = request.num_computed
-      pending[s] = request.output[-1]
-      room[s] = request.room
+      table[row, :len(pages)] = pages
+      lengths[row] = request.num_computed
+      pending[row] = request.output[-1]
+      room[row] = request.room
     synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
-    k, caps = speculation.choose(self.policy, decodes, self.num_slots, self.k, self.draft_sync)
+    split, queued = (0.0, 0), None
+    if self.policy is not None:
+      split = speculation.split_cost(decodes, self.scheduler.waiting, self.prefill_costs,
+                                     self.chunk_size)
+      queued = len(self.scheduler.waiting) + len(self.scheduler.running) - len(decodes)
+    k, row_caps = speculation.choose(self.policy, decodes, width, self.k, self.draft_sync, split,
+                                     queued)
     if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
       start += self.draft_sync.seconds - synced
-    contexts = [None] * self.num_slots
+    caps = np.zeros((width,), np.int32)
+    caps[rows] = row_caps
+    contexts = [None] * width
     if getattr(self.drafter, 'uses_context', False):
-      for request in decodes:
-        contexts[request.slot] = request.context
+      for row, request in layout:
+        contexts[row] = request.context
     call_start = time.perf_counter()
-    result = self._call_decode(table, lengths, pending, room, self._stop_table(decodes),
-                               self._row_sampling([(r.slot, r) for r in decodes], self.num_slots),
-                               k=k, caps=caps, contexts=contexts)
+    result = self._call_decode(table, lengths, pending, room, self._stop_table(layout, width),
+                               self._row_sampling(layout, width), k=k, caps=caps,
+                               contexts=contexts)
     device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
-    for request in decodes:
-      s = request.slot
-      e = int(result.emitted[s])
+    for row, request in layout:
+      e = int(result.emitted[row])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached
       request.metrics.accepted_lengths.append(e)
       if self.policy is not None:
-        n = int(result.num_accepted[s])
-        request.metrics.proposed += int(result.num_proposed[s])
+        n = int(result.num_accepted[row])
+        request.metrics.proposed += int(result.num_proposed[row])
         request.metrics.accepted += min(n, e)
-        self.policy.observe(request.id, int(caps[s]), n, float(result.successes[s]),
-                            float(result.trials[s]))
-      self._emit(request, result.window[s, :e].tolist(), now, emitted,
-                 None if result.token_p is None else [float(result.token_p[s])] * e)
+        self.policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
+                            float(result.trials[row]))
+      self._emit(request, result.window[row, :e].tolist(), now, emitted,
+                 None if result.token_p is None else [float(result.token_p[row])] * e)
     if self.draft_sync is not None:
-      self.draft_sync.after_round(decodes, k)
+      self.draft_sync.after_round(decodes, k, self.row_costs.get(width, {}).get(0, 0.0))
     if self.policy is not None:   # host seconds of this round besides the device call
       host_s = time.perf_counter() - start - device_s + self._schedule_s
       self.policy.round_timing(k, device_s, host_s)

@@ -155,6 +155,7 @@ class EvictingEngine(Engine):
                        f'num_pages - 1 = {num_pages - 1}')
     self.pages_per_seq = self.request_pages      # page-table width: attention reads S slots
     self.prefill_buckets = (num_slots,)           # prefill row b is slot b: every call B rows
+    self.decode_buckets = (num_slots,)            # and so is decode row b
     self.scheduler = EvictingScheduler(self.prefix, pages_of=self._pages_of, num_slots=num_slots,
                                        chunk_size=chunk_size, prefill_rows=num_slots,
                                        apply_plan=self._apply_plan)
@@ -172,6 +173,9 @@ class EvictingEngine(Engine):
 
   def _prefill_row(self, index: int, request: Request) -> int:
     return request.slot
+
+  def _decode_layout(self, decodes) -> tuple:
+    return self.num_slots, [r.slot for r in decodes]
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
     cache = device.bind(self.caches, table, lengths)[0]

@@ -37,6 +37,8 @@ from typing import Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxspec.engine import makespan
+
 
 def _real(name: str, value, low: float, high: float, high_open: bool = False) -> float:
   """`value` as a finite float in [low, high] (or [low, high)); ValueError naming it."""
@@ -62,11 +64,24 @@ class KPolicy(abc.ABC):
     rooms: tokens each request of the coming `choose` may still emit (aligned with its
       request_ids; set by the engine before each `choose`, None when unknown): a round emits at
       most that many, and a lazy draft's catch-up serves the rounds that emit them.
+    split_s, split_tokens: the extra prefill seconds a round at K >= 1 costs by breaking the
+      lock-step of requests that would finish together at K = 0 (their successors are then
+      prefilled one by one instead of in one call: `jaxspec.engine.speculation.split_cost`),
+      and the tokens those successors will emit; set before each `choose` (0 when the finishes
+      are already apart or nothing waits).
+    queued: requests waiting for a slot or still prefilling (set before each `choose`; None
+      when unknown).
+    rows: the row count of the coming round's device call (the engine's decode row bucket
+      holding the busy requests; set before each `choose`, None when unknown: the full batch).
   """
 
   needs_costs = False
   sync_s = 0.0
+  split_s = 0.0
+  split_tokens = 0
   rooms: Optional[Sequence[int]] = None
+  rows: Optional[int] = None
+  queued: Optional[int] = None
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -87,8 +102,10 @@ class KPolicy(abc.ABC):
     """Every K this policy may choose (the engine compiles and times these at warm_up)."""
     return tuple(range(self.k_max + 1))
 
-  def set_costs(self, costs: Mapping[int, float]) -> None:
-    """The cost table t(K) in seconds per decode round (ignored unless `needs_costs`)."""
+  def set_costs(self, costs: Mapping[int, float],
+                by_rows: Optional[Mapping[int, Mapping[int, float]]] = None) -> None:
+    """The cost table t(K) in seconds per decode round over the full batch, and optionally one
+    per row bucket {rows: {K: seconds}} (ignored unless `needs_costs`)."""
 
   @abc.abstractmethod
   def choose(self, request_ids: Sequence[Hashable]) -> tuple:
@@ -102,6 +119,11 @@ class KPolicy(abc.ABC):
 
   def forget(self, request_id: Hashable) -> None:
     """The request finished: drop its state."""
+
+  def worth_probing(self, request_ids: Sequence[Hashable]) -> bool:
+    """Whether a better α estimate of these requests could change the choice (a lazy draft
+    cache probes only then; default True)."""
+    return True
 
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
     """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
@@ -249,9 +271,10 @@ class GoodputK(KPolicy):
 
   t(K) = d(K) + h, plus at K >= 1 a lazy draft cache's catch-up (`sync_s`, paid once before
   that round, spread over the rounds it serves: see `goodput`). d(K) is the wall time of the
-  device call of one decode round at K for the engine's static shape (its steps run all B
-  slots, idle rows included, so d depends on K, not on how many rows are busy; the batch size
-  enters through Σ_i: more rows gain more tokens from the same round). It is the table measured
+  device call of one decode round at K for the round's row bucket (`KPolicy.rows`; the call
+  computes all its rows, idle ones included, so d depends on K and the bucket, not on how many
+  rows are busy; the batch enters through Σ_i: more rows gain more tokens from the same
+  round). It is the table measured
   over idle rows at start-up times the median live / start-up ratio of the last `window` live
   rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts at K = 0's):
   live rounds also pay what idle ones skip (e.g. a draft model's extra step after a fully
@@ -269,10 +292,14 @@ class GoodputK(KPolicy):
       (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
       K gains ~1 token and K = 0 is chosen).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
-    costs: the cost table d(K) {K: seconds}, if known (else the engine measures it).
+    costs: the cost table d(K) {K: seconds} of a full round, if known (else the engine measures
+      it, per row bucket too); a known table serves every bucket.
     timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
       d(K) (>= 1).
+    probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
+      draft on what the target drew) only if α estimates higher by this much would choose
+      K >= 1 (`worth_probing`): far from the threshold, probes could not change the choice.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
       non-positive time, margin < 0, timing_decay outside [0, 1), window < 1.
@@ -281,20 +308,22 @@ class GoodputK(KPolicy):
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
-               window: int = 16):
+               window: int = 16, probe_margin: float = 0.1):
     super().__init__()
     margin = _real('margin', margin, 0.0, math.inf, high_open=True)
+    self.probe_margin = _real('probe_margin', probe_margin, 0.0, 1.0)
     timing_decay = _real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
       raise ValueError(f'window must be an int >= 1, got {window!r}')
     self.timing_decay = timing_decay
     self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
-    self._idle: dict = {}                   # d(K) of the start-up table
+    self._idle: dict = {}                   # {rows: {K: seconds}} start-up tables (None: full)
     self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
-    self.costs: Optional[dict] = None
+    self.costs: Optional[dict] = None       # fitted d(K) of a full round
+    self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket
     self._pending_costs = costs
 
   @property
@@ -315,21 +344,25 @@ class GoodputK(KPolicy):
   def candidates(self) -> tuple:
     return self._candidates if self._candidates is not None else tuple(range(self.k_max + 1))
 
-  def set_costs(self, costs):
-    """Take the cost table {K: seconds}, made non-decreasing in K (`nondecreasing`: a round at
-    a larger K does strictly more work, so a measured dip is timing noise).
+  def set_costs(self, costs, by_rows=None):
+    """Take the cost table {K: seconds} of a full round and optionally one per row bucket
+    {rows: {K: seconds}}, each made non-decreasing in K (`nondecreasing`: a round at a larger K
+    does strictly more work, so a measured dip is timing noise).
 
     Raises:
       ValueError: a candidate K missing, a time that is not > 0.
     """
-    missing = [k for k in self.candidates if k not in costs]
-    if missing:
-      raise ValueError(f'cost table {dict(costs)} misses K in {missing}')
-    bad = {k: t for k, t in costs.items()
-           if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
-    if bad:
-      raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
-    self._idle = {k: float(costs[k]) for k in self.candidates}
+    tables = {None: costs, **(by_rows or {})}
+    for table in tables.values():
+      missing = [k for k in self.candidates if k not in table]
+      if missing:
+        raise ValueError(f'cost table {dict(table)} misses K in {missing}')
+      bad = {k: t for k, t in table.items()
+             if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
+      if bad:
+        raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
+    self._idle = {rows: {k: float(table[k]) for k in self.candidates}
+                  for rows, table in tables.items()}
     for ratios in self._ratios.values():
       ratios.clear()
     self._fit()
@@ -342,8 +375,14 @@ class GoodputK(KPolicy):
     # K out for good (a K not chosen is never measured again).
     zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
     spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
-    d = [self._idle[k] * (zero if k == 0 else spec) for k in self.candidates]
-    self.costs = dict(zip(self.candidates, nondecreasing(d)))
+    for rows, idle in self._idle.items():
+      d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
+      self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
+    self.costs = self._fitted[None]
+
+  def _table(self) -> dict:
+    """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
+    return self._fitted.get(self.rows, self.costs)
 
   def goodput(self, alphas: Sequence[float], k: int,
               rooms: Optional[Sequence[int]] = None) -> float:
@@ -355,28 +394,50 @@ class GoodputK(KPolicy):
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
-    seconds = self.costs[k] + (self.host_s or 0.0)
-    if k >= 1 and self.sync_s > 0:
-      room = sum(rooms) / len(rooms) if rooms else 0.0
-      seconds += self.sync_s / max(1.0, room * rows / tokens)
+    seconds = self._table()[k] + (self.host_s or 0.0)
+    if k >= 1 and (self.sync_s > 0 or self.split_s > 0):
+      left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
+      seconds += self.sync_s / max(1.0, left / tokens)
+      seconds += self.split_s / max(1.0, (left + self.split_tokens) / tokens)
     return tokens / seconds
 
-  def choose(self, request_ids):
-    if self.costs is None:
-      raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
-    alphas = np.array([self.tracker.alpha(r) for r in request_ids] or
-                      [self.tracker.global_alpha])
-    rooms = list(self.rooms) if self.rooms is not None and request_ids else None
+  def _scores(self, alphas: np.ndarray) -> dict:
+    """{K: goodput} over `candidates` for acceptance estimates alphas [n]."""
+    rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
+        else None
+    if rooms is not None and self.queued == 0:
+      # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
+      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max)
+      table, host = self._table(), self.host_s or 0.0
+      return {k: sum(rooms) / (rounds[k] * (table[k] + host) + (self.sync_s if k else 0.0))
+              for k in self.candidates}
     # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of α_i^j, j < room_i.
     powers = alphas[:, None] ** np.arange(self.k_max + 1)
     if rooms is not None:
       powers = np.where(np.arange(self.k_max + 1) < np.array(rooms)[:, None], powers, 0.0)
     totals = np.cumsum(powers, axis=1).sum(axis=0)
-    scores = {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
-              for k in self.candidates}
+    return {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
+            for k in self.candidates}
+
+  def _pick(self, scores: dict) -> int:
     best = max(scores.values())
-    k = min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
+    return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
+
+  def _alphas(self, request_ids) -> np.ndarray:
+    return np.array([self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha])
+
+  def choose(self, request_ids):
+    if self.costs is None:
+      raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
+    k = self._pick(self._scores(self._alphas(request_ids)))
     return k, [k] * len(request_ids)
+
+  def worth_probing(self, request_ids) -> bool:
+    """Whether α estimates higher by `probe_margin` would choose some K >= 1."""
+    if self.costs is None:
+      return True
+    alphas = np.minimum(self._alphas(request_ids) + self.probe_margin, 1.0)
+    return self._pick(self._scores(alphas)) >= 1
 
   def observe(self, request_id, k, accepted, successes, trials):
     self.tracker.observe(request_id, successes, trials)
@@ -387,8 +448,9 @@ class GoodputK(KPolicy):
   def round_timing(self, k, device_s, host_s):
     d = self.timing_decay
     self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
-    if k in self._idle:
-      self._ratios[min(k, 1)].append(device_s / self._idle[k])
+    idle = self._idle.get(self.rows, self._idle.get(None, {}))
+    if k in idle:
+      self._ratios[min(k, 1)].append(device_s / idle[k])
       self._fit()
 
 

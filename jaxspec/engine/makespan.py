@@ -1,0 +1,68 @@
+"""How many decode rounds a batch needs until its last request has finished, per K (host side,
+numpy): the horizon an adaptive K policy should score once no request waits for a slot.
+
+While requests wait, a slot freed early is refilled, so a round's worth is its own tokens per
+second. Once the queue is empty, the batch's remaining time is set by its slowest request: at
+K = 0 every request emits one token per round, so requests with equal room finish together,
+while at K >= 1 each accepts a random number per round and they finish at different rounds; the
+last rounds then run a batch with few busy rows at the price of the whole bucket. A per-round
+score does not see that tail; `rounds_to_finish` prices it.
+
+Per request i and K, tokens per round T (no stop token, no room cap) have P(T = j) =
+α^{j-1} (1 - α) for j = 1..K and P(T = K + 1) = α^K (Leviathan et al. 2023): mean
+E = Σ_{j<=K} α^j and variance V. Emitting r tokens takes about r / E rounds with standard
+deviation sqrt(r V / E^3) (renewal-reward central limit), and the expected maximum over n
+requests is taken as max_i mean_i + g(n) max_i sd_i, g(n) the expected maximum of n standard
+normals (Blom's approximation).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import numpy as np
+
+
+def token_moments(alphas: np.ndarray, k_max: int) -> tuple:
+  """(mean, variance), each [n, k_max + 1] float64: tokens one round emits for a request of
+  acceptance α_i at K = 0..k_max (K = 0: exactly 1, variance 0).
+
+  Args:
+    alphas: [n] float64 in [0, 1].
+  """
+  alphas = np.asarray(alphas, np.float64)[:, None]
+  j = np.arange(k_max + 1)
+  powers = alphas ** j                               # α^j, j = 0..K_max
+  mean = np.cumsum(powers, axis=1)
+  # E[T^2] = Σ_{j=1..K} j^2 α^{j-1} (1 - α) + (K + 1)^2 α^K.
+  stops = np.cumsum((j + 1) ** 2 * powers * (1 - alphas), axis=1)
+  second = np.concatenate([np.zeros_like(alphas), stops[:, :-1]], axis=1) + (j + 1) ** 2 * powers
+  return mean, np.maximum(second - mean ** 2, 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def expected_max_normal(n: int) -> float:
+  """E[max of n i.i.d. standard normals] by Blom's approximation Φ^{-1}((n - 3/8) / (n + 1/4))
+  (0 for n = 1)."""
+  if n <= 1:
+    return 0.0
+  return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def rounds_to_finish(alphas, rooms, k_max: int) -> np.ndarray:
+  """[k_max + 1] float64: the expected decode rounds until every request has emitted its room,
+  running K every round (K = 0: max_i room_i).
+
+  Args:
+    alphas: [n] acceptance estimates in [0, 1]; rooms: [n] tokens each may still emit (>= 1).
+  Raises:
+    ValueError: alphas and rooms of different lengths, or none.
+  """
+  alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
+  if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
+    raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
+  mean, var = token_moments(alphas, k_max)
+  rounds = rooms[:, None] / mean
+  sd = np.sqrt(rooms[:, None] * var / mean ** 3)
+  return rounds.max(axis=0) + expected_max_normal(len(alphas)) * sd.max(axis=0)
