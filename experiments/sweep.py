@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import gc
 import importlib
 import json
 import os
@@ -29,6 +30,7 @@ import tempfile
 import traceback
 from typing import Iterable, Optional
 
+import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 from tqdm import tqdm
@@ -214,6 +216,10 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
   for i in bar:
     bar.set_postfix_str(ids[i])
     status = _run_case(experiment, ids[i], cases[i], configs[i], sweep_dir, progress)
+    # Free the case's compiled steps: a long sweep's executables otherwise pile up until the
+    # compiler can no longer map memory (seen at ~400 engine step variants on the CPU).
+    gc.collect()
+    jax.clear_caches()
     getattr(outcome, 'ran' if status == 'failed' else status).append(ids[i])
     if status == 'failed':
       outcome.failed.append(ids[i])

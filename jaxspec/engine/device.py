@@ -44,6 +44,25 @@ def idle_rows(rows: int, pages_per_seq: int):
   return (np.full((rows, pages_per_seq), NULL_PAGE, np.int32), np.zeros((rows,), np.int32))
 
 
+def decode_buckets(num_slots: int, buckets) -> tuple:
+  """The sorted row counts a decode round is compiled for (`Engine(decode_buckets=...)`):
+  `buckets` checked (ints in [1, num_slots], num_slots among them), or by default num_slots // 4^i
+  down to 1. Raises ValueError naming a bad value."""
+  if buckets is None:
+    return tuple(sorted({num_slots // 4 ** i for i in range(num_slots.bit_length())
+                         if num_slots // 4 ** i >= 1}))
+  try:
+    made = tuple(sorted(set(buckets)))
+  except TypeError:
+    raise ValueError(f'decode_buckets must be a sequence of ints, got {buckets!r}') from None
+  bad = [b for b in made if isinstance(b, bool) or not isinstance(b, int) or
+         not 1 <= b <= num_slots]
+  if bad or num_slots not in made:
+    raise ValueError(f'decode_buckets={buckets!r} must be ints in [1, num_slots={num_slots}] '
+                     f'including num_slots')
+  return made
+
+
 @functools.partial(jax.jit, static_argnames=('target', 'draft'),
                    donate_argnames=('target_cache', 'draft_cache'))
 def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, target_cache,

@@ -43,23 +43,6 @@ def _positive_int(name, value, minimum=1):
     raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
 
 
-def _decode_buckets(num_slots: int, buckets) -> tuple:
-  """The sorted decode row buckets (default num_slots // 4^i >= 1); ValueError naming a bad one."""
-  if buckets is None:
-    return tuple(sorted({num_slots // 4 ** i for i in range(num_slots.bit_length())
-                         if num_slots // 4 ** i >= 1}))
-  try:
-    made = tuple(sorted(set(buckets)))
-  except TypeError:
-    raise ValueError(f'decode_buckets must be a sequence of ints, got {buckets!r}') from None
-  bad = [b for b in made if isinstance(b, bool) or not isinstance(b, int) or
-         not 1 <= b <= num_slots]
-  if bad or num_slots not in made:
-    raise ValueError(f'decode_buckets={buckets!r} must be ints in [1, num_slots={num_slots}] '
-                     f'including num_slots')
-  return made
-
-
 class Engine:
   """Continuous batching over one paged pool, with optional batched speculative decoding.
 
@@ -122,7 +105,8 @@ class Engine:
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
                page_size: int = 16, chunk_size: int = 32, prefill_rows: Optional[int] = None,
-               decode_buckets: Optional[Sequence[int]] = None, draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
+               decode_buckets: Optional[Sequence[int]] = None,
+               draft: Optional[ModelConfig] = None, draft_params=None, k: int = 0,
                drafter: Optional[str | Drafter] = None, k_policy: str | KPolicy = 'fixed',
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
@@ -151,7 +135,7 @@ class Engine:
     # Row counts a prefill call is compiled for: powers of two below prefill_rows, and it.
     self.prefill_buckets = tuple(sorted({1 << i for i in range(prefill_rows.bit_length())
                                          if 1 << i < prefill_rows} | {prefill_rows}))
-    self.decode_buckets = _decode_buckets(num_slots, decode_buckets)
+    self.decode_buckets = device.decode_buckets(num_slots, decode_buckets)
     self.max_stop_tokens = max_stop_tokens
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
     self.k_rounds: collections.Counter = collections.Counter()
@@ -285,20 +269,11 @@ class Engine:
     """
     if self.prefix.host is not None:
       self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
-
-    def prefill_at(rows):
-      table, lengths = device.idle_rows(rows, self.pages_per_seq)
-      tokens = np.zeros((rows, self.chunk_size), np.int32)
-      zeros, sampling = np.zeros((rows,), np.int32), self._row_sampling([], rows)
-      return lambda: self._call_prefill(table, lengths, tokens, zeros, sampling)
-
     # Timed only for a policy that prices lock-step admissions (`speculation.split_cost`).
-    calls = {rows: prefill_at(rows) for rows in self.prefill_buckets}
-    if self.policy is not None and self.policy.needs_costs:
-      self.prefill_costs = timing.fastest(calls, cost_repeats)
-    else:
-      for call in calls.values():     # compile only
-        call()
+    priced = self.policy is not None and self.policy.needs_costs
+    costs = timing.prefill_costs(self, cost_repeats if priced else None)
+    if priced:
+      self.prefill_costs = costs
     self.measure_costs(cost_repeats)
 
   @property
@@ -320,21 +295,10 @@ class Engine:
     Raises:
       ValueError: repeats not an int >= 1, a width that is not a decode bucket.
     """
-    ks = self.policy.candidates if self.policy is not None else (0,)
     widths = self.decode_buckets if widths is None else tuple(widths)
     if any(w not in self.decode_buckets for w in widths):
       raise ValueError(f'widths {widths} must be decode buckets {self.decode_buckets}')
-
-    def round_at(rows, k):
-      table, lengths = device.idle_rows(rows, self.pages_per_seq)
-      zeros = np.zeros((rows,), np.int32)
-      stop, sampling = self._stop_table([], rows), self._row_sampling([], rows)
-      return lambda: self._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
-                                       caps=zeros)
-
-    timed = timing.fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks},
-                           repeats)
-    for (rows, k), seconds in timed.items():
+    for (rows, k), seconds in timing.decode_costs(self, repeats, widths).items():
       self.row_costs.setdefault(rows, {})[k] = seconds
     if self.draft_sync is not None:
       self.draft_sync.measure(repeats)

@@ -222,6 +222,11 @@ class AlphaTracker:
     w = self.prior_trials
     return (s + w * self.prior) / (n + w) if n + w > 0 else self.prior
 
+  @property
+  def global_trials(self) -> float:
+    """The (decayed) trials behind the global estimate, its prior's pseudo-trials included."""
+    return self._global[1] + self.prior_trials
+
   def alpha(self, request_id) -> float:
     """The request's α estimate in [0, 1]."""
     g = self.global_alpha
@@ -269,22 +274,31 @@ class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
   TurboSpec), every row capped at K.
 
-  t(K) = d(K) + h, plus at K >= 1 a lazy draft cache's catch-up (`sync_s`, paid once before
-  that round, spread over the rounds it serves: see `goodput`). d(K) is the wall time of the
-  device call of one decode round at K for the round's row bucket (`KPolicy.rows`; the call
-  computes all its rows, idle ones included, so d depends on K and the bucket, not on how many
-  rows are busy; the batch enters through Σ_i: more rows gain more tokens from the same
-  round). It is the table measured
-  over idle rows at start-up times the median live / start-up ratio of the last `window` live
-  rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts at K = 0's):
-  live rounds also pay what idle ones skip (e.g. a draft model's extra step after a fully
-  accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1 keeps the
-  table's ratios among them and a median keeps one slow round from pricing a K out for good (a
-  K not chosen is not measured again); kept non-decreasing in K. h is an EMA of the host seconds
-  per round around
-  the call (scheduling, tables, proposals, emitting; the same at every K): without it a K > 0
-  round looks relatively dearer than it is when host work is a large part of a round. E_i is
-  capped by what request i may still emit (`KPolicy.rooms`).
+  t(K) = d(K) + h, plus at K >= 1 two one-time costs spread over the rounds they serve (see
+  `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
+  the lock-step of requests that would finish together costs (`split_s`,
+  `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
+  decode round at K for the round's row bucket (`KPolicy.rows`; the call computes all its rows,
+  idle ones included, so d depends on K and the bucket, not on how many rows are busy; the
+  batch enters through Σ_i: more rows gain more tokens from the same round). It is the table
+  measured over idle rows at start-up times the median live / start-up ratio of the last
+  `window` live rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts
+  at K = 0's): live rounds also pay what idle ones skip (e.g. a draft model's extra step after a
+  fully accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1
+  keeps the table's ratios among them and a median keeps one slow round from pricing a K out
+  for good (a K not chosen is not measured again); kept non-decreasing in K. h is an EMA of the
+  host seconds per round around the call (scheduling, tables, proposals, emitting; the same at
+  every K): without it a K > 0 round looks relatively dearer than it is when host work is a
+  large part of a round. E_i is capped by what request i may still emit (`KPolicy.rooms`).
+
+  Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
+  the batch's remaining time is its slowest request's: K is then chosen by
+  Σ_i room_i / (rounds(K) t(K) + [K >= 1] sync_s), rounds(K) the expected rounds until every
+  request has finished (`jaxspec.engine.makespan.rounds_to_finish`).
+
+  A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds while nothing
+  it depends on moved: no new observation, the same requests, row bucket and queue, host time and
+  live cost ratios within ~10 %.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -298,8 +312,9 @@ class GoodputK(KPolicy):
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
       d(K) (>= 1).
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
-      draft on what the target drew) only if α estimates higher by this much would choose
-      K >= 1 (`worth_probing`): far from the threshold, probes could not change the choice.
+      draft on what the target drew) only if α estimates higher by this much plus two standard
+      errors of the global estimate would choose K >= 1 (`worth_probing`): far from the
+      threshold, or once probes have pinned α down, a probe could not change the choice.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
       non-positive time, margin < 0, timing_decay outside [0, 1), window < 1.
@@ -308,7 +323,7 @@ class GoodputK(KPolicy):
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
-               window: int = 16, probe_margin: float = 0.1):
+               window: int = 16, probe_margin: float = 0.05):
     super().__init__()
     margin = _real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = _real('probe_margin', probe_margin, 0.0, 1.0)
@@ -322,13 +337,19 @@ class GoodputK(KPolicy):
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
-    self.costs: Optional[dict] = None       # fitted d(K) of a full round
-    self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket
+    self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
     self._pending_costs = costs
+    self._version = 0                       # bumped by every new observation or cost table
+    self._held = None                       # (inputs, rounds) of a K = 0 choice still valid
 
   @property
   def needs_costs(self) -> bool:
-    return self.costs is None
+    return not self._idle
+
+  @property
+  def costs(self) -> Optional[dict]:
+    """The fitted d(K) {K: seconds} of a full round (None before `set_costs`)."""
+    return self._fitted_table(None) if self._idle else None
 
   def setup(self, k_max: int) -> None:
     super().setup(k_max)
@@ -365,30 +386,36 @@ class GoodputK(KPolicy):
                   for rows, table in tables.items()}
     for ratios in self._ratios.values():
       ratios.clear()
-    self._fit()
+    self._fitted.clear()
+    self._version += 1
 
-  def _fit(self):
+  def _fitted_table(self, rows) -> dict:
     # d(K) = start-up time x the median live / start-up ratio of the recent rounds of its
     # group: K = 0, or K >= 1 (before any, K = 0's). Live speculative rounds pay what idle ones
     # skip (the draft's extra step after a fully accepted round) and the machine's speed
     # drifts; a median over a group shared by every K >= 1 keeps one slow round from pricing a
     # K out for good (a K not chosen is never measured again).
-    zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
-    spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
-    for rows, idle in self._idle.items():
+    # Fitted when read, once per change of the ratios.
+    rows = rows if rows in self._idle else None
+    if rows not in self._fitted:
+      zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
+      spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
+      idle = self._idle[rows]
       d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
       self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
-    self.costs = self._fitted[None]
+    return self._fitted[rows]
 
   def _table(self) -> dict:
     """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
-    return self._fitted.get(self.rows, self.costs)
+    return self._fitted_table(self.rows)
 
   def goodput(self, alphas: Sequence[float], k: int,
               rooms: Optional[Sequence[int]] = None) -> float:
-    """Σ_i E_i / (d(K) + h + [K >= 1] sync_s / R), tokens per second: E_i = E[tokens | α_i,
-    min(K, room_i - 1)] (a round emits at most room_i tokens; uncapped without rooms) and
-    R = max(1, mean_i room_i / mean_i E_i), the rounds the catch-up serves (1 without rooms)."""
+    """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
+    per second: E_i = E[tokens | α_i, min(K, room_i - 1)] (a round emits at most room_i tokens;
+    uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds the catch-up serves
+    (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) / Σ_i E_i), the rounds until
+    the successors a split admits are done too."""
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     tokens = sum(expected_tokens(a, c) for a, c in zip(alphas, caps))
     return self._per_second(tokens, len(alphas), k, rooms)
@@ -427,19 +454,40 @@ class GoodputK(KPolicy):
     return np.array([self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha])
 
   def choose(self, request_ids):
-    if self.costs is None:
+    if not self._idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
+    # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
+    # queue are unchanged (rooms only shrink, which favours K = 0 further) and the host time
+    # and live cost ratios moved by less than ~10 %, for up to `HOLD_ROUNDS` rounds: its host
+    # work stays off most K = 0 rounds.
+    drift = [self.host_s or 0.0] + [statistics.median(r) if r else 1.0
+                                    for r in self._ratios.values()]
+    inputs = (tuple(request_ids), self.queued, self.rows, self._version,
+              tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift))
+    if self._held is not None and self._held[0] == inputs and self._held[1] < self.HOLD_ROUNDS:
+      self._held = (inputs, self._held[1] + 1)
+      return 0, [0] * len(request_ids)
     k = self._pick(self._scores(self._alphas(request_ids)))
+    self._held = (inputs, 1) if k == 0 else None
     return k, [k] * len(request_ids)
 
+  HOLD_ROUNDS = 8
+
   def worth_probing(self, request_ids) -> bool:
-    """Whether α estimates higher by `probe_margin` would choose some K >= 1."""
-    if self.costs is None:
+    """Whether α estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
+    sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
+    trials: with few observations (one request, or a batch that has not been probed yet) the
+    estimates are loose and a probe is worth its cost; many probes' worth of trials pin them."""
+    if not self._idle:
       return True
-    alphas = np.minimum(self._alphas(request_ids) + self.probe_margin, 1.0)
+    g, n = self.tracker.global_alpha, self.tracker.global_trials
+    sd = math.sqrt(g * (1 - g) / max(n, 1.0))
+    alphas = np.minimum(self._alphas(request_ids) + self.probe_margin + 2 * sd, 1.0)
     return self._pick(self._scores(alphas)) >= 1
 
   def observe(self, request_id, k, accepted, successes, trials):
+    if trials > 0:
+      self._version += 1
     self.tracker.observe(request_id, successes, trials)
 
   def forget(self, request_id):
@@ -451,7 +499,7 @@ class GoodputK(KPolicy):
     idle = self._idle.get(self.rows, self._idle.get(None, {}))
     if k in idle:
       self._ratios[min(k, 1)].append(device_s / idle[k])
-      self._fit()
+      self._fitted.clear()
 
 
 POLICIES = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}

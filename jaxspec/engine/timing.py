@@ -4,7 +4,11 @@ catch-up costs): host side, wall clock."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable, Mapping
+from typing import Callable, Hashable, Mapping, Optional, Sequence
+
+import numpy as np
+
+from jaxspec.engine import device
 
 
 def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int) -> dict:
@@ -30,3 +34,35 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int) -> dic
       if r:
         times[key].append(time.perf_counter() - start)
   return {key: min(t) for key, t in times.items()}
+
+
+def prefill_costs(engine, repeats: Optional[int]) -> dict:
+  """Compile the engine's prefill call at every row bucket over idle rows and, unless repeats is
+  None, time each (`fastest`). Returns {rows: seconds} ({} when not timed)."""
+  def call_of(rows):
+    table, lengths = device.idle_rows(rows, engine.pages_per_seq)
+    tokens = np.zeros((rows, engine.chunk_size), np.int32)
+    zeros, sampling = np.zeros((rows,), np.int32), engine._row_sampling([], rows)
+    return lambda: engine._call_prefill(table, lengths, tokens, zeros, sampling)
+
+  calls = {rows: call_of(rows) for rows in engine.prefill_buckets}
+  if repeats is None:
+    for call in calls.values():
+      call()
+    return {}
+  return fastest(calls, repeats)
+
+
+def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
+  """{(rows, K): seconds} the fastest of `repeats` idle decode rounds of the engine at every K its
+  policy may choose (K = 0 without one) and every row count in `widths` (compiled first)."""
+  ks = engine.policy.candidates if engine.policy is not None else (0,)
+
+  def round_at(rows, k):
+    table, lengths = device.idle_rows(rows, engine.pages_per_seq)
+    zeros = np.zeros((rows,), np.int32)
+    stop, sampling = engine._stop_table([], rows), engine._row_sampling([], rows)
+    return lambda: engine._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
+                                       caps=zeros)
+
+  return fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks}, repeats)

@@ -1,0 +1,104 @@
+"""Decode rounds sized to the busy rows (`Engine(decode_buckets=...)`): a round runs in the
+smallest bucket that holds its decoding requests, outputs do not depend on the buckets (greedy,
+with and without speculation), and bad buckets are refused."""
+
+import functools
+
+import numpy as np
+import pytest
+
+from jaxspec.decoding import generate
+from jaxspec.engine import Engine
+from jaxspec.engine.k_policy import KPolicy
+
+L, M = 8, 20
+SHAPES = dict(num_slots=4, page_size=L, chunk_size=8, num_pages=64)
+
+
+class Cycle(KPolicy):
+  """K from a fixed cycle (K = 0 included, so a draft model's cache is kept lazily)."""
+
+  def __init__(self, ks):
+    super().__init__()
+    self.ks, self.calls = list(ks), 0
+
+  @property
+  def candidates(self):
+    return tuple(sorted(set(self.ks)))
+
+  def choose(self, request_ids):
+    k = self.ks[self.calls % len(self.ks)]
+    self.calls += 1
+    return k, [k] * len(request_ids)
+
+
+def _record_rows(engine) -> list:
+  """Wrap the engine's decode call: the row count of every round it runs."""
+  rows, call = [], engine._call_decode
+
+  def recorded(table, *args, **kwargs):
+    rows.append(table.shape[0])
+    return call(table, *args, **kwargs)
+
+  engine._call_decode = recorded
+  return rows
+
+
+@pytest.mark.parametrize('speculate', [False, True])
+def test_rounds_use_the_smallest_bucket_and_outputs_do_not_change(tiny, tiny_draft, speculate):
+  config, params = tiny
+  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=3,
+              k_policy=Cycle([3, 0, 1])) if speculate else {}
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, 64, size=n).tolist() for n in (5, 11, 3, 17)]
+  max_tokens = [M, 4, 9, 13]                   # requests finish at different rounds
+  engine = Engine(config, params, **SHAPES, **spec)
+  assert engine.decode_buckets == (1, 4)       # 4 // 4^i, down to 1
+  rows = _record_rows(engine)
+  ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+  outs = engine.run()
+
+  @functools.lru_cache(maxsize=None)
+  def alone(i):
+    return generate(config, params, [prompts[i]], max_new_tokens=M, page_size=L).tokens[0]
+
+  for i, rid in enumerate(ids):
+    assert outs[rid].tokens == alone(i)[:max_tokens[i]]
+  # Full rounds while 2-4 requests decode, then 1-row rounds for the last one (the 20-token
+  # request runs alone after the others finish).
+  assert set(rows) == {1, 4} and rows[-1] == 1 and rows[0] == 4
+  full = Engine(config, params, **SHAPES, **spec, decode_buckets=(4,))
+  full_rows = _record_rows(full)
+  full_ids = [full.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
+  full_outs = full.run()
+  assert set(full_rows) == {4}
+  assert [full_outs[r].tokens for r in full_ids] == [outs[r].tokens for r in ids]
+
+
+def test_cost_tables_per_bucket(tiny, tiny_draft):
+  config, params = tiny
+  engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
+                  k=2, k_policy='goodput')
+  engine.warm_up(cost_repeats=1)
+  assert set(engine.row_costs) == {1, 4}
+  assert all(set(t) == {0, 1, 2} and min(t.values()) > 0 for t in engine.row_costs.values())
+  assert engine.step_costs == engine.row_costs[4]
+  assert set(engine.prefill_costs) == set(engine.prefill_buckets)   # goodput prices admissions
+  with pytest.raises(ValueError, match='decode buckets'):
+    engine.measure_costs(1, widths=(2,))
+
+
+@pytest.mark.parametrize('buckets', [(0, 4), (2,), (4, 5), ('a', 4), 4, (True, 4)])
+def test_bad_decode_buckets(tiny, buckets):
+  config, params = tiny
+  with pytest.raises(ValueError, match='decode_buckets'):
+    Engine(config, params, **SHAPES, decode_buckets=buckets)
+
+
+def test_default_buckets():
+  from jaxspec.engine.device import decode_buckets as _decode_buckets
+  assert _decode_buckets(1, None) == (1,)
+  assert _decode_buckets(3, None) == (3,)
+  assert _decode_buckets(8, None) == (2, 8)
+  assert _decode_buckets(64, None) == (1, 4, 16, 64)
+  assert _decode_buckets(8, [8, 8, 1]) == (1, 8)
