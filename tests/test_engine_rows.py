@@ -47,12 +47,13 @@ def _record_rows(engine) -> list:
 @pytest.mark.parametrize('speculate', [False, True])
 def test_rounds_use_the_smallest_bucket_and_outputs_do_not_change(tiny, tiny_draft, speculate):
   config, params = tiny
-  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=3,
-              k_policy=Cycle([3, 0, 1])) if speculate else {}
+  def spec():          # a policy instance per engine
+    return dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=3,
+                k_policy=Cycle([3, 0, 1])) if speculate else {}
   rng = np.random.default_rng(3)
   prompts = [rng.integers(3, 64, size=n).tolist() for n in (5, 11, 3, 17)]
   max_tokens = [M, 4, 9, 13]                   # requests finish at different rounds
-  engine = Engine(config, params, **SHAPES, **spec)
+  engine = Engine(config, params, **SHAPES, **spec())
   assert engine.decode_buckets == (1, 4)       # 4 // 4^i, down to 1
   rows = _record_rows(engine)
   ids = [engine.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
@@ -67,7 +68,7 @@ def test_rounds_use_the_smallest_bucket_and_outputs_do_not_change(tiny, tiny_dra
   # Full rounds while 2-4 requests decode, then 1-row rounds for the last one (the 20-token
   # request runs alone after the others finish).
   assert set(rows) == {1, 4} and rows[-1] == 1 and rows[0] == 4
-  full = Engine(config, params, **SHAPES, **spec, decode_buckets=(4,))
+  full = Engine(config, params, **SHAPES, **spec(), decode_buckets=(4,))
   full_rows = _record_rows(full)
   full_ids = [full.add_request(p, max_tokens=m) for p, m in zip(prompts, max_tokens)]
   full_outs = full.run()

@@ -7,7 +7,9 @@ K = 0 is the right choice, that made "adaptive" cost more than plain continuous 
 skewed the policy's cost ratio t(K) / t(0) toward speculating (t(0) held a draft step the
 baseline never pays). Now:
 
-- Prefill writes the target's cache only.
+- Prefill writes the target's cache only, unless the last decode round ran at K >= 1 (`eager`):
+  while the engine speculates, an admitted request's prompt goes through the draft in the same
+  call as the target's, not in a catch-up call of its own before its first round.
 - Each request keeps `draft_computed`, the tokens of its context the draft cache holds (0 at
   every admission: after a preemption, or pages shared by the prefix cache or brought back from
   the host tier, the draft's half of a page need not hold anything).
@@ -55,6 +57,9 @@ class DraftSync:
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
     live_ratio: EMA of a catch-up's wall time over its estimate from `costs` (1 before any).
+    eager: whether prefill chunks fill the draft's cache too (the last decode round ran at
+      K >= 1: a request admitted while the engine speculates would need its prompt caught up
+      before its first round, in a call of its own).
   """
 
   def __init__(self, engine, drafter):
@@ -68,6 +73,7 @@ class DraftSync:
     self.num_calls = 0
     self.seconds = 0.0
     self.live_ratio = 1.0
+    self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
 
   # ------------------------------------------------------------ round hooks
 
@@ -103,6 +109,7 @@ class DraftSync:
   def after_round(self, decodes, k: int, zero_s: float) -> None:
     """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote; a K = 0
     round adds its estimated seconds `zero_s` (its row bucket's t(0)) to the probe budget's base."""
+    self.eager = k >= 1
     if k >= 1:
       for request in decodes:
         request.draft_computed = request.num_computed

@@ -274,6 +274,10 @@ class Engine:
     costs = timing.prefill_costs(self, cost_repeats if priced else None)
     if priced:
       self.prefill_costs = costs
+    if self.draft_sync is not None:     # the prefill that fills the draft too (`eager`)
+      self.draft_sync.eager = True
+      timing.prefill_costs(self, None)
+      self.draft_sync.eager = False
     self.measure_costs(cost_repeats)
 
   @property
@@ -344,7 +348,8 @@ class Engine:
     return RowSampling.stack(params)
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
-    draft = self.draft if self.draft_sync is None else None     # lazy: the target alone
+    # A lazy draft sits out prefill too, unless the engine is speculating (`DraftSync.eager`).
+    draft = self.draft if self.draft_sync is None or self.draft_sync.eager else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, target_cache, draft_cache = device.prefill_chunk(
         self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],
@@ -387,12 +392,15 @@ class Engine:
       lengths[row] = request.num_computed
       tokens[row, :len(chunk)] = chunk
       counts[row] = len(chunk)
+    drafted = self.draft_sync is not None and self.draft_sync.eager
     first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
         [(self._prefill_row(i, request), request) for i, (request, _) in enumerate(prefills)],
         rows))
     now = time.perf_counter()
     for i, (request, chunk) in enumerate(prefills):
       row = self._prefill_row(i, request)
+      if drafted and request.draft_computed == request.num_computed:   # no gap before it
+        request.draft_computed += len(chunk)
       request.num_computed += len(chunk)
       request.metrics.prefill_tokens += len(chunk)
       if request.num_computed < len(request.prefill_tokens):

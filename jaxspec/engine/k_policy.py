@@ -457,18 +457,22 @@ class GoodputK(KPolicy):
     if not self._idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
-    # queue are unchanged (rooms only shrink, which favours K = 0 further) and the host time
-    # and live cost ratios moved by less than ~10 %, for up to `HOLD_ROUNDS` rounds: its host
-    # work stays off most K = 0 rounds.
+    # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
+    # (each favours K = 0 further), and the host time and live cost ratios moved by less than
+    # ~10 %, for up to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds.
     drift = [self.host_s or 0.0] + [statistics.median(r) if r else 1.0
                                     for r in self._ratios.values()]
     inputs = (tuple(request_ids), self.queued, self.rows, self._version,
               tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift))
-    if self._held is not None and self._held[0] == inputs and self._held[1] < self.HOLD_ROUNDS:
-      self._held = (inputs, self._held[1] + 1)
+    left = sum(self.rooms) if self.rooms is not None else None
+    held = self._held
+    if held is not None and held[0] == inputs and held[1] < self.HOLD_ROUNDS and \
+        (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
+      self._held = (inputs, held[1] + 1) + held[2:]
       return 0, [0] * len(request_ids)
     k = self._pick(self._scores(self._alphas(request_ids)))
-    self._held = (inputs, 1) if k == 0 else None
+    self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
+                  self.split_s) if k == 0 else None
     return k, [k] * len(request_ids)
 
   HOLD_ROUNDS = 8
