@@ -19,7 +19,8 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
   acceptance_rate     alpha = accepted / proposed draft tokens over all requests (None at K = 0)
   mean_accepted_length  tau = tokens emitted per request per decode round (1 at K = 0)
   round_s             median seconds of one decode-only engine step (a step that ran no prefill
-                      chunk): one decode round of all B slots, host work included
+                      chunk): one decode round, host work included (mostly of all B slots: a
+                      round with few busy requests runs in a smaller `decode_buckets` bucket)
   decode_tokens_per_s tokens emitted in decode-only steps / their seconds
   decode_steps, prefill_steps  steps without / with a prefill chunk (a prefill call computes
                       its row bucket x `chunk_size` tokens: `Engine.prefill_buckets`)

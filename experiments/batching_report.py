@@ -5,8 +5,8 @@ tokens and verifies K + 1 in one target pass, and emits on average
 
     τ(α, K) = (1 − α^{K+1}) / (1 − α)          tokens per request (τ(1, K) = K + 1)
 
-where α is the probability that a draft token is accepted. The engine always runs all B slots
-in a round, so a round's cost depends on B and K, not on the workload; measured as
+where α is the probability that a draft token is accepted. A round of a full batch computes all B
+slots, so its cost depends on B and K, not on the workload; measured as
 
     c(B, K) = t_round(B, K) / t_round(B, 0)    (seconds of a decode-only engine step)
 

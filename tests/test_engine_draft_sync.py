@@ -105,6 +105,30 @@ def test_catch_up_over_prefix_shared_pages_leaves_a_correct_draft(tiny):
   assert outs[first].tokens == outs[second].tokens
 
 
+def test_prefill_fills_the_draft_while_the_engine_speculates(tiny):
+  # Before any round at K >= 1 a prompt goes to the target alone; once the engine speculates, a
+  # new request's prefill writes the draft's cache in the same call (nothing to catch up). A
+  # self-draft then accepts every proposal only if that cache is right.
+  config, params = tiny
+  engine = Engine(config, params, draft=config, draft_params=params, k=K,
+                  k_policy=Record([K]), drafter=ModelDrafter(probe_every=None), **SHAPES)
+  first, second = _prompts([7, 6], seed=4)                # one prefill chunk each
+  a = engine.add_request(first, max_tokens=12)
+  engine.step()                                           # prefill: the target alone
+  request = engine._live[a]
+  assert request.draft_computed == 0 and not engine.draft_sync.eager
+  engine.step()                                           # catch-up, then a round at K
+  assert engine.draft_sync.num_calls == 1 and engine.draft_sync.eager
+  b = engine.add_request(second, max_tokens=12)
+  engine.step()                                           # b's prefill fills the draft too
+  assert engine._live[b].draft_computed == engine._live[b].num_computed == len(second)
+  outs = engine.run()
+  assert engine.draft_sync.num_calls == 1                 # b never needed a catch-up
+  for rid in (a, b):
+    m = outs[rid].metrics
+    assert m.proposed > 0 and m.accepted == m.proposed
+
+
 def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
   config, params = tiny
   engine = Engine(config, params, draft=tiny_draft[0], draft_params=tiny_draft[1], k=K,

@@ -9,27 +9,10 @@ import pytest
 
 from jaxspec.decoding import generate
 from jaxspec.engine import Engine
-from jaxspec.engine.k_policy import KPolicy
+from test_engine_drafters import Scripted   # K from a cycle, K = 0 included
 
 L, M = 8, 20
 SHAPES = dict(num_slots=4, page_size=L, chunk_size=8, num_pages=64)
-
-
-class Cycle(KPolicy):
-  """K from a fixed cycle (K = 0 included, so a draft model's cache is kept lazily)."""
-
-  def __init__(self, ks):
-    super().__init__()
-    self.ks, self.calls = list(ks), 0
-
-  @property
-  def candidates(self):
-    return tuple(sorted(set(self.ks)))
-
-  def choose(self, request_ids):
-    k = self.ks[self.calls % len(self.ks)]
-    self.calls += 1
-    return k, [k] * len(request_ids)
 
 
 def _record_rows(engine) -> list:
@@ -49,7 +32,7 @@ def test_rounds_use_the_smallest_bucket_and_outputs_do_not_change(tiny, tiny_dra
   config, params = tiny
   def spec():          # a policy instance per engine
     return dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=3,
-                k_policy=Cycle([3, 0, 1])) if speculate else {}
+                k_policy=Scripted([3, 0, 1])) if speculate else {}
   rng = np.random.default_rng(3)
   prompts = [rng.integers(3, 64, size=n).tolist() for n in (5, 11, 3, 17)]
   max_tokens = [M, 4, 9, 13]                   # requests finish at different rounds
