@@ -7,7 +7,8 @@ import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.drafters import ModelDrafter
-from jaxspec.engine.k_policy import GoodputK, KPolicy
+from jaxspec.engine.goodput import GoodputK
+from jaxspec.engine.k_policy import KPolicy
 from jaxspec.models import Transformer
 
 L, K = 8, 3

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import makespan
-from jaxspec.engine.k_policy import AlphaTracker, GoodputK
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
 from jaxspec.engine.speculation import split_cost
 
 PREFILL = {1: 10.0, 2: 12.0, 4: 16.0}       # seconds per call of each row bucket

@@ -6,7 +6,8 @@ from jaxspec.engine.device import compile_counts
 from jaxspec.engine.drafters import Drafter, ModelDrafter, NGramDrafter, Round
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.evicting import EvictingEngine, EvictingScheduler
-from jaxspec.engine.k_policy import AlphaTracker, FixedK, GoodputK, KPolicy, ScheduleK
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.k_policy import FixedK, KPolicy, ScheduleK
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 

@@ -1,0 +1,334 @@
+"""The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec) and its acceptance tracker: K per
+round maximising the expected tokens per second of the batch, from per-request α estimates and
+measured round costs (host side, numpy). The interface it implements is
+`jaxspec.engine.k_policy.KPolicy`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import numbers
+import statistics
+from typing import Mapping, Optional, Sequence
+
+import numpy as np
+
+from jaxspec.engine import makespan
+from jaxspec.engine.k_policy import KPolicy, checked_real
+
+
+class AlphaTracker:
+  """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
+  request's (successes, trials) observations (decay per observed round); a request with no
+  observation yet uses the global estimate, the same ratio over every request's observations
+  with `prior_trials` pseudo-trials of `prior` (its sums decay by decay^(1/n) per observation,
+  n the requests tracked: about `decay` per round of n requests, so at a large batch it is not
+  just the last few requests' observations).
+
+  Args:
+    decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
+    prior: α before any observation at all, in [0, 1].
+    prior_trials: pseudo-trials of the global estimate mixed into each request's, and of the
+      prior into the global one (so one unlucky first round pins neither to α = 0).
+  Raises:
+    ValueError: a value out of range.
+  """
+
+  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 1.0):
+    decay = checked_real('decay', decay, 0.0, 1.0, high_open=True)
+    prior = checked_real('prior', prior, 0.0, 1.0)
+    prior_trials = checked_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
+    self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
+    self._sums: dict = {}
+    self._global = [0.0, 0.0]
+
+  @property
+  def global_alpha(self) -> float:
+    """α over every request's observations, with `prior_trials` pseudo-trials of the prior."""
+    s, n = self._global
+    w = self.prior_trials
+    return (s + w * self.prior) / (n + w) if n + w > 0 else self.prior
+
+  @property
+  def global_trials(self) -> float:
+    """The (decayed) trials behind the global estimate, its prior's pseudo-trials included."""
+    return self._global[1] + self.prior_trials
+
+  def alpha(self, request_id) -> float:
+    """The request's α estimate in [0, 1]."""
+    g = self.global_alpha
+    s, n = self._sums.get(request_id, (0.0, 0.0))
+    return (s + self.prior_trials * g) / (n + self.prior_trials) if n + self.prior_trials > 0 \
+        else g
+
+  def observe(self, request_id, successes: float, trials: float) -> None:
+    """Add one round's (accepted positions, tried positions) of a request; trials <= 0: no
+    observation. Decays the request's sums by `decay` and the global ones by decay^(1/n)
+    first (n requests tracked)."""
+    if trials <= 0:
+      return
+    s, n = self._sums.get(request_id, (0.0, 0.0))
+    self._sums[request_id] = (self.decay * s + successes, self.decay * n + trials)
+    gs, gn = self._global
+    d = self.decay ** (1.0 / len(self._sums))
+    self._global = [d * gs + successes, d * gn + trials]
+
+  def forget(self, request_id) -> None:
+    """Drop a finished request's sums (the global estimate keeps its observations)."""
+    self._sums.pop(request_id, None)
+
+
+def nondecreasing(values: Sequence[float]) -> list:
+  """The least-squares non-decreasing fit of `values` (isotonic regression, pool adjacent
+  violators): runs that decrease are replaced by their mean."""
+  blocks = []                                    # [sum, count] per pooled block
+  for v in values:
+    blocks.append([v, 1])
+    while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+      s, n = blocks.pop()
+      blocks[-1][0] += s
+      blocks[-1][1] += n
+  return [s / n for s, n in blocks for _ in range(n)]
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+  """E[tokens emitted by one round] = (1 - α^{K+1}) / (1 - α) = Σ_{j=0..K} α^j (Leviathan et
+  al. 2023, Eq. 1; K + 1 at α = 1)."""
+  return sum(alpha ** j for j in range(k + 1))
+
+
+class GoodputK(KPolicy):
+  """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
+  TurboSpec), every row capped at K.
+
+  t(K) = d(K) + h, plus at K >= 1 two one-time costs spread over the rounds they serve (see
+  `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
+  the lock-step of requests that would finish together costs (`split_s`,
+  `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
+  decode round at K for the round's row bucket (`KPolicy.rows`; the call computes all its rows,
+  idle ones included, so d depends on K and the bucket, not on how many rows are busy; the
+  batch enters through Σ_i: more rows gain more tokens from the same round). It is the table
+  measured over idle rows at start-up times the median live / start-up ratio of the last
+  `window` live rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts
+  at K = 0's): live rounds also pay what idle ones skip (e.g. a draft model's extra step after a
+  fully accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1
+  keeps the table's ratios among them and a median keeps one slow round from pricing a K out
+  for good (a K not chosen is not measured again); kept non-decreasing in K. h is an EMA of the
+  host seconds per round around the call (scheduling, tables, proposals, emitting; the same at
+  every K): without it a K > 0 round looks relatively dearer than it is when host work is a
+  large part of a round. E_i is capped by what request i may still emit (`KPolicy.rooms`).
+
+  Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
+  the batch's remaining time is its slowest request's: K is then chosen by
+  Σ_i room_i / (rounds(K) t(K) + [K >= 1] sync_s), rounds(K) the expected rounds until every
+  request has finished (`jaxspec.engine.makespan.rounds_to_finish`).
+
+  A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds while nothing
+  it depends on moved: no new observation, the same requests, row bucket and queue, host time and
+  live cost ratios within ~10 %.
+
+  Args:
+    tracker: the `AlphaTracker` (default: a new one).
+    margin: a larger K must beat the smallest near-best K by more than this fraction of goodput
+      (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
+      K gains ~1 token and K = 0 is chosen).
+    candidates: the K values considered (default 0..K_max; each is one compiled step).
+    costs: the cost table d(K) {K: seconds} of a full round, if known (else the engine measures
+      it, per row bucket too); a known table serves every bucket.
+    timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
+    window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
+      d(K) (>= 1).
+    probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
+      draft on what the target drew) only if α estimates higher by this much plus two standard
+      errors of the global estimate would choose K >= 1 (`worth_probing`): far from the
+      threshold, or once probes have pinned α down, a probe could not change the choice.
+  Raises:
+    ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
+      non-positive time, margin < 0, timing_decay outside [0, 1), window < 1.
+  """
+
+  def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
+               candidates: Optional[Sequence[int]] = None,
+               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
+               window: int = 16, probe_margin: float = 0.05):
+    super().__init__()
+    margin = checked_real('margin', margin, 0.0, math.inf, high_open=True)
+    self.probe_margin = checked_real('probe_margin', probe_margin, 0.0, 1.0)
+    timing_decay = checked_real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+      raise ValueError(f'window must be an int >= 1, got {window!r}')
+    self.timing_decay = timing_decay
+    self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
+    self._idle: dict = {}                   # {rows: {K: seconds}} start-up tables (None: full)
+    self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
+    self.tracker = AlphaTracker() if tracker is None else tracker
+    self.margin = margin
+    self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
+    self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
+    self._pending_costs = costs
+    self._version = 0                       # bumped by every new observation or cost table
+    self._held = None                       # (inputs, rounds) of a K = 0 choice still valid
+
+  @property
+  def needs_costs(self) -> bool:
+    return not self._idle
+
+  @property
+  def costs(self) -> Optional[dict]:
+    """The fitted d(K) {K: seconds} of a full round (None before `set_costs`)."""
+    return self._fitted_table(None) if self._idle else None
+
+  def setup(self, k_max: int) -> None:
+    super().setup(k_max)
+    if self._candidates is not None:
+      bad = [k for k in self._candidates if isinstance(k, bool) or not isinstance(k, int) or
+             not 0 <= k <= k_max]
+      if bad or not self._candidates:
+        raise ValueError(f'GoodputK candidates {self._candidates} must be ints in [0, {k_max}]')
+    if self._pending_costs is not None:
+      self.set_costs(self._pending_costs)
+
+  @property
+  def candidates(self) -> tuple:
+    return self._candidates if self._candidates is not None else tuple(range(self.k_max + 1))
+
+  def set_costs(self, costs, by_rows=None):
+    """Take the cost table {K: seconds} of a full round and optionally one per row bucket
+    {rows: {K: seconds}}, each made non-decreasing in K (`nondecreasing`: a round at a larger K
+    does strictly more work, so a measured dip is timing noise).
+
+    Raises:
+      ValueError: a candidate K missing, a time that is not > 0.
+    """
+    tables = {None: costs, **(by_rows or {})}
+    for table in tables.values():
+      missing = [k for k in self.candidates if k not in table]
+      if missing:
+        raise ValueError(f'cost table {dict(table)} misses K in {missing}')
+      bad = {k: t for k, t in table.items()
+             if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
+      if bad:
+        raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
+    self._idle = {rows: {k: float(table[k]) for k in self.candidates}
+                  for rows, table in tables.items()}
+    for ratios in self._ratios.values():
+      ratios.clear()
+    self._fitted.clear()
+    self._version += 1
+
+  def _fitted_table(self, rows) -> dict:
+    # d(K) = start-up time x the median live / start-up ratio of the recent rounds of its
+    # group: K = 0, or K >= 1 (before any, K = 0's). Live speculative rounds pay what idle ones
+    # skip (the draft's extra step after a fully accepted round) and the machine's speed
+    # drifts; a median over a group shared by every K >= 1 keeps one slow round from pricing a
+    # K out for good (a K not chosen is never measured again).
+    # Fitted when read, once per change of the ratios.
+    rows = rows if rows in self._idle else None
+    if rows not in self._fitted:
+      zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
+      spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
+      idle = self._idle[rows]
+      d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
+      self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
+    return self._fitted[rows]
+
+  def _table(self) -> dict:
+    """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
+    return self._fitted_table(self.rows)
+
+  def goodput(self, alphas: Sequence[float], k: int,
+              rooms: Optional[Sequence[int]] = None) -> float:
+    """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
+    per second: E_i = E[tokens | α_i, min(K, room_i - 1)] (a round emits at most room_i tokens;
+    uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds the catch-up serves
+    (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) / Σ_i E_i), the rounds until
+    the successors a split admits are done too."""
+    caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
+    tokens = sum(expected_tokens(a, c) for a, c in zip(alphas, caps))
+    return self._per_second(tokens, len(alphas), k, rooms)
+
+  def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
+    seconds = self._table()[k] + (self.host_s or 0.0)
+    if k >= 1 and (self.sync_s > 0 or self.split_s > 0):
+      left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
+      seconds += self.sync_s / max(1.0, left / tokens)
+      seconds += self.split_s / max(1.0, (left + self.split_tokens) / tokens)
+    return tokens / seconds
+
+  def _scores(self, alphas: np.ndarray) -> dict:
+    """{K: goodput} over `candidates` for acceptance estimates alphas [n]."""
+    rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
+        else None
+    if rooms is not None and self.queued == 0:
+      # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
+      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max)
+      table, host = self._table(), self.host_s or 0.0
+      return {k: sum(rooms) / (rounds[k] * (table[k] + host) + (self.sync_s if k else 0.0))
+              for k in self.candidates}
+    # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of α_i^j, j < room_i.
+    powers = alphas[:, None] ** np.arange(self.k_max + 1)
+    if rooms is not None:
+      powers = np.where(np.arange(self.k_max + 1) < np.array(rooms)[:, None], powers, 0.0)
+    totals = np.cumsum(powers, axis=1).sum(axis=0)
+    return {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
+            for k in self.candidates}
+
+  def _pick(self, scores: dict) -> int:
+    best = max(scores.values())
+    return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
+
+  def _alphas(self, request_ids) -> np.ndarray:
+    return np.array([self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha])
+
+  def choose(self, request_ids):
+    if not self._idle:
+      raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
+    # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
+    # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
+    # (each favours K = 0 further), and the host time and live cost ratios moved by less than
+    # ~10 %, for up to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds.
+    drift = [self.host_s or 0.0] + [statistics.median(r) if r else 1.0
+                                    for r in self._ratios.values()]
+    inputs = (tuple(request_ids), self.queued, self.rows, self._version,
+              tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift))
+    left = sum(self.rooms) if self.rooms is not None else None
+    held = self._held
+    if held is not None and held[0] == inputs and held[1] < self.HOLD_ROUNDS and \
+        (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
+      self._held = (inputs, held[1] + 1) + held[2:]
+      return 0, [0] * len(request_ids)
+    k = self._pick(self._scores(self._alphas(request_ids)))
+    self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
+                  self.split_s) if k == 0 else None
+    return k, [k] * len(request_ids)
+
+  HOLD_ROUNDS = 8
+
+  def worth_probing(self, request_ids) -> bool:
+    """Whether α estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
+    sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
+    trials: with few observations (one request, or a batch that has not been probed yet) the
+    estimates are loose and a probe is worth its cost; many probes' worth of trials pin them."""
+    if not self._idle:
+      return True
+    g, n = self.tracker.global_alpha, self.tracker.global_trials
+    sd = math.sqrt(g * (1 - g) / max(n, 1.0))
+    alphas = np.minimum(self._alphas(request_ids) + self.probe_margin + 2 * sd, 1.0)
+    return self._pick(self._scores(alphas)) >= 1
+
+  def observe(self, request_id, k, accepted, successes, trials):
+    if trials > 0:
+      self._version += 1
+    self.tracker.observe(request_id, successes, trials)
+
+  def forget(self, request_id):
+    self.tracker.forget(request_id)
+
+  def round_timing(self, k, device_s, host_s):
+    d = self.timing_decay
+    self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
+    idle = self._idle.get(self.rows, self._idle.get(None, {}))
+    if k in idle:
+      self._ratios[min(k, 1)].append(device_s / idle[k])
+      self._fitted.clear()
