@@ -9,6 +9,7 @@ import pytest
 
 from jaxspec.decoding import generate
 from jaxspec.engine import Engine
+from test_engine import alone                # noqa: F401 (a fixture: greedy output alone)
 from test_engine_drafters import Scripted   # K from a cycle, K = 0 included
 
 L, M = 8, 20
@@ -86,3 +87,86 @@ def test_default_buckets():
   assert _decode_buckets(8, None) == (2, 8)
   assert _decode_buckets(64, None) == (1, 4, 16, 64)
   assert _decode_buckets(8, [8, 8, 1]) == (1, 8)
+
+
+def test_measure_costs_widths(tiny, tiny_draft):
+  # Timing some buckets only stores their rows; a policy needing a cost table still needs one
+  # until the full batch's row is timed (the next round measures every bucket), and runs.
+  config, params = tiny
+  engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
+                  k=2, k_policy='goodput')
+  assert engine.measure_costs(1, widths=(1, 1)) == {}
+  assert set(engine.row_costs) == {1} and engine.policy.needs_costs
+  for bad in (4, (True,), (3,), ('1',)):
+    with pytest.raises(ValueError, match='widths'):
+      engine.measure_costs(1, widths=bad)
+  rid = engine.add_request([5, 9, 13], max_tokens=3)
+  assert len(engine.run()[rid].tokens) == 3
+  assert set(engine.row_costs) == {1, 4} and not engine.policy.needs_costs
+
+
+def test_prompt_lookup_rows_read_their_own_context(tiny):
+  # Prompt lookup proposes from the context of the request in each row: with K fixed, what a
+  # request proposes and accepts depends on its own context only, so it is the same in a
+  # staggered batch (rows compacted as requests finish) as when the request runs alone.
+  config, params = tiny
+  rng = np.random.default_rng(5)
+  prompts = [(rng.integers(3, 64, size=n).tolist() * 3)[:3 * n - 1] for n in (4, 7, 3, 6, 5)]
+  max_tokens = [M, 6, 14, 9, M]
+  engine = Engine(config, params, **SHAPES, drafter='ngram', k=3)
+  rows = _record_rows(engine)
+  ids, step = [], 0
+  while len(ids) < len(prompts) or engine.has_unfinished():
+    if len(ids) < len(prompts) and step % 2 == 0:
+      ids.append(engine.add_request(prompts[len(ids)], max_tokens=max_tokens[len(ids)]))
+    engine.step()
+    step += 1
+  assert set(rows) == {1, 4}
+  batched = [engine.outputs[r] for r in ids]
+  for prompt, m, out in zip(prompts, max_tokens, batched):
+    rid = engine.add_request(prompt, max_tokens=m)
+    alone = engine.run()[rid]
+    assert out.tokens == alone.tokens
+    assert (out.metrics.proposed, out.metrics.accepted) == (alone.metrics.proposed,
+                                                            alone.metrics.accepted)
+  assert sum(o.metrics.accepted for o in batched) > 0
+  assert engine.prefix.num_held == 0
+
+
+def test_self_draft_accepts_everything_with_compacted_rows(tiny, alone):
+  # draft = target: every capped proposal must be accepted, so a draft cache that is wrong for
+  # some row (a prefill chunk that filled the draft after a gap: a prefix-cache hit; rows
+  # compacted as requests finish) shows as a rejection. Repeated prompts hit the prefix cache;
+  # K cycles through 0 (lazy draft cache: probes, catch-ups, eager prefills between rounds).
+  config, params = tiny
+  seen = []
+
+  class Record(Scripted):
+    def observe(self, request_id, k, accepted, successes, trials):
+      seen.append((k, accepted))
+
+  engine = Engine(config, params, **SHAPES, draft=config, draft_params=params, k=3,
+                  k_policy=Record([3, 0, 0, 1, 2, 0, 3]))
+  rng = np.random.default_rng(11)
+  base = [rng.integers(3, 64, size=n).tolist() for n in (19, 6, 12)]
+  # Request 1 is prefilled without the draft (no round at K >= 1 yet), then with it after a gap
+  # (its first chunk's draft half never written) and finishes at once; request 3 hits its
+  # pages and is prefilled with the draft (after a round at K = 2) past a gap, so its draft
+  # cache is right only if that chunk is not counted as drafted and the catch-up starts at 0.
+  prompts = [base[1], base[0], base[2], base[0] + [7], base[1], base[0]]
+  max_tokens = [M, 1, 16, 11, 9, 3]
+  stops = [(), (), (), (9, 10, 11), (40,), ()]
+  arrivals = [0, 0, 2, 6, 7, 9]
+  ids, step = {}, 0
+  while len(ids) < len(prompts) or engine.has_unfinished():
+    for i, at in enumerate(arrivals):
+      if at == step:
+        ids[i] = engine.add_request(prompts[i], max_tokens=max_tokens[i], stop_tokens=stops[i])
+    engine.step()
+    step += 1
+  for i, rid in ids.items():
+    assert engine.outputs[rid].tokens == alone(prompts[i], max_tokens[i], stops[i])
+  assert engine.outputs[ids[3]].metrics.cached_tokens == 16
+  assert {k for k, _ in seen} == {0, 1, 2, 3}
+  assert all(a == k for k, a in seen if k > 0)
+  assert engine.prefix.num_held == 0

@@ -293,20 +293,29 @@ class Engine:
 
     Args:
       repeats: timed rounds per (rows, K), >= 1.
-      widths: the row buckets to time (default every one of `decode_buckets`).
+      widths: the row buckets to time (default every one of `decode_buckets`); a policy that
+        needs a cost table gets one once the full batch's row (num_slots) is timed.
     Returns:
-      `step_costs` (the full batch's row).
+      `step_costs` (the full batch's row; {} until it is timed).
     Raises:
-      ValueError: repeats not an int >= 1, a width that is not a decode bucket.
+      ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
     """
-    widths = self.decode_buckets if widths is None else tuple(widths)
-    if any(w not in self.decode_buckets for w in widths):
+    if widths is None:
+      widths = self.decode_buckets
+    try:
+      widths = tuple(sorted(set(widths)))
+    except TypeError:
+      raise ValueError(f'widths must be a sequence of decode buckets {self.decode_buckets}, '
+                       f'got {widths!r}') from None
+    if any(isinstance(w, bool) or w not in self.decode_buckets for w in widths):
       raise ValueError(f'widths {widths} must be decode buckets {self.decode_buckets}')
     for (rows, k), seconds in timing.decode_costs(self, repeats, widths).items():
       self.row_costs.setdefault(rows, {})[k] = seconds
     if self.draft_sync is not None:
       self.draft_sync.measure(repeats)
-    if self.policy is not None and self.policy.needs_costs:
+    # The policy's table is the full batch's row: until that row is timed (widths without
+    # num_slots) the policy still needs costs, and the next round measures every bucket.
+    if self.policy is not None and self.policy.needs_costs and self.step_costs:
       self.policy.set_costs(self.step_costs, by_rows=self.row_costs)
     return self.step_costs
 
