@@ -44,11 +44,11 @@ def test_rounds_use_the_smallest_bucket_and_outputs_do_not_change(tiny, tiny_dra
   outs = engine.run()
 
   @functools.lru_cache(maxsize=None)
-  def alone(i):
+  def decoded_alone(i):
     return generate(config, params, [prompts[i]], max_new_tokens=M, page_size=L).tokens[0]
 
   for i, rid in enumerate(ids):
-    assert outs[rid].tokens == alone(i)[:max_tokens[i]]
+    assert outs[rid].tokens == decoded_alone(i)[:max_tokens[i]]
   # Full rounds while 2-4 requests decode, then 1-row rounds for the last one (the 20-token
   # request runs alone after the others finish).
   assert set(rows) == {1, 4} and rows[-1] == 1 and rows[0] == 4
@@ -125,10 +125,10 @@ def test_prompt_lookup_rows_read_their_own_context(tiny):
   batched = [engine.outputs[r] for r in ids]
   for prompt, m, out in zip(prompts, max_tokens, batched):
     rid = engine.add_request(prompt, max_tokens=m)
-    alone = engine.run()[rid]
-    assert out.tokens == alone.tokens
-    assert (out.metrics.proposed, out.metrics.accepted) == (alone.metrics.proposed,
-                                                            alone.metrics.accepted)
+    single = engine.run()[rid]
+    assert out.tokens == single.tokens
+    assert (out.metrics.proposed, out.metrics.accepted) == (single.metrics.proposed,
+                                                            single.metrics.accepted)
   assert sum(o.metrics.accepted for o in batched) > 0
   assert engine.prefix.num_held == 0
 
