@@ -11,6 +11,26 @@ from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams
 
 
+def request_id(engine, request_id):
+  """The id of a new request: `request_id` checked, or (None) the engine's next unused int.
+
+  Raises:
+    ValueError: an id that is not hashable, or one in use (live or in `engine.outputs`).
+  """
+  if request_id is None:
+    request_id = next(engine._ids)
+    while request_id in engine._live or request_id in engine.outputs:
+      request_id = next(engine._ids)
+    return request_id
+  try:
+    hash(request_id)
+  except TypeError:
+    raise ValueError(f'request id {request_id!r} is not hashable') from None
+  if request_id in engine._live or request_id in engine.outputs:
+    raise ValueError(f'request id {request_id!r} is already in use')
+  return request_id
+
+
 def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Sequence[int],
           salt, sampling: Optional[SamplingParams]):
   """(prompt list of int, stop tuple of int, salt bytes, SamplingParams) of a new request.

@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from jaxspec.engine import device, spec_steps, timing
+from jaxspec.engine import rows as rows_lib
 
 
 class DraftSync:
@@ -179,7 +180,7 @@ class DraftSync:
         if position >= 0 and request.token_p[position] > 0:
           nxt[row, j] = context[start + c + 1]
           prob[row, j] = request.token_p[position]
-    sampling = engine._row_sampling(list(enumerate(group)), rows)
+    sampling = rows_lib.sampling(list(enumerate(group)), rows)
     bound = device.bind([engine.caches[1]], table, lengths)[0]
     successes, trials, engine.caches[1] = spec_steps.draft_catch_up(
         engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
@@ -203,7 +204,7 @@ class DraftSync:
         out = spec_steps.draft_catch_up(
             engine.draft, engine.draft_params, bound,
             np.zeros((rows, engine.chunk_size), np.int32), np.zeros((rows,), np.int32), zeros,
-            zeros, np.zeros((rows, m), np.float32), engine._row_sampling([], rows))
+            zeros, np.zeros((rows, m), np.float32), rows_lib.sampling([], rows))
         engine.caches[1] = out[2]
         np.asarray(out[0])
       return call

@@ -29,8 +29,9 @@ import numpy as np
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.decoding.generate import check_request
-from jaxspec.decoding.sampling import RowSampling, SamplingParams
+from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import admission, device, draft_sync, speculation, timing
+from jaxspec.engine import rows as rows_lib
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
@@ -193,17 +194,7 @@ class Engine:
         that is not str or bytes, sampling that is not a SamplingParams. The request is not queued;
         the engine and its other requests are unaffected.
     """
-    if request_id is None:
-      request_id = next(self._ids)
-      while request_id in self._live or request_id in self.outputs:
-        request_id = next(self._ids)
-    else:
-      try:
-        hash(request_id)
-      except TypeError:
-        raise ValueError(f'request id {request_id!r} is not hashable') from None
-      if request_id in self._live or request_id in self.outputs:
-        raise ValueError(f'request id {request_id!r} is already in use')
+    request_id = admission.request_id(self, request_id)
     try:
       prompt, stop, salt, sampling = admission.check(self, prompt_tokens, max_tokens,
                                                       stop_tokens, salt, sampling)
@@ -342,20 +333,6 @@ class Engine:
     row]) (hook: its slot under eviction, where per-slot state lives on device)."""
     return min(b for b in self.decode_buckets if b >= len(decodes)), list(range(len(decodes)))
 
-  def _stop_table(self, rows, num_rows: int) -> np.ndarray:
-    """[num_rows, max_stop_tokens] int32 stop ids, -1 padded: rows[i] = (row, request)."""
-    stop = np.full((num_rows, self.max_stop_tokens), -1, np.int32)
-    for row, r in rows:
-      stop[row, :len(r.stop_tokens)] = r.stop_tokens
-    return stop
-
-  def _row_sampling(self, rows, num_rows: int) -> RowSampling:
-    """Per-row parameters of a call: rows[i] = (row index, request); idle rows greedy."""
-    params = [SamplingParams()] * num_rows
-    for row, request in rows:
-      params[row] = request.sampling
-    return RowSampling.stack(params)
-
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
     # A lazy draft sits out prefill too, unless the engine is speculating (`DraftSync.eager`).
     draft = self.draft if self.draft_sync is None or self.draft_sync.eager else None
@@ -402,7 +379,7 @@ class Engine:
       tokens[row, :len(chunk)] = chunk
       counts[row] = len(chunk)
     drafted = self.draft_sync is not None and self.draft_sync.eager
-    first = self._call_prefill(table, lengths, tokens, counts, self._row_sampling(
+    first = self._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
         [(self._prefill_row(i, request), request) for i, (request, _) in enumerate(prefills)],
         rows))
     now = time.perf_counter()
@@ -425,23 +402,10 @@ class Engine:
     start = time.perf_counter()
     width, rows = self._decode_layout(decodes)
     layout = list(zip(rows, decodes))
-    table, lengths = device.idle_rows(width, self.pages_per_seq)
-    pending = np.zeros((width,), np.int32)
-    room = np.zeros((width,), np.int32)
-    for row, request in layout:
-      pages = request.handle.pages
-      table[row, :len(pages)] = pages
-      lengths[row] = request.num_computed
-      pending[row] = request.output[-1]
-      room[row] = request.room
+    table, lengths, pending, room = rows_lib.decode_inputs(layout, width, self.pages_per_seq)
     synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
-    split, queued = (0.0, 0), None
-    if self.policy is not None:
-      split = speculation.split_cost(decodes, self.scheduler.waiting, self.prefill_costs,
-                                     self.chunk_size)
-      queued = len(self.scheduler.waiting) + len(self.scheduler.running) - len(decodes)
-    k, row_caps = speculation.choose(self.policy, decodes, width, self.k, self.draft_sync, split,
-                                     queued)
+    k, row_caps = speculation.choose(self.policy, decodes, width, self.k, self.draft_sync,
+                                     *speculation.horizon(self, decodes))
     if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
       start += self.draft_sync.seconds - synced
     caps = np.zeros((width,), np.int32)
@@ -451,8 +415,9 @@ class Engine:
       for row, request in layout:
         contexts[row] = request.context
     call_start = time.perf_counter()
-    result = self._call_decode(table, lengths, pending, room, self._stop_table(layout, width),
-                               self._row_sampling(layout, width), k=k, caps=caps,
+    stop = rows_lib.stop_table(layout, width, self.max_stop_tokens)
+    result = self._call_decode(table, lengths, pending, room, stop,
+                               rows_lib.sampling(layout, width), k=k, caps=caps,
                                contexts=contexts)
     device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1

@@ -102,6 +102,16 @@ def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],
   return max(seconds, 0.0), tokens
 
 
+def horizon(engine, decodes) -> tuple:
+  """(split, queued) for `choose`: `split_cost` of the engine's decoding and waiting requests,
+  and the requests waiting for a slot or still prefilling; ((0.0, 0), None) without a policy."""
+  if engine.policy is None:
+    return (0.0, 0), None
+  scheduler = engine.scheduler
+  split = split_cost(decodes, scheduler.waiting, engine.prefill_costs, engine.chunk_size)
+  return split, len(scheduler.waiting) + len(scheduler.running) - len(decodes)
+
+
 def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync=None,
            split: tuple = (0.0, 0), queued: Optional[int] = None):
   """The round's K and each request's cap (<= K, proposals its row may accept), from the policy

@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxspec.engine import device
+from jaxspec.engine import rows as rows_lib
 
 
 def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int) -> dict:
@@ -42,7 +43,7 @@ def prefill_costs(engine, repeats: Optional[int]) -> dict:
   def call_of(rows):
     table, lengths = device.idle_rows(rows, engine.pages_per_seq)
     tokens = np.zeros((rows, engine.chunk_size), np.int32)
-    zeros, sampling = np.zeros((rows,), np.int32), engine._row_sampling([], rows)
+    zeros, sampling = np.zeros((rows,), np.int32), rows_lib.sampling([], rows)
     return lambda: engine._call_prefill(table, lengths, tokens, zeros, sampling)
 
   calls = {rows: call_of(rows) for rows in engine.prefill_buckets}
@@ -61,7 +62,8 @@ def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
   def round_at(rows, k):
     table, lengths = device.idle_rows(rows, engine.pages_per_seq)
     zeros = np.zeros((rows,), np.int32)
-    stop, sampling = engine._stop_table([], rows), engine._row_sampling([], rows)
+    stop = rows_lib.stop_table([], rows, engine.max_stop_tokens)
+    sampling = rows_lib.sampling([], rows)
     return lambda: engine._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
                                        caps=zeros)
 
