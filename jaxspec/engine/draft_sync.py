@@ -20,11 +20,12 @@ baseline never pays). Now:
   that the target drew at K = 0 (it knows p of each): β = min(1, q(x) / p(x)), E[β] = α.
 - While the policy stays at K = 0, and only when a better α estimate could change its choice
   (`KPolicy.worth_probing`; a probe that could not is skipped as if taken), a probe catches up
-  `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ... K = 0 rounds between probes (the gap
-  restarts at 1 after a round at K >= 1, so a switch to K = 0 on a noisy estimate is re-checked
-  soon), then at most every `probe_every` rounds and only when probing so far cost at most
-  `probe_budget` of the time of the K = 0 rounds since (estimated from the measured call and round costs), so the α
-  estimates keep moving while it does not speculate at a bounded price. Catching up every
+  `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ...
+  K = 0 rounds between probes (the gap restarts at 1 after a round at K >= 1, so a switch to
+  K = 0 on a noisy estimate is re-checked soon), then at most every `probe_every` rounds and only
+  when probing so far cost at most `probe_budget` of the time of the K = 0 rounds since
+  (estimated from the measured call and round costs), so the α estimates keep moving while it
+  does not speculate at a bounded price. Catching up every
   request every round is what the draft step of an eager K = 0 round did; it costs about as
   much in the draft however it is batched.
 
