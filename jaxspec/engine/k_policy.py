@@ -10,8 +10,8 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
   batch K is max_i K_i and row i's acceptance is capped at K_i, so every request follows its own
   schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used;
   with prompt lookup a row that found fewer than K_i proposals counts as not all accepted).
-- `GoodputK` (`jaxspec.engine.goodput`): SmartSpec (Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large
-  Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
+- `GoodputK` (`jaxspec.engine.goodput`): SmartSpec (Liu et al. 2024, "Optimizing Speculative
+  Decoding for Serving Large Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
   E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
   estimate (`AlphaTracker`) and t(K) the seconds of one decode round at K (the device step
   measured at start-up plus the host work per round measured online).
