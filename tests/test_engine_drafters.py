@@ -334,16 +334,20 @@ def test_goodput_follows_alpha_and_the_cost_table():
     policy.round_timing(1, 20.0, 10.0)
   assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
   # Live / start-up ratios: live K = 0 rounds at twice the start-up time make every K twice as
-  # dear until a K >= 1 has run; then all K >= 1 follow their group's median ratio, so one slow
-  # round at K = 1 does not price K >= 1 out (a K not chosen would never be measured again).
+  # dear until K >= 1 rounds have run; then all K >= 1 follow their group's median ratio, K = 0's
+  # filling in for the first PRIOR_ROUNDS = 3, so one slow round at K >= 1 (the first call of a
+  # run is ~2x) does not price K >= 1 out (a K not chosen would never be measured again).
   policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0})
   policy.setup(2)
-  for _ in range(5):
+  policy.round_timing(0, 3.0, 0.0)                  # one slow K = 0 round: ratio 3, [3, 1, 1]
+  assert policy.costs == pytest.approx({0: 1.0, 1: 1.5, 2: 2.0})
+  for _ in range(4):
     policy.round_timing(0, 2.0, 0.0)
   assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
-  policy.round_timing(2, 6.0, 0.0)                                  # ratio 3 for K >= 1
+  policy.round_timing(2, 6.0, 0.0)                  # ratio 3 for K >= 1: [3, 2, 2]
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
+  policy.round_timing(2, 6.0, 0.0)                  # [3, 3, 2]
   assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
-  policy.round_timing(2, 6.0, 0.0)
   policy.round_timing(1, 15.0, 0.0)                                 # one slow round: ratio 10
   assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.
@@ -361,7 +365,8 @@ def test_goodput_follows_alpha_and_the_cost_table():
 
 
 def test_goodput_alpha_recovers_after_k0_rounds():
-  policy = GoodputK(costs={k: 1.0 + 0.1 * k for k in range(4)})
+  policy = GoodputK(tracker=AlphaTracker(prior_trials=1.0),
+                    costs={k: 1.0 + 0.1 * k for k in range(4)})
   policy.setup(3)
   for _ in range(10):                                        # K = 3 rounds, all rejected
     policy.observe('a', 3, 0, 0.0, 1.0)

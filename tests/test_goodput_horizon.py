@@ -78,8 +78,8 @@ def test_rounds_to_finish():
       np.mean(finish), rel=0.1)
 
 
-def _policy(alpha, costs, k_max=2):
-  policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs)
+def _policy(alpha, costs, k_max=2, **kwargs):
+  policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs, **kwargs)
   policy.setup(k_max)
   return policy
 
@@ -87,7 +87,7 @@ def _policy(alpha, costs, k_max=2):
 def test_goodput_scores_the_makespan_once_nothing_waits():
   costs = {0: 1.0, 1: 1.5, 2: 1.9}
   ids = [f'r{i}' for i in range(16)]
-  policy = _policy(0.7, costs)
+  policy = _policy(0.7, costs, stay_margin=0.0)
   policy.rooms = [12] * 16
   assert policy.choose(ids)[0] == 2                      # per round: 2.19 / 1.9 > 1 / 1
   policy.queued = 0                                      # the last wave: the slowest counts
@@ -128,3 +128,19 @@ def test_worth_probing_only_near_the_threshold_or_while_alpha_is_loose():
     assert policy.choose(['a'])[0] == 0 and policy.worth_probing(['a']) == worth
   with pytest.raises(ValueError, match='probe_margin'):
     GoodputK(probe_margin=1.5)
+
+
+def test_goodput_stays_speculating_unless_k0_wins_by_the_stay_margin():
+  """After a round at K >= 1 (the draft in sync) K = 0 must win by more than stay_margin;
+  from K = 0 the plain argmax decides."""
+  ids = ['a', 'b']
+  # α = 0.5: per round K = 1 gives 1.5 / c(1) against 1 / 1 for K = 0.
+  for cost, stays in ((1.52, True), (1.62, False)):      # K = 0 ahead by ~1 % / ~8 %
+    policy = _policy(0.5, {0: 1.0, 1: cost}, k_max=1, stay_margin=0.05)
+    assert policy.choose(ids)[0] == 0                    # from K = 0: the argmax
+    policy.set_costs({0: 1.0, 1: 1.4})
+    assert policy.choose(ids)[0] == 1
+    policy.set_costs({0: 1.0, 1: cost})
+    assert policy.choose(ids)[0] == (1 if stays else 0)
+  with pytest.raises(ValueError, match='stay_margin'):
+    GoodputK(stay_margin=-0.1)

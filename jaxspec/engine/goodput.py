@@ -19,64 +19,113 @@ from jaxspec.engine.k_policy import KPolicy, checked_real
 
 
 class AlphaTracker:
-  """Per-request acceptance estimates α_i = S_i / N_i, with S, N exponential moving sums of a
-  request's (successes, trials) observations (decay per observed round); a request with no
-  observation yet uses the global estimate, the same ratio over every request's observations
-  with `prior_trials` pseudo-trials of `prior` (its sums decay by decay^(1/n) per observation,
-  n the requests tracked: about `decay` per round of n requests, so at a large batch it is not
-  just the last few requests' observations).
+  """Per-request acceptance estimates, each a ratio S / N of exponential moving sums of the
+  request's (successes, trials) observations (decay per observed round), kept for two
+  positions: the first proposal of a round (α: also what a K = 0 round's probe measures) and
+  each later one given the ones before it were accepted (β). Measured draft/target pairs accept
+  the first proposal more often (~0.75 against ~0.65 later, `experiments.batching` records at
+  K = 1 against K = 2..8), so one α either prices large K too high (fitted on probes) or
+  K = 1 too low (fitted on K = 8 rounds).
+
+  A request with no observation yet uses the global estimate, the same ratio over every
+  request's observations with `prior_trials` pseudo-trials of `prior` (β's of the global α);
+  its sums decay by decay^(1/n) per observation, n the requests tracked: about `decay` per
+  round of n requests, so at a large batch it is not just the last few requests'. A request's
+  own estimate mixes in `prior_trials` pseudo-trials of the global one.
 
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
     prior: α before any observation at all, in [0, 1].
     prior_trials: pseudo-trials of the global estimate mixed into each request's, and of the
-      prior into the global one (so one unlucky first round pins neither to α = 0).
+      prior into the global one (so one unlucky first round pins neither near 0: with 4, one
+      rejected first proposal moves the global α from 0.5 to 0.4, not to 0.25 as with 1).
   Raises:
     ValueError: a value out of range.
   """
 
-  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 1.0):
+  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0):
     decay = checked_real('decay', decay, 0.0, 1.0, high_open=True)
     prior = checked_real('prior', prior, 0.0, 1.0)
     prior_trials = checked_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
-    self._sums: dict = {}
-    self._global = [0.0, 0.0]
+    self._sums: dict = {}                 # {request: [S_α, N_α, S_β, N_β]}
+    self._global = [0.0, 0.0, 0.0, 0.0]
+
+  def _ratio(self, s: float, n: float, prior: float) -> float:
+    w = self.prior_trials
+    return (s + w * prior) / (n + w) if n + w > 0 else prior
 
   @property
   def global_alpha(self) -> float:
-    """α over every request's observations, with `prior_trials` pseudo-trials of the prior."""
-    s, n = self._global
-    w = self.prior_trials
-    return (s + w * self.prior) / (n + w) if n + w > 0 else self.prior
+    """α (first proposal) over every request's observations, with `prior_trials`
+    pseudo-trials of the prior."""
+    return self._ratio(self._global[0], self._global[1], self.prior)
+
+  @property
+  def global_later(self) -> float:
+    """β (a later proposal) over every request's observations, with `prior_trials`
+    pseudo-trials of the global α."""
+    return self._ratio(self._global[2], self._global[3], self.global_alpha)
 
   @property
   def global_trials(self) -> float:
-    """The (decayed) trials behind the global estimate, its prior's pseudo-trials included."""
+    """The (decayed) first-proposal trials behind the global α, its prior's pseudo-trials
+    included."""
     return self._global[1] + self.prior_trials
 
   def alpha(self, request_id) -> float:
-    """The request's α estimate in [0, 1]."""
-    g = self.global_alpha
-    s, n = self._sums.get(request_id, (0.0, 0.0))
-    return (s + self.prior_trials * g) / (n + self.prior_trials) if n + self.prior_trials > 0 \
-        else g
+    """The request's α estimate (first proposal) in [0, 1]."""
+    s = self._sums.get(request_id)
+    return self.global_alpha if s is None else self._ratio(s[0], s[1], self.global_alpha)
 
-  def observe(self, request_id, successes: float, trials: float) -> None:
-    """Add one round's (accepted positions, tried positions) of a request; trials <= 0: no
-    observation. Decays the request's sums by `decay` and the global ones by decay^(1/n)
-    first (n requests tracked)."""
-    if trials <= 0:
+  def later(self, request_id) -> float:
+    """The request's β estimate (a later proposal, given the ones before it accepted)."""
+    s = self._sums.get(request_id)
+    return self.global_later if s is None else self._ratio(s[2], s[3], self.global_later)
+
+  def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
+              later_trials: float = 0.0) -> None:
+    """Add one round's first-proposal (successes, trials) of a request and its later-proposal
+    ones; nothing when both trial counts are <= 0. Decays the request's sums of each position
+    observed by `decay` and the global ones by decay^(1/n) first (n requests tracked)."""
+    if trials <= 0 and later_trials <= 0:
       return
-    s, n = self._sums.get(request_id, (0.0, 0.0))
-    self._sums[request_id] = (self.decay * s + successes, self.decay * n + trials)
-    gs, gn = self._global
-    d = self.decay ** (1.0 / len(self._sums))
-    self._global = [d * gs + successes, d * gn + trials]
+    old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])
+    self._sums[request_id] = _decayed(old, self.decay, successes, trials, later_successes,
+                                      later_trials)
+    self._global = _decayed(self._global, self.decay ** (1.0 / len(self._sums)), successes,
+                            trials, later_successes, later_trials)
 
   def forget(self, request_id) -> None:
     """Drop a finished request's sums (the global estimate keeps its observations)."""
     self._sums.pop(request_id, None)
+
+
+def _decayed(sums, decay: float, s1: float, n1: float, s2: float, n2: float) -> list:
+  """[S_α, N_α, S_β, N_β] after one observation: a pair with trials decays, then adds them (a
+  K = 0 probe, which sees no later proposal, leaves β's pair as it was)."""
+  out = list(sums)
+  for i, (s, n) in enumerate(((s1, n1), (s2, n2))):
+    if n > 0:
+      out[2 * i] = decay * out[2 * i] + s
+      out[2 * i + 1] = decay * out[2 * i + 1] + n
+  return out
+
+
+def round_observation(cap: int, accepted: int) -> tuple:
+  """(first successes, first trials, later successes, later trials) of a round at cap >= 1 that
+  accepted n = `accepted` proposals: the first proposal is one trial, accepted iff n >= 1; the
+  later ones (only after an accepted first) give n - 1 successes and one more trial for the
+  rejected one unless n reached the cap."""
+  n = max(0, min(int(accepted), int(cap)))
+  if n == 0:
+    return 0.0, 1.0, 0.0, 0.0
+  return 1.0, 1.0, float(n - 1), float(n - 1 + (n < cap))
+
+
+def _median_with_prior(samples, prior: float, rounds: int) -> float:
+  """The median of `samples` padded with copies of `prior` up to `rounds` values."""
+  return statistics.median(list(samples) + [prior] * max(0, rounds - len(samples)))
 
 
 def nondecreasing(values: Sequence[float]) -> list:
@@ -92,15 +141,18 @@ def nondecreasing(values: Sequence[float]) -> list:
   return [s / n for s, n in blocks for _ in range(n)]
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-  """E[tokens emitted by one round] = (1 - α^{K+1}) / (1 - α) = Σ_{j=0..K} α^j (Leviathan et
-  al. 2023, Eq. 1; K + 1 at α = 1)."""
-  return sum(alpha ** j for j in range(k + 1))
+def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> float:
+  """E[tokens emitted by one round] = 1 + α Σ_{j<K} β^j, α the first proposal's acceptance and
+  β each later one's (`later`; None: β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al.
+  2023, Eq. 1; K + 1 at α = 1)."""
+  later = alpha if later is None else later
+  return 1.0 + alpha * sum(later ** j for j in range(k)) if k >= 1 else 1.0
 
 
 class GoodputK(KPolicy):
-  """K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K) over `candidates` (SmartSpec, Liu et al. 2024;
-  TurboSpec), every row capped at K.
+  """K = argmax_K Σ_i E[tokens_i | α_i, β_i, K] / t(K) over `candidates` (SmartSpec, Liu et al.
+  2024; TurboSpec), every row capped at K; α_i, β_i the request's first- and later-proposal
+  acceptance estimates (`AlphaTracker`).
 
   t(K) = d(K) + h, plus at K >= 1 two one-time costs spread over the rounds they serve (see
   `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
@@ -125,8 +177,8 @@ class GoodputK(KPolicy):
   request has finished (`jaxspec.engine.makespan.rounds_to_finish`).
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds while nothing
-  it depends on moved: no new observation, the same requests, row bucket and queue, host time and
-  live cost ratios within ~10 %.
+  it depends on moved: no new observation, the same requests, row bucket and queue, live cost
+  ratios within ~10 % and host time within ~5 % of a round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -140,18 +192,21 @@ class GoodputK(KPolicy):
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
       d(K) (>= 1).
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
-      draft on what the target drew) only if α estimates higher by this much plus two standard
+      draft on what the target drew) only if α and β estimates higher by this much plus two standard
       errors of the global estimate would choose K >= 1 (`worth_probing`): far from the
       threshold, or once probes have pinned α down, a probe could not change the choice.
+    stay_margin: after a round at K >= 1 (the draft cache in sync), K = 0 must beat the best
+      K >= 1 by more than this fraction of goodput: a request's α estimate swings with a few
+      rounds, and each return to K >= 1 after K = 0 rounds pays a catch-up.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin < 0, timing_decay outside [0, 1), window < 1.
+      non-positive time, margin or stay_margin < 0, timing_decay outside [0, 1), window < 1.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
-               window: int = 16, probe_margin: float = 0.05):
+               window: int = 16, probe_margin: float = 0.05, stay_margin: float = 0.05):
     super().__init__()
     margin = checked_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = checked_real('probe_margin', probe_margin, 0.0, 1.0)
@@ -169,6 +224,8 @@ class GoodputK(KPolicy):
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
     self._held = None                       # (inputs, rounds) of a K = 0 choice still valid
+    self._last_k = 0                        # the previous choice
+    self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
 
   @property
   def needs_costs(self) -> bool:
@@ -226,8 +283,12 @@ class GoodputK(KPolicy):
     # Fitted when read, once per change of the ratios.
     rows = rows if rows in self._idle else None
     if rows not in self._fitted:
-      zero = statistics.median(self._ratios[0]) if self._ratios[0] else 1.0
-      spec = statistics.median(self._ratios[1]) if self._ratios[1] else zero
+      # Until PRIOR_ROUNDS live rounds of a group are in, pseudo-rounds fill in for the missing
+      # ones (K = 0: the start-up table itself, ratio 1; K >= 1: K = 0's ratio): one slow
+      # round (the first call of a run touches cold memory, ~2x) must not price a group out
+      # before a second one could be measured.
+      zero = _median_with_prior(self._ratios[0], 1.0, self.PRIOR_ROUNDS)
+      spec = _median_with_prior(self._ratios[1], zero, self.PRIOR_ROUNDS)
       idle = self._idle[rows]
       d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
       self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
@@ -238,14 +299,17 @@ class GoodputK(KPolicy):
     return self._fitted_table(self.rows)
 
   def goodput(self, alphas: Sequence[float], k: int,
-              rooms: Optional[Sequence[int]] = None) -> float:
+              rooms: Optional[Sequence[int]] = None,
+              later: Optional[Sequence[float]] = None) -> float:
     """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
-    per second: E_i = E[tokens | α_i, min(K, room_i - 1)] (a round emits at most room_i tokens;
-    uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds the catch-up serves
+    per second: E_i = E[tokens | α_i, β_i, min(K, room_i - 1)] (`expected_tokens`; a round emits
+    at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds the catch-up serves
     (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) / Σ_i E_i), the rounds until
-    the successors a split admits are done too."""
+    the successors a split admits are done too. `later`: each request's β (`expected_tokens`;
+    None: β = α)."""
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
-    tokens = sum(expected_tokens(a, c) for a, c in zip(alphas, caps))
+    later = alphas if later is None else later
+    tokens = sum(expected_tokens(a, c, b) for a, c, b in zip(alphas, caps, later))
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
@@ -256,18 +320,19 @@ class GoodputK(KPolicy):
       seconds += self.split_s / max(1.0, (left + self.split_tokens) / tokens)
     return tokens / seconds
 
-  def _scores(self, alphas: np.ndarray) -> dict:
-    """{K: goodput} over `candidates` for acceptance estimates alphas [n]."""
+  def _scores(self, alphas: np.ndarray, later: np.ndarray) -> dict:
+    """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
+    later [n] (each later one)."""
     rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
         else None
     if rooms is not None and self.queued == 0:
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
-      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max)
+      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
       table, host = self._table(), self.host_s or 0.0
       return {k: sum(rooms) / (rounds[k] * (table[k] + host) + (self.sync_s if k else 0.0))
               for k in self.candidates}
-    # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of α_i^j, j < room_i.
-    powers = alphas[:, None] ** np.arange(self.k_max + 1)
+    # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of s_ij, j < room_i.
+    powers = makespan.survival(alphas, self.k_max, later)[:, :-1]
     if rooms is not None:
       powers = np.where(np.arange(self.k_max + 1) < np.array(rooms)[:, None], powers, 0.0)
     totals = np.cumsum(powers, axis=1).sum(axis=0)
@@ -278,32 +343,45 @@ class GoodputK(KPolicy):
     best = max(scores.values())
     return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
 
-  def _alphas(self, request_ids) -> np.ndarray:
-    return np.array([self.tracker.alpha(r) for r in request_ids] or [self.tracker.global_alpha])
+  def _alphas(self, request_ids) -> tuple:
+    """(α [n], β [n]) of the requests (the global ones when there are none)."""
+    t = self.tracker
+    if not request_ids:
+      return np.array([t.global_alpha]), np.array([t.global_later])
+    return (np.array([t.alpha(r) for r in request_ids]),
+            np.array([t.later(r) for r in request_ids]))
 
   def choose(self, request_ids):
     if not self._idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
-    # (each favours K = 0 further), and the host time and live cost ratios moved by less than
-    # ~10 %, for up to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds.
-    drift = [self.host_s or 0.0] + [statistics.median(r) if r else 1.0
-                                    for r in self._ratios.values()]
+    # (each favours K = 0 further), and the live cost ratios moved by less than ~10 %, for up
+    # to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds. The host seconds h
+    # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
+    # jitters by more than that from round to round, which broke most holds).
+    drift = [statistics.median(r) if r else 1.0 for r in self._ratios.values()]
     inputs = (tuple(request_ids), self.queued, self.rows, self._version,
-              tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift))
+              tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift),
+              round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05))
     left = sum(self.rooms) if self.rooms is not None else None
     held = self._held
     if held is not None and held[0] == inputs and held[1] < self.HOLD_ROUNDS and \
         (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
       self._held = (inputs, held[1] + 1) + held[2:]
       return 0, [0] * len(request_ids)
-    k = self._pick(self._scores(self._alphas(request_ids)))
+    scores = self._scores(*self._alphas(request_ids))
+    k = self._pick(scores)
+    if k == 0 and self._last_k and len(scores) > 1 and \
+        scores[0] < max(g for c, g in scores.items() if c) * (1 + self.stay_margin):
+      k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
+    self._last_k = k
     self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
                   self.split_s) if k == 0 else None
     return k, [k] * len(request_ids)
 
   HOLD_ROUNDS = 8
+  PRIOR_ROUNDS = 3
 
   def worth_probing(self, request_ids) -> bool:
     """Whether α estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
@@ -314,13 +392,19 @@ class GoodputK(KPolicy):
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
     sd = math.sqrt(g * (1 - g) / max(n, 1.0))
-    alphas = np.minimum(self._alphas(request_ids) + self.probe_margin + 2 * sd, 1.0)
-    return self._pick(self._scores(alphas)) >= 1
+    up = self.probe_margin + 2 * sd
+    alphas, later = self._alphas(request_ids)
+    return self._pick(self._scores(np.minimum(alphas + up, 1.0),
+                                   np.minimum(later + up, 1.0))) >= 1
 
   def observe(self, request_id, k, accepted, successes, trials):
-    if trials > 0:
-      self._version += 1
-    self.tracker.observe(request_id, successes, trials)
+    if trials <= 0:
+      return
+    self._version += 1
+    if k >= 1:       # a speculative round: the first proposal and the later ones apart
+      self.tracker.observe(request_id, *round_observation(k, accepted))
+    else:            # a K = 0 probe scores one-token drafts: first-proposal observations
+      self.tracker.observe(request_id, successes, trials)
 
   def forget(self, request_id):
     self.tracker.forget(request_id)

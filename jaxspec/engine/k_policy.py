@@ -11,10 +11,11 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
   schedule exactly (the draft drafts max_i K_i for all rows; the extra proposals are not used;
   with prompt lookup a row that found fewer than K_i proposals counts as not all accepted).
 - `GoodputK` (`jaxspec.engine.goodput`): SmartSpec (Liu et al. 2024, "Optimizing Speculative
-  Decoding for Serving Large Language Models Using Goodput") / TurboSpec: K = argmax_K Σ_i E[tokens_i | α_i, K] / t(K), with
-  E = (1 - α^{K+1}) / (1 - α) (Leviathan et al. 2023, Eq. 1), α_i each request's acceptance
-  estimate (`AlphaTracker`) and t(K) the seconds of one decode round at K (the device step
-  measured at start-up plus the host work per round measured online).
+  Decoding for Serving Large Language Models Using Goodput") / TurboSpec: K = argmax_K
+  Σ_i E[tokens_i | α_i, β_i, K] / t(K), with E = 1 + α Σ_{j<K} β^j (Leviathan et al. 2023,
+  Eq. 1, with the first proposal's acceptance α apart from the later ones' β), α_i, β_i each
+  request's estimates (`AlphaTracker`) and t(K) the seconds of one decode round at K (the
+  device step measured at start-up plus the host work per round measured online).
 
 Acceptance observations (`observe`): (successes, trials) of one round for one row, so α is the
 ratio of two EMAs (consistent, unlike an EMA of per-round ratios under the geometric stopping
@@ -23,7 +24,8 @@ and one rejected one unless all were accepted (a missing proposal counts as reje
 prompt lookup α is "a proposal exists and is accepted"). A K = 0 round gives the drafter's own
 estimate of one drafted token's acceptance: Σ min(p, q) for a draft model, [lookup proposal ==
 emitted token] for prompt lookup (both with expectation α), so α keeps being estimated and the
-policy can leave K = 0 again.
+policy can leave K = 0 again. `GoodputK` re-reads a round at K_i >= 1 from (K_i, n) as one
+first-proposal trial and the later positions' trials (`jaxspec.engine.goodput.round_observation`).
 """
 
 from __future__ import annotations

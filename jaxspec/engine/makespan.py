@@ -8,9 +8,9 @@ while at K >= 1 each accepts a random number per round and they finish at differ
 last rounds then run a batch with few busy rows at the price of the whole bucket. A per-round
 score does not see that tail; `rounds_to_finish` prices it.
 
-Per request i and K, tokens per round T (no stop token, no room cap) have P(T = j) =
-α^{j-1} (1 - α) for j = 1..K and P(T = K + 1) = α^K (Leviathan et al. 2023): mean
-E = Σ_{j<=K} α^j and variance V. Emitting r tokens takes about r / E rounds with standard
+Per request i and K, tokens per round T (no stop token, no room cap) are 1 + the proposals
+accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α, Leviathan et al.
+2023): mean E = Σ_{j<=K} s_j and variance V. Emitting r tokens takes about r / E rounds with standard
 deviation sqrt(r V / E^3) (renewal-reward central limit), and the expected maximum over n
 requests is taken as max_i mean_i + g(n) max_i sd_i, g(n) the expected maximum of n standard
 normals (Blom's approximation).
@@ -24,20 +24,37 @@ import statistics
 import numpy as np
 
 
-def token_moments(alphas: np.ndarray, k_max: int) -> tuple:
-  """(mean, variance), each [n, k_max + 1] float64: tokens one round emits for a request of
-  acceptance α_i at K = 0..k_max (K = 0: exactly 1, variance 0).
+def survival(alphas, k_max: int, later=None) -> np.ndarray:
+  """[n, k_max + 2] float64: s_j = P(a round accepts at least j proposals) for j = 0..k_max + 1
+  with no cap, s_0 = 1 and s_j = α_i β_i^{j-1}: α_i the acceptance of the first proposal, β_i
+  that of each later one given the ones before were accepted (`later`; None: β = α, the
+  constant-α model of Leviathan et al. 2023). Measured pairs accept the first proposal more
+  often than the later ones (e.g. 0.75 against ~0.65), so one α fitted to either end misprices
+  K.
 
   Args:
-    alphas: [n] float64 in [0, 1].
+    alphas, later: [n] float64 in [0, 1].
   """
   alphas = np.asarray(alphas, np.float64)[:, None]
+  later = alphas if later is None else np.asarray(later, np.float64)[:, None]
+  j = np.arange(k_max + 2)
+  return np.where(j == 0, 1.0, alphas * later ** np.maximum(j - 1, 0))
+
+
+def token_moments(alphas: np.ndarray, k_max: int, later=None) -> tuple:
+  """(mean, variance), each [n, k_max + 1] float64: tokens one round emits for a request at
+  K = 0..k_max (K = 0: exactly 1, variance 0), its proposals accepted as in `survival`.
+
+  Args:
+    alphas, later: [n] float64 in [0, 1] (`survival`).
+  """
+  s = survival(alphas, k_max, later)
   j = np.arange(k_max + 1)
-  powers = alphas ** j                               # α^j, j = 0..K_max
-  mean = np.cumsum(powers, axis=1)
-  # E[T^2] = Σ_{j=1..K} j^2 α^{j-1} (1 - α) + (K + 1)^2 α^K.
-  stops = np.cumsum((j + 1) ** 2 * powers * (1 - alphas), axis=1)
-  second = np.concatenate([np.zeros_like(alphas), stops[:, :-1]], axis=1) + (j + 1) ** 2 * powers
+  mean = np.cumsum(s[:, :-1], axis=1)                # E[T] = Σ_{j<=K} s_j
+  # E[T^2] = Σ_{m<K} (m + 1)^2 P(exactly m accepted) + (K + 1)^2 s_K.
+  stops = np.cumsum((j + 1) ** 2 * (s[:, :-1] - s[:, 1:]), axis=1)
+  second = np.concatenate([np.zeros_like(s[:, :1]), stops[:, :-1]], axis=1) + \
+      (j + 1) ** 2 * s[:, :-1]
   return mean, np.maximum(second - mean ** 2, 0.0)
 
 
@@ -50,19 +67,20 @@ def expected_max_normal(n: int) -> float:
   return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def rounds_to_finish(alphas, rooms, k_max: int) -> np.ndarray:
+def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
   """[k_max + 1] float64: the expected decode rounds until every request has emitted its room,
   running K every round (K = 0: max_i room_i).
 
   Args:
-    alphas: [n] acceptance estimates in [0, 1]; rooms: [n] tokens each may still emit (>= 1).
+    alphas: [n] acceptance estimates in [0, 1] (later: of the later proposals, `survival`);
+      rooms: [n] tokens each may still emit (>= 1).
   Raises:
     ValueError: alphas and rooms of different lengths, or none.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
     raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
-  mean, var = token_moments(alphas, k_max)
+  mean, var = token_moments(alphas, k_max, later)
   rounds = rooms[:, None] / mean
   sd = np.sqrt(rooms[:, None] * var / mean ** 3)
   return rounds.max(axis=0) + expected_max_normal(len(alphas)) * sd.max(axis=0)

@@ -1,0 +1,78 @@
+"""The goodput policy's two-position acceptance model: the first proposal of a round (α) and
+each later one (β) are estimated apart, and E[tokens] and the makespan use both."""
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import makespan
+from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens, round_observation
+
+
+def test_round_observation_splits_the_first_proposal_from_the_later_ones():
+  assert round_observation(3, 0) == (0.0, 1.0, 0.0, 0.0)     # first rejected: no later trial
+  assert round_observation(3, 1) == (1.0, 1.0, 0.0, 1.0)     # second rejected
+  assert round_observation(3, 2) == (1.0, 1.0, 1.0, 2.0)
+  assert round_observation(3, 3) == (1.0, 1.0, 2.0, 2.0)     # all accepted: no rejected trial
+  assert round_observation(1, 1) == (1.0, 1.0, 0.0, 0.0)
+  assert round_observation(2, 5) == round_observation(2, 2)  # clipped to the cap
+
+
+def test_tracker_keeps_first_and_later_acceptance_apart():
+  tracker = AlphaTracker(prior=0.5, prior_trials=1.0)
+  # No later-proposal observation anywhere yet: β falls back to the global α.
+  tracker.observe('a', 1.0, 1.0)
+  assert tracker.later('a') == pytest.approx(tracker.global_alpha)
+  assert tracker.later('new') == pytest.approx(tracker.global_alpha)
+  for _ in range(30):                       # first always accepted, the second always rejected
+    tracker.observe('a', *round_observation(4, 1))
+  assert tracker.alpha('a') > 0.9 and tracker.later('a') < 0.1
+  assert tracker.global_alpha > 0.9 and tracker.global_later < 0.2
+  # K = 0 probes are first-proposal observations: they leave β's sums alone.
+  sums = tracker._sums['a'][2:]
+  tracker.observe('a', 0.0, 8.0)
+  assert tracker.alpha('a') < 0.9 and tracker._sums['a'][2:] == sums
+  with pytest.raises(ValueError, match='prior_trials'):
+    AlphaTracker(prior_trials=-1.0)
+
+
+def _enumerated(alpha, later, k):
+  """Mean and variance of 1 + accepted proposals, walking the proposals one by one: the j-th
+  is accepted with probability α (j = 0) or β, and a round stops at its first rejection."""
+  probs, going = [], 1.0
+  for j in range(k):
+    q = alpha if j == 0 else later
+    probs.append(going * (1 - q))          # exactly j accepted
+    going *= q
+  probs.append(going)                      # all k accepted
+  mean = sum(p * (1 + n) for n, p in enumerate(probs))
+  return mean, sum(p * (1 + n) ** 2 for n, p in enumerate(probs)) - mean ** 2
+
+
+def test_token_moments_with_a_later_acceptance_match_enumeration():
+  alphas, later = np.array([0.8, 0.3, 1.0]), np.array([0.5, 0.9, 0.7])
+  mean, var = makespan.token_moments(alphas, 4, later)
+  for i, (a, b) in enumerate(zip(alphas, later)):
+    for k in range(5):
+      m, v = _enumerated(a, b, k)
+      assert mean[i, k] == pytest.approx(m) and var[i, k] == pytest.approx(v, abs=1e-12)
+      assert mean[i, k] == pytest.approx(expected_tokens(a, k, b))
+  same = makespan.token_moments(alphas, 4, alphas)
+  np.testing.assert_allclose(same[0], makespan.token_moments(alphas, 4)[0])
+  assert expected_tokens(0.8, 3, 0.5) == pytest.approx(1 + 0.8 * (1 + 0.5 + 0.25))
+  assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(0.9, 0, 0.1) == 1.0
+
+
+@pytest.mark.parametrize('accepted,expected', [(1, 1), (4, 4)])
+def test_goodput_chooses_k_from_both_acceptances(accepted, expected):
+  """A pair that accepts the first proposal and rarely a later one is worth K = 1; one whose
+  later proposals follow an accepted first is worth a long K: the policy's choice is the argmax
+  of Σ E / t computed here from its own two estimates."""
+  costs = {0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2}
+  policy = GoodputK(costs=costs)
+  policy.setup(4)
+  for _ in range(20):
+    policy.observe('a', 4, accepted, float(accepted), float(accepted + (accepted < 4)))
+  a, b = policy.tracker.alpha('a'), policy.tracker.later('a')
+  best = max(costs, key=lambda k: expected_tokens(a, k, b) / costs[k])
+  assert policy.choose(['a'])[0] == best
+  assert best == expected
