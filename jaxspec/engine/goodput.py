@@ -190,10 +190,12 @@ class GoodputK(KPolicy):
       it, per row bucket too); a known table serves every bucket.
     timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
-      d(K) (>= 1).
+      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3) of them, pseudo-rounds fill in (ratio
+      1 for K = 0, K = 0's for K >= 1), and K >= 1's are dropped after `STALE_ROUNDS` (16)
+      rounds in a row at K = 0.
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
-      draft on what the target drew) only if α and β estimates higher by this much plus two standard
-      errors of the global estimate would choose K >= 1 (`worth_probing`): far from the
+      draft on what the target drew) only if α and β estimates higher by this much plus two
+      standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
       threshold, or once probes have pinned α down, a probe could not change the choice.
     stay_margin: after a round at K >= 1 (the draft cache in sync), K = 0 must beat the best
       K >= 1 by more than this fraction of goodput: a request's α estimate swings with a few
@@ -225,6 +227,7 @@ class GoodputK(KPolicy):
     self._version = 0                       # bumped by every new observation or cost table
     self._held = None                       # (inputs, rounds) of a K = 0 choice still valid
     self._last_k = 0                        # the previous choice
+    self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
 
   @property
@@ -303,10 +306,10 @@ class GoodputK(KPolicy):
               later: Optional[Sequence[float]] = None) -> float:
     """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
     per second: E_i = E[tokens | α_i, β_i, min(K, room_i - 1)] (`expected_tokens`; a round emits
-    at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds the catch-up serves
-    (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) / Σ_i E_i), the rounds until
-    the successors a split admits are done too. `later`: each request's β (`expected_tokens`;
-    None: β = α)."""
+    at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds
+    the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) /
+    Σ_i E_i), the rounds until the successors a split admits are done too. `later`: each
+    request's β (`expected_tokens`; None: β = α)."""
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     later = alphas if later is None else later
     tokens = sum(expected_tokens(a, c, b) for a, c, b in zip(alphas, caps, later))
@@ -382,9 +385,10 @@ class GoodputK(KPolicy):
 
   HOLD_ROUNDS = 8
   PRIOR_ROUNDS = 3
+  STALE_ROUNDS = 16
 
   def worth_probing(self, request_ids) -> bool:
-    """Whether α estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
+    """Whether α and β estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
     sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
     trials: with few observations (one request, or a batch that has not been probed yet) the
     estimates are loose and a probe is worth its cost; many probes' worth of trials pin them."""
@@ -415,4 +419,12 @@ class GoodputK(KPolicy):
     idle = self._idle.get(self.rows, self._idle.get(None, {}))
     if k in idle:
       self._ratios[min(k, 1)].append(device_s / idle[k])
+      self._fitted.clear()
+    # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped (K = 0's ratio
+    # stands in again): while the policy stays at K = 0 only K = 0's ratio follows the machine,
+    # and K >= 1 rounds priced high by a slow stretch (several engines sharing the cores, a
+    # cold start) would otherwise keep K >= 1 out for good.
+    self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
+    if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
+      self._ratios[1].clear()
       self._fitted.clear()

@@ -9,11 +9,11 @@ last rounds then run a batch with few busy rows at the price of the whole bucket
 score does not see that tail; `rounds_to_finish` prices it.
 
 Per request i and K, tokens per round T (no stop token, no room cap) are 1 + the proposals
-accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α, Leviathan et al.
-2023): mean E = Σ_{j<=K} s_j and variance V. Emitting r tokens takes about r / E rounds with standard
-deviation sqrt(r V / E^3) (renewal-reward central limit), and the expected maximum over n
-requests is taken as max_i mean_i + g(n) max_i sd_i, g(n) the expected maximum of n standard
-normals (Blom's approximation).
+accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α, Leviathan et
+al. 2023): mean E = Σ_{j<=K} s_j and variance V. Emitting r tokens takes about r / E rounds
+with standard deviation sqrt(r V / E^3) (renewal-reward central limit), and the expected
+maximum over n requests is taken as max_i mean_i + g(n) max_i sd_i, g(n) the expected maximum
+of n standard normals (Blom's approximation).
 """
 
 from __future__ import annotations
