@@ -17,7 +17,7 @@ baseline never pays). Now:
   `chunk_size` tokens through the draft alone, rows bucketed like prefill calls. The K policy
   sees the seconds this will take (`KPolicy.sync_s`) before it chooses.
 - A catch-up scores the draft on the last `observe_tokens` tokens of each request it caught up
-  that the target drew at K = 0 (it knows p of each): β = min(1, q(x) / p(x)), E[β] = α.
+  that the target drew at K = 0 (it knows p of each): s = min(1, q(x) / p(x)), E[s] = α.
 - While the policy stays at K = 0, and only when a better α estimate could change its choice
   (`KPolicy.worth_probing`; a probe that could not is skipped as if taken), a probe catches up
   `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ...

@@ -136,9 +136,9 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
   already holds), scoring the draft at chosen tokens against what the target drew next.
 
   For a token x the target drew from p after some position, the draft's q at that position
-  gives β = min(1, q(x) / p(x)), and E_{x~p}[β] = Σ_v min(p(v), q(v)) = α, the acceptance
-  probability of one drafted token there (Leviathan et al. 2023, Def. 3.1). For greedy rows
-  p(x) = 1 and β = q(x).
+  gives the score s = min(1, q(x) / p(x)), and E_{x~p}[s] = Σ_v min(p(v), q(v)) = α, the
+  acceptance probability of one drafted token there (Leviathan et al. 2023, Def. 3.1). For
+  greedy rows p(x) = 1 and s = q(x).
 
   Args:
     draft_cache: bound draft cache (donated); row r holds lengths[r] tokens already.
@@ -149,7 +149,7 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
       its probability under the target's p, 0 where nothing is observed.
     sampling: [R] per-row parameters, the rows' requests' (q is processed as p was).
   Returns:
-    (successes [R] float32 Σ β, trials [R] float32 scored tokens, draft_cache).
+    (successes [R] float32 Σ s, trials [R] float32 scored tokens, draft_cache).
   """
   logits, draft_cache = chunk_logits(draft, draft_params, draft_cache, tokens, counts, observe_at)
   q = jnp.take_along_axis(probabilities(logits, sampling), observe_next[..., None], axis=-1)
