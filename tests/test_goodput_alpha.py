@@ -76,3 +76,22 @@ def test_goodput_chooses_k_from_both_acceptances(accepted, expected):
   best = max(costs, key=lambda k: expected_tokens(a, k, b) / costs[k])
   assert policy.choose(['a'])[0] == best
   assert best == expected
+
+
+def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
+  """The K = 0 hold keys on the live cost ratios the table is fitted with (prior rounds
+  included): a second slow K = 0 round out of PRIOR_ROUNDS leaves the raw median where it was
+  but doubles K = 0's fitted cost, so the held K = 0 must be scored again (K = 1 now wins)."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.2})
+  policy.setup(1)
+  for _ in range(3):
+    policy.round_timing(1, 1.2, 0.0)           # K >= 1 live ratio 1
+  policy.round_timing(0, 2.0, 0.0)             # one slow K = 0 round: padded median still 1
+  policy.rooms, policy.queued = [100], 1
+  policy.observe('a', 0, 0, 0.0, 8.0)          # α low: K = 0
+  assert policy.choose(['a'])[0] == 0
+  policy.round_timing(0, 2.0, 0.0)             # a second one: K = 0's fitted cost doubles
+  assert policy.costs == pytest.approx({0: 1.6, 1: 1.6})
+  scores = policy._scores(*policy._alphas(['a']))
+  assert scores[1] > scores[0] * (1 + policy.margin)
+  assert policy.choose(['a'])[0] == 1

@@ -290,12 +290,17 @@ class GoodputK(KPolicy):
       # ones (K = 0: the start-up table itself, ratio 1; K >= 1: K = 0's ratio): one slow
       # round (the first call of a run touches cold memory, ~2x) must not price a group out
       # before a second one could be measured.
-      zero = _median_with_prior(self._ratios[0], 1.0, self.PRIOR_ROUNDS)
-      spec = _median_with_prior(self._ratios[1], zero, self.PRIOR_ROUNDS)
+      zero, spec = self._group_ratios()
       idle = self._idle[rows]
       d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
       self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
     return self._fitted[rows]
+
+  def _group_ratios(self) -> tuple:
+    """(K = 0's, K >= 1's) live / start-up ratio: the median of each group's recent rounds,
+    padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`)."""
+    zero = _median_with_prior(self._ratios[0], 1.0, self.PRIOR_ROUNDS)
+    return zero, _median_with_prior(self._ratios[1], zero, self.PRIOR_ROUNDS)
 
   def _table(self) -> dict:
     """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
@@ -363,7 +368,9 @@ class GoodputK(KPolicy):
     # to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds. The host seconds h
     # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
     # jitters by more than that from round to round, which broke most holds).
-    drift = [statistics.median(r) if r else 1.0 for r in self._ratios.values()]
+    # The ratios the cost table uses (prior rounds included): a raw median can stay put while
+    # the padded one moves (a second slow round out of three) or a stale group is dropped.
+    drift = self._group_ratios()
     inputs = (tuple(request_ids), self.queued, self.rows, self._version,
               tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift),
               round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05))
