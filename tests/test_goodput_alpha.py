@@ -95,3 +95,17 @@ def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
   scores = policy._scores(*policy._alphas(['a']))
   assert scores[1] > scores[0] * (1 + policy.margin)
   assert policy.choose(['a'])[0] == 1
+
+
+@pytest.mark.parametrize('window', [1, 2])
+def test_live_cost_ratios_count_with_a_window_below_the_prior_rounds(window):
+  """A group never holds more than `window` live rounds, so the pseudo-rounds pad it up to
+  min(PRIOR_ROUNDS, window): with window = 1 the live ratios must still scale d(K)."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5}, window=window)
+  policy.setup(1)
+  for _ in range(4):
+    policy.round_timing(0, 2.0, 0.0)           # K = 0 live at twice its start-up time
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0})
+  for _ in range(4):
+    policy.round_timing(1, 6.0, 0.0)           # K >= 1 at four times
+  assert policy.costs == pytest.approx({0: 2.0, 1: 6.0})

@@ -190,9 +190,9 @@ class GoodputK(KPolicy):
       it, per row bucket too); a known table serves every bucket.
     timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
-      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3) of them, pseudo-rounds fill in (ratio
-      1 for K = 0, K = 0's for K >= 1), and K >= 1's are dropped after `STALE_ROUNDS` (16)
-      rounds in a row at K = 0.
+      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3; at most `window`) of them,
+      pseudo-rounds fill in (ratio 1 for K = 0, K = 0's for K >= 1), and K >= 1's are
+      dropped after `STALE_ROUNDS` (16) rounds in a row at K = 0.
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
       draft on what the target drew) only if α and β estimates higher by this much plus two
       standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
@@ -298,9 +298,11 @@ class GoodputK(KPolicy):
 
   def _group_ratios(self) -> tuple:
     """(K = 0's, K >= 1's) live / start-up ratio: the median of each group's recent rounds,
-    padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`)."""
-    zero = _median_with_prior(self._ratios[0], 1.0, self.PRIOR_ROUNDS)
-    return zero, _median_with_prior(self._ratios[1], zero, self.PRIOR_ROUNDS)
+    padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`; up to `window` if fewer: a
+    group never holds more)."""
+    rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
+    zero = _median_with_prior(self._ratios[0], 1.0, rounds)
+    return zero, _median_with_prior(self._ratios[1], zero, rounds)
 
   def _table(self) -> dict:
     """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
