@@ -109,3 +109,19 @@ def test_live_cost_ratios_count_with_a_window_below_the_prior_rounds(window):
   for _ in range(4):
     policy.round_timing(1, 6.0, 0.0)           # K >= 1 at four times
   assert policy.costs == pytest.approx({0: 2.0, 1: 6.0})
+
+
+def test_mismatched_later_or_rooms_raise_instead_of_truncating():
+  """zip would silently score only the first requests: a β (or room) list of another length
+  than the α list is a ValueError naming it."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5})
+  policy.setup(1)
+  assert policy.goodput([0.5, 0.5], 1, None, [0.9, 0.9]) == pytest.approx(2 * 1.5 / 1.5)
+  with pytest.raises(ValueError, match='later'):
+    policy.goodput([0.5, 0.5], 1, None, [0.9])
+  with pytest.raises(ValueError, match='rooms'):
+    policy.goodput([0.5, 0.5], 1, [5])
+  with pytest.raises(ValueError, match='later'):
+    makespan.rounds_to_finish([0.5, 0.5], [30, 30], 2, [0.9])
+  with pytest.raises(ValueError, match='later'):
+    makespan.token_moments(np.array([0.5, 0.5]), 2, np.array([0.9]))

@@ -316,7 +316,15 @@ class GoodputK(KPolicy):
     at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds
     the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) /
     Σ_i E_i), the rounds until the successors a split admits are done too. `later`: each
-    request's β (`expected_tokens`; None: β = α)."""
+    request's β (`expected_tokens`; None: β = α).
+
+    Raises:
+      ValueError: rooms or later not one per α.
+    """
+    for name, values in (('rooms', rooms), ('later', later)):
+      if values is not None and len(values) != len(alphas):
+        raise ValueError(f'goodput needs one {name} value per α: got {len(values)} for '
+                         f'{len(alphas)}')
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     later = alphas if later is None else later
     tokens = sum(expected_tokens(a, c, b) for a, c, b in zip(alphas, caps, later))

@@ -34,8 +34,13 @@ def survival(alphas, k_max: int, later=None) -> np.ndarray:
 
   Args:
     alphas, later: [n] float64 in [0, 1].
+  Raises:
+    ValueError: later not of alphas' shape.
   """
   alphas = np.asarray(alphas, np.float64)[:, None]
+  if later is not None and np.shape(later) != alphas.shape[:1]:
+    raise ValueError(f'need one later acceptance per α, got {np.shape(later)} for '
+                     f'{alphas.shape[:1]}')
   later = alphas if later is None else np.asarray(later, np.float64)[:, None]
   j = np.arange(k_max + 2)
   return np.where(j == 0, 1.0, alphas * later ** np.maximum(j - 1, 0))
@@ -75,7 +80,7 @@ def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
     alphas: [n] acceptance estimates in [0, 1] (later: of the later proposals, `survival`);
       rooms: [n] tokens each may still emit (>= 1).
   Raises:
-    ValueError: alphas and rooms of different lengths, or none.
+    ValueError: alphas and rooms (or later) of different lengths, or none.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
