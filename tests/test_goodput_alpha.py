@@ -125,3 +125,20 @@ def test_mismatched_later_or_rooms_raise_instead_of_truncating():
     makespan.rounds_to_finish([0.5, 0.5], [30, 30], 2, [0.9])
   with pytest.raises(ValueError, match='later'):
     makespan.token_moments(np.array([0.5, 0.5]), 2, np.array([0.9]))
+
+
+def test_makespan_caps_tokens_per_round_at_the_room():
+  """A round emits at most a request's room: one token left takes one round at every K (not
+  1 / E[T] < 1), so a last wave of requests with room 1 runs K = 0, not a speculative round
+  that can accept nothing; the capped moments match enumeration at min(K, room - 1)."""
+  assert makespan.rounds_to_finish([0.9] * 4, [1] * 4, 4) == pytest.approx([1.0] * 5)
+  mean, var = makespan.token_moments(np.array([0.8, 0.6]), 4, np.array([0.5, 0.9]), [2, 3])
+  for i, (a, b, room) in enumerate(((0.8, 0.5, 2), (0.6, 0.9, 3))):
+    for k in range(5):
+      m, v = _enumerated(a, b, min(k, room - 1))
+      assert mean[i, k] == pytest.approx(m) and var[i, k] == pytest.approx(v, abs=1e-12)
+  policy = GoodputK(tracker=AlphaTracker(prior=0.9, prior_trials=1e9),
+                    costs={0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2})
+  policy.setup(4)
+  policy.rooms, policy.queued = [1] * 4, 0
+  assert policy.choose(list('abcd'))[0] == 0
