@@ -76,3 +76,69 @@ def test_goodput_chooses_k_from_both_acceptances(accepted, expected):
   best = max(costs, key=lambda k: expected_tokens(a, k, b) / costs[k])
   assert policy.choose(['a'])[0] == best
   assert best == expected
+
+
+def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
+  """The K = 0 hold keys on the live cost ratios the table is fitted with (prior rounds
+  included): a second slow K = 0 round out of PRIOR_ROUNDS leaves the raw median where it was
+  but doubles K = 0's fitted cost, so the held K = 0 must be scored again (K = 1 now wins)."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.2})
+  policy.setup(1)
+  for _ in range(3):
+    policy.round_timing(1, 1.2, 0.0)           # K >= 1 live ratio 1
+  policy.round_timing(0, 2.0, 0.0)             # one slow K = 0 round: padded median still 1
+  policy.rooms, policy.queued = [100], 1
+  policy.observe('a', 0, 0, 0.0, 8.0)          # α low: K = 0
+  assert policy.choose(['a'])[0] == 0
+  policy.round_timing(0, 2.0, 0.0)             # a second one: K = 0's fitted cost doubles
+  assert policy.costs == pytest.approx({0: 1.6, 1: 1.6})
+  scores = policy._scores(*policy._alphas(['a']))
+  assert scores[1] > scores[0] * (1 + policy.margin)
+  assert policy.choose(['a'])[0] == 1
+
+
+@pytest.mark.parametrize('window', [1, 2])
+def test_live_cost_ratios_count_with_a_window_below_the_prior_rounds(window):
+  """A group never holds more than `window` live rounds, so the pseudo-rounds pad it up to
+  min(PRIOR_ROUNDS, window): with window = 1 the live ratios must still scale d(K)."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5}, window=window)
+  policy.setup(1)
+  for _ in range(4):
+    policy.round_timing(0, 2.0, 0.0)           # K = 0 live at twice its start-up time
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0})
+  for _ in range(4):
+    policy.round_timing(1, 6.0, 0.0)           # K >= 1 at four times
+  assert policy.costs == pytest.approx({0: 2.0, 1: 6.0})
+
+
+def test_mismatched_later_or_rooms_raise_instead_of_truncating():
+  """zip would silently score only the first requests: a β (or room) list of another length
+  than the α list is a ValueError naming it."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5})
+  policy.setup(1)
+  assert policy.goodput([0.5, 0.5], 1, None, [0.9, 0.9]) == pytest.approx(2 * 1.5 / 1.5)
+  with pytest.raises(ValueError, match='later'):
+    policy.goodput([0.5, 0.5], 1, None, [0.9])
+  with pytest.raises(ValueError, match='rooms'):
+    policy.goodput([0.5, 0.5], 1, [5])
+  with pytest.raises(ValueError, match='later'):
+    makespan.rounds_to_finish([0.5, 0.5], [30, 30], 2, [0.9])
+  with pytest.raises(ValueError, match='later'):
+    makespan.token_moments(np.array([0.5, 0.5]), 2, np.array([0.9]))
+
+
+def test_makespan_caps_tokens_per_round_at_the_room():
+  """A round emits at most a request's room: one token left takes one round at every K (not
+  1 / E[T] < 1), so a last wave of requests with room 1 runs K = 0, not a speculative round
+  that can accept nothing; the capped moments match enumeration at min(K, room - 1)."""
+  assert makespan.rounds_to_finish([0.9] * 4, [1] * 4, 4) == pytest.approx([1.0] * 5)
+  mean, var = makespan.token_moments(np.array([0.8, 0.6]), 4, np.array([0.5, 0.9]), [2, 3])
+  for i, (a, b, room) in enumerate(((0.8, 0.5, 2), (0.6, 0.9, 3))):
+    for k in range(5):
+      m, v = _enumerated(a, b, min(k, room - 1))
+      assert mean[i, k] == pytest.approx(m) and var[i, k] == pytest.approx(v, abs=1e-12)
+  policy = GoodputK(tracker=AlphaTracker(prior=0.9, prior_trials=1e9),
+                    costs={0: 1.0, 1: 1.3, 2: 1.6, 3: 1.9, 4: 2.2})
+  policy.setup(4)
+  policy.rooms, policy.queued = [1] * 4, 0
+  assert policy.choose(list('abcd'))[0] == 0

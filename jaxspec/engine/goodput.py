@@ -190,9 +190,9 @@ class GoodputK(KPolicy):
       it, per row bucket too); a known table serves every bucket.
     timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
-      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3) of them, pseudo-rounds fill in (ratio
-      1 for K = 0, K = 0's for K >= 1), and K >= 1's are dropped after `STALE_ROUNDS` (16)
-      rounds in a row at K = 0.
+      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3; at most `window`) of them,
+      pseudo-rounds fill in (ratio 1 for K = 0, K = 0's for K >= 1), and K >= 1's are
+      dropped after `STALE_ROUNDS` (16) rounds in a row at K = 0.
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
       draft on what the target drew) only if α and β estimates higher by this much plus two
       standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
@@ -290,12 +290,19 @@ class GoodputK(KPolicy):
       # ones (K = 0: the start-up table itself, ratio 1; K >= 1: K = 0's ratio): one slow
       # round (the first call of a run touches cold memory, ~2x) must not price a group out
       # before a second one could be measured.
-      zero = _median_with_prior(self._ratios[0], 1.0, self.PRIOR_ROUNDS)
-      spec = _median_with_prior(self._ratios[1], zero, self.PRIOR_ROUNDS)
+      zero, spec = self._group_ratios()
       idle = self._idle[rows]
       d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
       self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
     return self._fitted[rows]
+
+  def _group_ratios(self) -> tuple:
+    """(K = 0's, K >= 1's) live / start-up ratio: the median of each group's recent rounds,
+    padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`; up to `window` if fewer: a
+    group never holds more)."""
+    rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
+    zero = _median_with_prior(self._ratios[0], 1.0, rounds)
+    return zero, _median_with_prior(self._ratios[1], zero, rounds)
 
   def _table(self) -> dict:
     """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
@@ -309,7 +316,15 @@ class GoodputK(KPolicy):
     at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds
     the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) /
     Σ_i E_i), the rounds until the successors a split admits are done too. `later`: each
-    request's β (`expected_tokens`; None: β = α)."""
+    request's β (`expected_tokens`; None: β = α).
+
+    Raises:
+      ValueError: rooms or later not one per α.
+    """
+    for name, values in (('rooms', rooms), ('later', later)):
+      if values is not None and len(values) != len(alphas):
+        raise ValueError(f'goodput needs one {name} value per α: got {len(values)} for '
+                         f'{len(alphas)}')
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     later = alphas if later is None else later
     tokens = sum(expected_tokens(a, c, b) for a, c, b in zip(alphas, caps, later))
@@ -363,7 +378,9 @@ class GoodputK(KPolicy):
     # to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds. The host seconds h
     # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
     # jitters by more than that from round to round, which broke most holds).
-    drift = [statistics.median(r) if r else 1.0 for r in self._ratios.values()]
+    # The ratios the cost table uses (prior rounds included): a raw median can stay put while
+    # the padded one moves (a second slow round out of three) or a stale group is dropped.
+    drift = self._group_ratios()
     inputs = (tuple(request_ids), self.queued, self.rows, self._version,
               tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift),
               round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05))

@@ -8,12 +8,12 @@ while at K >= 1 each accepts a random number per round and they finish at differ
 last rounds then run a batch with few busy rows at the price of the whole bucket. A per-round
 score does not see that tail; `rounds_to_finish` prices it.
 
-Per request i and K, tokens per round T (no stop token, no room cap) are 1 + the proposals
-accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α, Leviathan et
-al. 2023): mean E = Σ_{j<=K} s_j and variance V. Emitting r tokens takes about r / E rounds
-with standard deviation sqrt(r V / E^3) (renewal-reward central limit), and the expected
-maximum over n requests is taken as max_i mean_i + g(n) max_i sd_i, g(n) the expected maximum
-of n standard normals (Blom's approximation).
+Per request i and K, tokens per round T (no stop token; at most its room r) are 1 + the
+proposals accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α,
+Leviathan et al. 2023): mean E = Σ_{j<=min(K, r-1)} s_j and variance V. Emitting r tokens
+takes about r / E rounds with standard deviation sqrt(r V / E^3) (renewal-reward central
+limit), and the expected maximum over n requests is taken as max_i mean_i + g(n) max_i sd_i,
+g(n) the expected maximum of n standard normals (Blom's approximation).
 """
 
 from __future__ import annotations
@@ -34,21 +34,29 @@ def survival(alphas, k_max: int, later=None) -> np.ndarray:
 
   Args:
     alphas, later: [n] float64 in [0, 1].
+  Raises:
+    ValueError: later not of alphas' shape.
   """
   alphas = np.asarray(alphas, np.float64)[:, None]
+  if later is not None and np.shape(later) != alphas.shape[:1]:
+    raise ValueError(f'need one later acceptance per α, got {np.shape(later)} for '
+                     f'{alphas.shape[:1]}')
   later = alphas if later is None else np.asarray(later, np.float64)[:, None]
   j = np.arange(k_max + 2)
   return np.where(j == 0, 1.0, alphas * later ** np.maximum(j - 1, 0))
 
 
-def token_moments(alphas: np.ndarray, k_max: int, later=None) -> tuple:
+def token_moments(alphas: np.ndarray, k_max: int, later=None, rooms=None) -> tuple:
   """(mean, variance), each [n, k_max + 1] float64: tokens one round emits for a request at
   K = 0..k_max (K = 0: exactly 1, variance 0), its proposals accepted as in `survival`.
 
   Args:
     alphas, later: [n] float64 in [0, 1] (`survival`).
+    rooms: [n] tokens each may still emit (>= 1), capping its tokens per round (None: no cap).
   """
   s = survival(alphas, k_max, later)
+  if rooms is not None:                              # T = min(1 + accepted, room)
+    s = np.where(np.arange(k_max + 2) < np.asarray(rooms, np.float64)[:, None], s, 0.0)
   j = np.arange(k_max + 1)
   mean = np.cumsum(s[:, :-1], axis=1)                # E[T] = Σ_{j<=K} s_j
   # E[T^2] = Σ_{m<K} (m + 1)^2 P(exactly m accepted) + (K + 1)^2 s_K.
@@ -69,18 +77,19 @@ def expected_max_normal(n: int) -> float:
 
 def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
   """[k_max + 1] float64: the expected decode rounds until every request has emitted its room,
-  running K every round (K = 0: max_i room_i).
+  running K every round (K = 0: max_i room_i; a round emits at most a request's room, so a
+  request with room 1 takes one round at every K).
 
   Args:
     alphas: [n] acceptance estimates in [0, 1] (later: of the later proposals, `survival`);
       rooms: [n] tokens each may still emit (>= 1).
   Raises:
-    ValueError: alphas and rooms of different lengths, or none.
+    ValueError: alphas and rooms (or later) of different lengths, or none.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
     raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
-  mean, var = token_moments(alphas, k_max, later)
+  mean, var = token_moments(alphas, k_max, later, rooms)
   rounds = rooms[:, None] / mean
   sd = np.sqrt(rooms[:, None] * var / mean ** 3)
   return rounds.max(axis=0) + expected_max_normal(len(alphas)) * sd.max(axis=0)
