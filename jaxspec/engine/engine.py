@@ -291,24 +291,7 @@ class Engine:
     Raises:
       ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
     """
-    if widths is None:
-      widths = self.decode_buckets
-    try:
-      widths = tuple(sorted(set(widths)))
-    except TypeError:
-      raise ValueError(f'widths must be a sequence of decode buckets {self.decode_buckets}, '
-                       f'got {widths!r}') from None
-    if any(isinstance(w, bool) or w not in self.decode_buckets for w in widths):
-      raise ValueError(f'widths {widths} must be decode buckets {self.decode_buckets}')
-    for (rows, k), seconds in timing.decode_costs(self, repeats, widths).items():
-      self.row_costs.setdefault(rows, {})[k] = seconds
-    if self.draft_sync is not None:
-      self.draft_sync.measure(repeats)
-    # The policy's table is the full batch's row: until that row is timed (widths without
-    # num_slots) the policy still needs costs, and the next round measures every bucket.
-    if self.policy is not None and self.policy.needs_costs and self.step_costs:
-      self.policy.set_costs(self.step_costs, by_rows=self.row_costs)
-    return self.step_costs
+    return timing.measure_costs(self, repeats, widths)
 
   # ---------------------------------------------------------------- internals
 

@@ -68,3 +68,33 @@ def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
                                        caps=zeros)
 
   return fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks}, repeats)
+
+
+def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict:
+  """`Engine.measure_costs`: time the decode rounds of `widths` (default every decode bucket)
+  into `engine.row_costs` {rows: {K: seconds}}, a lazy draft's catch-up calls, and hand a
+  policy that needs costs its table once the full batch's row is timed.
+
+  Returns:
+    `engine.step_costs` (the full batch's row; {} until it is timed).
+  Raises:
+    ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
+  """
+  if widths is None:
+    widths = engine.decode_buckets
+  try:
+    widths = tuple(sorted(set(widths)))
+  except TypeError:
+    raise ValueError(f'widths must be a sequence of decode buckets {engine.decode_buckets}, '
+                     f'got {widths!r}') from None
+  if any(isinstance(w, bool) or w not in engine.decode_buckets for w in widths):
+    raise ValueError(f'widths {widths} must be decode buckets {engine.decode_buckets}')
+  for (rows, k), seconds in decode_costs(engine, repeats, widths).items():
+    engine.row_costs.setdefault(rows, {})[k] = seconds
+  if engine.draft_sync is not None:
+    engine.draft_sync.measure(repeats)
+  # The policy's table is the full batch's row: until that row is timed (widths without
+  # num_slots) the policy still needs costs, and the next round measures every bucket.
+  if engine.policy is not None and engine.policy.needs_costs and engine.step_costs:
+    engine.policy.set_costs(engine.step_costs, by_rows=engine.row_costs)
+  return engine.step_costs
