@@ -19,7 +19,8 @@ baseline never pays). Now:
 - A catch-up scores the draft on the last `observe_tokens` tokens of each request it caught up
   that the target drew at K = 0 (it knows p of each): s = min(1, q(x) / p(x)), E[s] = α.
 - While the policy stays at K = 0, and only when a better α estimate could change its choice
-  (`KPolicy.worth_probing`; a probe that could not is skipped as if taken), a probe catches up
+  (`KPolicy.worth_probing`; a probe that could not is skipped as if taken, and the gap before
+  the next question doubles, up to `QUIET` x `probe_every` rounds), a probe catches up
   `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ...
   K = 0 rounds between probes (the gap restarts at 1 after a round at K >= 1, so a switch to
   K = 0 on a noisy estimate is re-checked soon), then at most every `probe_every` rounds and only
@@ -77,30 +78,31 @@ class DraftSync:
     self.live_ratio = 1.0
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
 
+  QUIET = 8   # the longest gap between two questions to the policy, in probe_every units
+
   # ------------------------------------------------------------ round hooks
 
   def before_choice(self, decodes) -> float:
     """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
     policy's `sync_s`: a round at K >= 1 pays it first)."""
     early = self.probe_every is not None and self.backoff < self.probe_every
-    due = self.probe_every is not None and self.rounds_since >= (
-        self.backoff if early else self.probe_every)
+    due = self.probe_every is not None and self.rounds_since >= self.backoff
     policy = self.engine.policy
     if due and policy is not None:      # could a better α estimate change the choice?
       policy.sync_s = self.pending_s(decodes)
       if not policy.worth_probing([r.id for r in decodes]):
-        due = False                     # asked again after the next gap, as if it had probed
+        # Asked again after a gap twice as long (at most QUIET x probe_every rounds): far
+        # from the threshold the answer rarely changes, and asking scores the batch.
+        due = False
         self.rounds_since = 0
-        if early:
-          self.backoff *= 2
+        self.backoff = min(2 * self.backoff, self.QUIET * self.probe_every)
     if due:
       probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                      key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
       if probe and (early or self.probe_budget is None or
                     self.pending_s(probe) <= self.probe_budget * self.zero_s):
         self.catch_up(probe)
-        if early:
-          self.backoff *= 2
+        self.backoff = min(2 * self.backoff, self.probe_every) if early else self.probe_every
     return self.pending_s(decodes)
 
   def before_round(self, decodes, k: int) -> None:

@@ -174,11 +174,18 @@ class GoodputK(KPolicy):
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
   Σ_i room_i / (rounds(K) t(K) + [K >= 1] sync_s), rounds(K) the expected rounds until every
-  request has finished (`jaxspec.engine.makespan.rounds_to_finish`).
+  request has finished (`jaxspec.engine.makespan.rounds_to_finish`). While requests wait and
+  the engine gives their decode tokens (`KPolicy.queue_rooms`, `KPolicy.slots`), the horizon
+  takes them in too: (Σ_i room_i + Σ_q room_q) / (rounds(K) t(K) + [K >= 1] (sync_s +
+  split_s)), rounds(K) from `makespan.rounds_with_queue` (a freed slot idles one round per
+  admission unless the batch finishes together, as at K = 0; the last wave's tail), t(K) the
+  full batch's. A per-round score misses both and overrates K >= 1 once the batch is large
+  (B = 8 on the development CPU: +4 % predicted for K = 2, -10 % measured).
 
-  A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds while nothing
-  it depends on moved: no new observation, the same requests, row bucket and queue, live cost
-  ratios within ~10 % and host time within ~5 % of a round.
+  A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
+  when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while nothing it depends on
+  moved: no new observation, the same requests, row bucket and queue, live cost ratios within
+  ~10 % and host time within ~5 % of a round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -225,7 +232,9 @@ class GoodputK(KPolicy):
     self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
-    self._held = None                       # (inputs, rounds) of a K = 0 choice still valid
+    self._held = None                       # (inputs, rounds, ...) of a K = 0 choice still valid
+    self._spec_held = None                  # (batch, K, rounds) of a K >= 1 choice
+    self._tables = 0                        # cost tables set so far
     self._last_k = 0                        # the previous choice
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
@@ -276,6 +285,7 @@ class GoodputK(KPolicy):
       ratios.clear()
     self._fitted.clear()
     self._version += 1
+    self._tables += 1
 
   def _fitted_table(self, rows) -> dict:
     # d(K) = start-up time x the median live / start-up ratio of the recent rounds of its
@@ -349,6 +359,19 @@ class GoodputK(KPolicy):
       table, host = self._table(), self.host_s or 0.0
       return {k: sum(rooms) / (rounds[k] * (table[k] + host) + (self.sync_s if k else 0.0))
               for k in self.candidates}
+    queue = self.queue_rooms
+    if rooms is not None and queue is not None and self.slots and len(rooms) <= self.slots:
+      # Requests wait: the time until they are done too, a freed slot idling one round per
+      # admission and the last wave's tail included (`makespan.rounds_with_queue`); the rounds
+      # run the full batch, and K >= 1 pays the catch-up and the split admissions once.
+      t = self.tracker
+      rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
+                                          t.global_alpha, t.global_later, self.slots)
+      table, host = self._fitted_table(None), self.host_s or 0.0
+      tokens = sum(rooms) + sum(queue[:self.slots])
+      return {k: tokens / (rounds[k] * (table[k] + host) +
+                           (self.sync_s + self.split_s if k else 0.0))
+              for k in self.candidates}
     # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of s_ij, j < room_i.
     powers = makespan.survival(alphas, self.k_max, later)[:, :-1]
     if rooms is not None:
@@ -375,18 +398,30 @@ class GoodputK(KPolicy):
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
     # (each favours K = 0 further), and the live cost ratios moved by less than ~10 %, for up
-    # to `HOLD_ROUNDS` rounds: its host work stays off most K = 0 rounds. The host seconds h
+    # to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more than
+    # `CLEAR_LEAD`): its host work stays off most K = 0 rounds. The host seconds h
     # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
     # jitters by more than that from round to round, which broke most holds).
     # The ratios the cost table uses (prior rounds included): a raw median can stay put while
     # the padded one moves (a second slow round out of three) or a stale group is dropped.
-    drift = self._group_ratios()
-    inputs = (tuple(request_ids), self.queued, self.rows, self._version,
-              tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in drift),
+    drift = tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in self._group_ratios())
+    queue = (self.queued, self.slots,
+             None if self.queue_rooms is None else tuple(self.queue_rooms))
+    batch = (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self._tables,
+             drift, None if self.rooms is None else
+             tuple(min(r, self.k_max + 1) for r in self.rooms))
+    spec = self._spec_held
+    if spec is not None and spec[0] == batch and spec[2] < self.SPEC_HOLD_ROUNDS:
+      # A K >= 1 choice is kept for the next round of the same batch, queue, costs, live cost
+      # ratios (within ~10 %) and rooms (those below K_max + 1, where caps bind): the estimates move by one round's observations, and scoring
+      # every round costs ~5 % of a round at B = 4 on the development CPU.
+      self._spec_held = (batch, spec[1], spec[2] + 1)
+      return spec[1], [spec[1]] * len(request_ids)
+    inputs = (tuple(request_ids), queue, self.rows, self._version, drift,
               round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05))
     left = sum(self.rooms) if self.rooms is not None else None
     held = self._held
-    if held is not None and held[0] == inputs and held[1] < self.HOLD_ROUNDS and \
+    if held is not None and held[0] == inputs and held[1] < held[5] and \
         (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
       self._held = (inputs, held[1] + 1) + held[2:]
       return 0, [0] * len(request_ids)
@@ -396,11 +431,18 @@ class GoodputK(KPolicy):
         scores[0] < max(g for c, g in scores.items() if c) * (1 + self.stay_margin):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     self._last_k = k
-    self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
-                  self.split_s) if k == 0 else None
+    self._held = None
+    self._spec_held = (batch, k, 1) if k else None
+    if k == 0:       # a clear lead holds 4x longer
+      best = max((g for c, g in scores.items() if c), default=0.0)
+      rounds = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
+      self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
+                    self.split_s, rounds)
     return k, [k] * len(request_ids)
 
   HOLD_ROUNDS = 8
+  CLEAR_LEAD = 0.1
+  SPEC_HOLD_ROUNDS = 2
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
 

@@ -67,6 +67,9 @@ class KPolicy(abc.ABC):
       are already apart or nothing waits).
     queued: requests waiting for a slot or still prefilling (set before each `choose`; None
       when unknown).
+    queue_rooms: the decode tokens (room after the prefill's token) of those requests, still
+      prefilling first, then waiting in admission order (set before each `choose`; None when
+      unknown); slots: the engine's batch slots (None when unknown).
     rows: the row count of the coming round's device call (the engine's decode row bucket
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
   """
@@ -78,6 +81,8 @@ class KPolicy(abc.ABC):
   rooms: Optional[Sequence[int]] = None
   rows: Optional[int] = None
   queued: Optional[int] = None
+  queue_rooms: Optional[Sequence[int]] = None
+  slots: Optional[int] = None
 
   def __init__(self):
     self.k_max: Optional[int] = None

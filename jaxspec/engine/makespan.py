@@ -1,12 +1,14 @@
 """How many decode rounds a batch needs until its last request has finished, per K (host side,
-numpy): the horizon an adaptive K policy should score once no request waits for a slot.
+numpy): the horizon an adaptive K policy scores.
 
-While requests wait, a slot freed early is refilled, so a round's worth is its own tokens per
-second. Once the queue is empty, the batch's remaining time is set by its slowest request: at
-K = 0 every request emits one token per round, so requests with equal room finish together,
-while at K >= 1 each accepts a random number per round and they finish at different rounds; the
-last rounds then run a batch with few busy rows at the price of the whole bucket. A per-round
-score does not see that tail; `rounds_to_finish` prices it.
+The batch's remaining time is set by its slowest slot: at K = 0 every request emits one token
+per round, so requests with equal room finish together, while at K >= 1 each accepts a random
+number per round and they finish at different rounds; the last rounds then run a batch with few
+busy rows at the price of the whole bucket. A per-round score does not see that tail;
+`rounds_to_finish` prices it. While requests wait for a slot, each freed slot takes the next
+one, whose prefill step leaves the slot's row idle for one round if other rows still decode
+(requests that finish together at K = 0 are prefilled together, with no round to idle in);
+`rounds_with_queue` prices those gaps and the tail after the queue.
 
 Per request i and K, tokens per round T (no stop token; at most its room r) are 1 + the
 proposals accepted, P(at least j accepted) = s_j (`survival`: α^j for one acceptance α,
@@ -93,3 +95,58 @@ def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
   rounds = rooms[:, None] / mean
   sd = np.sqrt(rooms[:, None] * var / mean ** 3)
   return rounds.max(axis=0) + expected_max_normal(len(alphas)) * sd.max(axis=0)
+
+
+def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha: float,
+                      queue_later: float, slots: int) -> np.ndarray:
+  """[k_max + 1] float64: the expected decode rounds until the running requests and the queued
+  ones (in admission order, each taking the slot that frees first) have all finished, running K
+  every round.
+
+  Each slot's rounds are its running request's (mean room / E, as in `rounds_to_finish`), then
+  for the queued request it takes one idle round (its prefill step: 0 for the slot that
+  finishes last, whose prefill runs alone, and for slots finishing together with it at K = 0;
+  at K >= 1 slots tied in expectation each pay it, as they finish at random rounds)
+  plus that request's rounds at the queue's acceptance; the total is the largest slot's mean
+  plus g(slots) times the largest slot's standard deviation. Slots not held by a running request
+  are free at round 0; only the first `slots` queued requests are placed (one per slot; a longer
+  queue is scored as if it ended there).
+
+  Args:
+    alphas, later: [n] first and later acceptance estimates of the running requests (`survival`;
+      later None: β = α); rooms: [n] tokens each may still emit (>= 1).
+    queue_rooms: [m] decode tokens each queued request will emit after its prefill's token
+      (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones).
+    slots: the engine's batch slots (>= n).
+  Raises:
+    ValueError: lengths that differ, no running request, more running requests than slots.
+  """
+  alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
+  if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
+    raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
+  if slots < alphas.size:
+    raise ValueError(f'{alphas.size} running requests do not fit {slots} slots')
+  n, queue = alphas.size, np.asarray(queue_rooms, np.float64)[:slots]
+  m = queue.size
+  later = alphas if later is None else np.asarray(later, np.float64)
+  # One pass over the running requests and the queued ones (the global acceptance).
+  mean, var = token_moments(np.concatenate([alphas, np.full(m, queue_alpha)]), k_max,
+                            np.concatenate([later, np.full(m, queue_later)]),
+                            np.concatenate([rooms, queue]))
+  tokens = np.concatenate([rooms, queue])[:, None]
+  rounds, spreads = tokens / mean, tokens * var / mean ** 3
+  finish = np.zeros((slots, k_max + 1))
+  spread = np.zeros((slots, k_max + 1))
+  finish[:n], spread[:n] = rounds[:n], spreads[:n]
+  if m:
+    order = np.argsort(finish, axis=0, kind='stable')[:m]     # [m, K + 1]: slots freed first
+    columns = np.arange(k_max + 1)
+    first, top = finish[order, columns], finish.max(axis=0)
+    # A slot idles a round unless it finishes last; at K >= 1 slots that tie in expectation
+    # finish at random rounds, so each tied slot is charged the idle round too.
+    gap = first < top - 1e-9
+    gap[:, 1:] |= ((finish >= top - 1e-9).sum(axis=0) > 1)[None, 1:]
+    gap = gap.astype(np.float64)
+    finish[order, columns] = first + gap + rounds[n:]
+    spread[order, columns] += spreads[n:]
+  return finish.max(axis=0) + expected_max_normal(slots) * np.sqrt(spread.max(axis=0))

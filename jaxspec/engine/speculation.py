@@ -5,6 +5,7 @@ the K and per-row caps of each decode round (checked every round). Host side, pl
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -103,17 +104,25 @@ def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],
 
 
 def horizon(engine, decodes) -> tuple:
-  """(split, queued) for `choose`: `split_cost` of the engine's decoding and waiting requests,
-  and the requests waiting for a slot or still prefilling; ((0.0, 0), None) without a policy."""
+  """(split, queued, queue_rooms, slots) for `choose`: `split_cost` of the engine's decoding and
+  waiting requests; the requests still prefilling or waiting for a slot, their count and their
+  decode tokens (room - 1: the prefill emits one; prefilling first, then in admission order, at
+  most `num_slots`); and the slot count. ((0.0, 0), None, None, None) without a policy."""
   if engine.policy is None:
-    return (0.0, 0), None
+    return (0.0, 0), None, None, None
   scheduler = engine.scheduler
   split = split_cost(decodes, scheduler.waiting, engine.prefill_costs, engine.chunk_size)
-  return split, len(scheduler.waiting) + len(scheduler.running) - len(decodes)
+  decoding = {id(r) for r in decodes}
+  queue = [r for r in scheduler.running if id(r) not in decoding]
+  queued = len(scheduler.waiting) + len(queue)
+  queue.extend(itertools.islice(scheduler.waiting, max(0, engine.num_slots - len(queue))))
+  rooms = [r.room - 1 for r in queue[:engine.num_slots] if r.room > 1]
+  return split, queued, rooms, engine.num_slots
 
 
 def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync=None,
-           split: tuple = (0.0, 0), queued: Optional[int] = None):
+           split: tuple = (0.0, 0), queued: Optional[int] = None,
+           queue_rooms: Optional[Sequence[int]] = None, slots: Optional[int] = None):
   """The round's K and each request's cap (<= K, proposals its row may accept), from the policy
   (None: K = 0), checked.
 
@@ -122,7 +131,8 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       `KPolicy.rooms`).
     rows: the row count of the round's device call (`KPolicy.rows`: its cost table's row).
     split: (seconds, tokens) of `split_cost` (`KPolicy.split_s`, `KPolicy.split_tokens`).
-    queued: requests waiting for a slot or prefilling (`KPolicy.queued`).
+    queued: requests waiting for a slot or prefilling (`KPolicy.queued`); queue_rooms: their
+      decode tokens (`KPolicy.queue_rooms`); slots: the engine's batch slots (`KPolicy.slots`).
     draft_sync: the engine's lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) or None:
       it probes when due and tells the policy its catch-up seconds (`KPolicy.sync_s`) before
       the choice, and catches the draft up after a choice of K >= 1.
@@ -136,6 +146,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
     return 0, [0] * len(decodes)
   policy.rooms = [r.room for r in decodes]
   policy.rows, policy.queued = rows, queued
+  policy.queue_rooms, policy.slots = queue_rooms, slots
   policy.split_s, policy.split_tokens = split
   if draft_sync is not None:
     policy.sync_s = draft_sync.before_choice(decodes)

@@ -1,0 +1,168 @@
+"""Goodput while requests wait for a slot (`makespan.rounds_with_queue`, `speculation.horizon`),
+and the host work it saves: the K = 0 and K >= 1 holds of `GoodputK.choose` and the doubling gap
+before `DraftSync` asks `worth_probing` again. Host-side, no model."""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import makespan
+from jaxspec.engine.draft_sync import DraftSync
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.speculation import horizon
+
+
+def test_rounds_with_queue_at_k0_counts_idle_rounds_of_admissions():
+  def k0(rooms, queue, slots):
+    return makespan.rounds_with_queue([0.5] * len(rooms), rooms, 2, None, queue, 0.5, 0.5,
+                                      slots)[0]
+  assert k0([5, 5], [3, 4], 2) == 9       # lock-step: both admitted together, no idle round
+  assert k0([5, 2], [3], 2) == 6          # the room-2 slot idles one round: 2 + 1 + 3
+  assert k0([5], [3], 2) == 5             # a free slot: 1 idle round + 3, under the other's 5
+  assert k0([5], [3], 1) == 8             # one slot: its prefill runs alone, no round idles
+  assert k0([5, 5], [3, 3, 9], 2) == 8    # only `slots` queued requests are placed
+  with pytest.raises(ValueError, match='slots'):
+    k0([5, 5, 5], [], 2)
+  with pytest.raises(ValueError, match='room'):
+    makespan.rounds_with_queue([0.5], [3, 3], 2, None, [], 0.5, 0.5, 4)
+
+
+def _simulate(alpha, k, rooms, queue, slots, runs, rng):
+  """Mean makespan in rounds: each slot runs its request, then takes the next queued one after
+  an idle round if another slot still decodes (T = 1 + accepted, geometric, capped at K + 1)."""
+  total = 0
+  for _ in range(runs):
+    left = list(rooms) + [0] * (slots - len(rooms))
+    idle = [0] * slots
+    waiting = collections.deque(queue)
+    rounds = 0
+    while any(l > 0 for l in left) or waiting:
+      for s in range(slots):           # admissions: a free slot takes the next request
+        if left[s] <= 0 and waiting:
+          left[s], idle[s] = waiting.popleft(), 1
+      busy = [s for s in range(slots) if left[s] > 0 and not idle[s]]
+      if not busy:                     # every admitted request prefills alone: no round
+        idle = [0] * slots
+        continue
+      rounds += 1
+      for s in range(slots):
+        if idle[s]:
+          idle[s] = 0
+        elif left[s] > 0:
+          left[s] -= min(int(rng.geometric(1 - alpha)), k + 1)
+    total += rounds
+  return total / runs
+
+
+@pytest.mark.parametrize('rooms,queue,slots', [([20] * 4, [20] * 4, 4), ([20, 12], [20] * 3, 3)])
+def test_rounds_with_queue_matches_a_simulation(rooms, queue, slots):
+  rng = np.random.default_rng(0)
+  model = makespan.rounds_with_queue([0.7] * len(rooms), rooms, 2, None, queue, 0.7, 0.7, slots)
+  for k in (0, 2):
+    assert model[k] == pytest.approx(_simulate(0.7, k, rooms, queue, slots, 1500, rng), rel=0.08)
+
+
+def _policy(alpha, costs, k_max=2):
+  policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs,
+                    stay_margin=0.0)
+  policy.setup(k_max)
+  return policy
+
+
+def test_goodput_scores_the_queue_and_its_idle_rounds():
+  """Per round K = 2 wins (2.19 tokens for 1.9x the time); over the queue it pays an idle round
+  per admission and the last wave's tail, and the split admissions, and K = 0 wins."""
+  costs = {0: 1.0, 1: 1.5, 2: 1.9}
+  ids = [f'r{i}' for i in range(8)]
+  policy = _policy(0.7, costs)
+  policy.rooms, policy.queued = [12] * 8, 8
+  assert policy.choose(ids)[0] == 2
+  policy.queue_rooms, policy.slots, policy.split_s = [12] * 8, 8, 2.0
+  rounds = makespan.rounds_with_queue([0.7] * 8, [12] * 8, 2, None, [12] * 8, 0.7, 0.7, 8)
+  scores = policy._scores(*policy._alphas(ids))
+  for k in range(3):
+    assert scores[k] == pytest.approx(192 / (rounds[k] * costs[k] + (2.0 if k else 0.0)))
+  assert policy.choose(ids)[0] == 0 == max(scores, key=scores.get)
+  policy = _policy(0.95, costs)                 # a draft that rarely misses pays again
+  policy.rooms, policy.queued = [12] * 8, 8
+  policy.queue_rooms, policy.slots, policy.split_s = [12] * 8, 8, 2.0
+  assert policy.choose(ids)[0] == 2
+
+
+def test_horizon_lists_the_queue_in_admission_order():
+  def req(room, decoding=False):
+    return types.SimpleNamespace(room=room, max_tokens=room, prefill_tokens=[0] * 4,
+                                 decoding=decoding)
+  run = [req(9, True), req(7), req(5, True)]               # the middle one still prefills
+  waiting = collections.deque([req(4), req(1), req(6), req(8)])
+  engine = types.SimpleNamespace(
+      policy=object(), prefill_costs={}, chunk_size=8, num_slots=4,
+      scheduler=types.SimpleNamespace(running=run, waiting=waiting))
+  decodes = [r for r in run if r.decoding]
+  split, queued, rooms, slots = horizon(engine, decodes)
+  # The prefilling request first, then the waiting ones up to num_slots requests; each
+  # decodes its room less the prefill's token (room 1: nothing to decode).
+  assert queued == 5 and rooms == [6, 3, 5] and slots == 4 and split == (0.0, 0)
+  engine.policy = None
+  assert horizon(engine, decodes) == ((0.0, 0), None, None, None)
+
+
+def test_k0_hold_is_longer_after_a_clear_lead():
+  calls = []
+
+  def run(alpha, rounds):
+    policy = _policy(alpha, {0: 1.0, 1: 1.5, 2: 1.9})
+    scores = policy._scores
+    policy._scores = lambda *a: calls.append(1) or scores(*a)
+    policy.rooms, policy.queued = [1000], 1
+    calls.clear()
+    for _ in range(rounds):
+      assert policy.choose(['a'])[0] == 0
+    return len(calls)
+  hold = GoodputK.HOLD_ROUNDS
+  assert run(0.1, 4 * hold) == 1                # K = 0 far ahead: one score per 4 x hold
+  assert run(0.1, 4 * hold + 1) == 2
+  assert run(0.48, 2 * hold) == 2               # a close call: scored every hold rounds
+
+
+def test_k1_choice_holds_one_round_of_the_same_batch():
+  policy = _policy(0.9, {0: 1.0, 1: 1.2, 2: 1.4})
+  calls = []
+  scores = policy._scores
+  policy._scores = lambda *a: calls.append(1) or scores(*a)
+  policy.rooms, policy.queued = [50, 50], 1
+  ks = [policy.choose(['a', 'b'])[0] for _ in range(4)]
+  assert ks == [2] * 4 and len(calls) == 2      # scored every other round
+  policy.rooms = [50, 2]                        # a cap binds now: scored at once
+  assert policy.choose(['a', 'b'])[0] >= 1 and len(calls) == 3
+  policy.choose(['a', 'c'])                     # another batch: scored
+  assert len(calls) == 4
+
+
+def test_probe_questions_back_off_while_the_answer_is_no():
+  asked = []
+
+  class Never:
+    def worth_probing(self, ids):
+      asked.append(rounds)
+      return False
+  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2)
+  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
+                                  observe_tokens=8)
+  sync = DraftSync(engine, drafter)
+  for rounds in range(400):
+    sync.before_choice([])
+    sync.after_round([], 0, 1.0)
+  # First asked after one K = 0 round, then after 2, 4, ... rounds up to QUIET x probe_every.
+  gaps = np.diff(asked).tolist()
+  quiet = DraftSync.QUIET * 4
+  assert asked[0] == 1 and gaps[:4] == [2, 4, 8, 16] and set(gaps[4:]) == {quiet}
+  sync.before_round([], 1)                      # a round at K >= 1 restarts the early gaps
+  sync.after_round([], 1, 1.0)
+  asked.clear()
+  for rounds in range(8):
+    sync.before_choice([])
+    sync.after_round([], 0, 1.0)
+  assert asked == [1, 3, 7]
