@@ -166,3 +166,18 @@ def test_probe_questions_back_off_while_the_answer_is_no():
     sync.before_choice([])
     sync.after_round([], 0, 1.0)
   assert asked == [1, 3, 7]
+
+
+def test_k0_hold_ends_only_when_host_seconds_rise():
+  """h is paid every round and K >= 1 runs fewer rounds: less h keeps a K = 0 hold, more
+  (by over 5 % of a K = 0 round) scores again."""
+  policy = _policy(0.1, {0: 1.0, 1: 1.5, 2: 1.9})
+  calls = []
+  scores = policy._scores
+  policy._scores = lambda *a: calls.append(1) or scores(*a)
+  policy.rooms, policy.queued, policy.host_s = [1000], 1, 0.2
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 1
+  policy.host_s = 0.01
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 1
+  policy.host_s = 0.3
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 2

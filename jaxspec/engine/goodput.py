@@ -399,9 +399,10 @@ class GoodputK(KPolicy):
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
     # (each favours K = 0 further), and the live cost ratios moved by less than ~10 %, for up
     # to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more than
-    # `CLEAR_LEAD`): its host work stays off most K = 0 rounds. The host seconds h
+    # `CLEAR_LEAD`): its host work stays off most K = 0 rounds. The host seconds h per round
     # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
-    # jitters by more than that from round to round, which broke most holds).
+    # jitters by more than that from round to round, which broke most holds), and only a rise
+    # ends a hold: h is paid per round, and K >= 1 runs fewer rounds.
     # The ratios the cost table uses (prior rounds included): a raw median can stay put while
     # the padded one moves (a second slow round out of three) or a stale group is dropped.
     drift = tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in self._group_ratios())
@@ -417,11 +418,11 @@ class GoodputK(KPolicy):
       # every round costs ~5 % of a round at B = 4 on the development CPU.
       self._spec_held = (batch, spec[1], spec[2] + 1)
       return spec[1], [spec[1]] * len(request_ids)
-    inputs = (tuple(request_ids), queue, self.rows, self._version, drift,
-              round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05))
+    inputs = (tuple(request_ids), queue, self.rows, self._version, drift)
+    host = round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05)
     left = sum(self.rooms) if self.rooms is not None else None
     held = self._held
-    if held is not None and held[0] == inputs and held[1] < held[5] and \
+    if held is not None and held[0] == inputs and held[1] < held[5] and host <= held[6] and \
         (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
       self._held = (inputs, held[1] + 1) + held[2:]
       return 0, [0] * len(request_ids)
@@ -437,7 +438,7 @@ class GoodputK(KPolicy):
       best = max((g for c, g in scores.items() if c), default=0.0)
       rounds = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
       self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
-                    self.split_s, rounds)
+                    self.split_s, rounds, host)
     return k, [k] * len(request_ids)
 
   HOLD_ROUNDS = 8
