@@ -22,7 +22,11 @@ def test_rounds_with_queue_at_k0_counts_idle_rounds_of_admissions():
   assert k0([5, 2], [3], 2) == 6          # the room-2 slot idles one round: 2 + 1 + 3
   assert k0([5], [3], 2) == 5             # a free slot: 1 idle round + 3, under the other's 5
   assert k0([5], [3], 1) == 8             # one slot: its prefill runs alone, no round idles
-  assert k0([5, 5], [3, 3, 9], 2) == 8    # only `slots` queued requests are placed
+  assert k0([5, 5], [3, 3, 9], 2) == 17   # the third waits for the slot that frees first
+  assert k0([3, 5], [2, 4], 2) == 10      # both go to the slot freed at 3: 3 + 1 + 2 + 4
+  assert k0([2, 10], [2, 2], 2) == 10
+  with pytest.raises(ValueError, match='>= 1'):
+    k0([5, 5], [0], 2)
   with pytest.raises(ValueError, match='slots'):
     k0([5, 5, 5], [], 2)
   with pytest.raises(ValueError, match='room'):
@@ -56,11 +60,13 @@ def _simulate(alpha, k, rooms, queue, slots, runs, rng):
   return total / runs
 
 
-@pytest.mark.parametrize('rooms,queue,slots', [([20] * 4, [20] * 4, 4), ([20, 12], [20] * 3, 3)])
+@pytest.mark.parametrize('rooms,queue,slots', [
+    ([20] * 4, [20] * 4, 4), ([20, 12], [20] * 3, 3), ([30, 6], [6, 6], 2), ([3, 5], [2, 4], 2),
+    ([20, 20], [20], 8), ([10, 3], [4] * 6, 2)])
 def test_rounds_with_queue_matches_a_simulation(rooms, queue, slots):
   rng = np.random.default_rng(0)
   model = makespan.rounds_with_queue([0.7] * len(rooms), rooms, 2, None, queue, 0.7, 0.7, slots)
-  for k in (0, 2):
+  for k in (0, 1, 2):
     assert model[k] == pytest.approx(_simulate(0.7, k, rooms, queue, slots, 1500, rng), rel=0.08)
 
 
@@ -181,3 +187,19 @@ def test_k0_hold_ends_only_when_host_seconds_rise():
   assert policy.choose(['a'])[0] == 0 and len(calls) == 1
   policy.host_s = 0.3
   assert policy.choose(['a'])[0] == 0 and len(calls) == 2
+
+
+def test_holds_end_when_the_queue_changes():
+  calls = []
+  for alpha in (0.1, 0.9):                      # a K = 0 hold, then a K >= 1 one
+    policy = _policy(alpha, {0: 1.0, 1: 1.2, 2: 1.4})
+    scores = policy._scores
+    policy._scores = lambda *a, scores=scores: calls.append(1) or scores(*a)
+    policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [50, 50], 2, [20, 20], 4
+    calls.clear()
+    policy.choose(['a', 'b'])
+    policy.queue_rooms = [20, 30]
+    policy.choose(['a', 'b'])
+    policy.slots = 3
+    policy.choose(['a', 'b'])
+    assert len(calls) == 3

@@ -368,7 +368,7 @@ class GoodputK(KPolicy):
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           t.global_alpha, t.global_later, self.slots)
       table, host = self._fitted_table(None), self.host_s or 0.0
-      tokens = sum(rooms) + sum(queue[:self.slots])
+      tokens = sum(rooms) + sum(queue)
       return {k: tokens / (rounds[k] * (table[k] + host) +
                            (self.sync_s + self.split_s if k else 0.0))
               for k in self.candidates}

@@ -103,14 +103,14 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   ones (in admission order, each taking the slot that frees first) have all finished, running K
   every round.
 
-  Each slot's rounds are its running request's (mean room / E, as in `rounds_to_finish`), then
-  for the queued request it takes one idle round (its prefill step: 0 for the slot that
-  finishes last, whose prefill runs alone, and for slots finishing together with it at K = 0;
-  at K >= 1 slots tied in expectation each pay it, as they finish at random rounds)
-  plus that request's rounds at the queue's acceptance; the total is the largest slot's mean
-  plus g(slots) times the largest slot's standard deviation. Slots not held by a running request
-  are free at round 0; only the first `slots` queued requests are placed (one per slot; a longer
-  queue is scored as if it ended there).
+  List scheduling per K on expected rounds (mean room / E, as in `rounds_to_finish`): each
+  queued request takes the slot whose expected finish f is earliest, and that slot's row idles
+  one round (the request's prefill step) if a row admitted before f still decodes at f; rows
+  finishing together with it at K = 0 do not count (their successors are prefilled together,
+  with no round to idle in), while at K >= 1 slots tied in expectation finish at random rounds
+  and do. The total is the largest slot's finish plus g(busy slots) times the largest slot's
+  standard deviation (its requests' spreads added). Slots not held by a running request are
+  free at round 0.
 
   Args:
     alphas, later: [n] first and later acceptance estimates of the running requests (`survival`;
@@ -119,16 +119,23 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
       (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones).
     slots: the engine's batch slots (>= n).
   Raises:
-    ValueError: lengths that differ, no running request, more running requests than slots.
+    ValueError: lengths that differ, no running request, more running requests than slots, a
+      room below 1.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
-  if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
-    raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
+  queue = np.asarray(queue_rooms, np.float64)
+  later = alphas if later is None else np.asarray(later, np.float64)
+  if alphas.shape != rooms.shape or alphas.shape != later.shape or alphas.ndim != 1 or \
+      not alphas.size:
+    raise ValueError(f'need one room and one β per α, got {alphas.shape} α, {later.shape} β '
+                     f'and {rooms.shape} rooms')
+  if queue.ndim != 1:
+    raise ValueError(f'queue_rooms must be a list of rooms, got shape {queue.shape}')
+  if (rooms < 1).any() or (queue < 1).any():
+    raise ValueError(f'rooms must be >= 1, got {rooms.tolist()} and queue {queue.tolist()}')
   if slots < alphas.size:
     raise ValueError(f'{alphas.size} running requests do not fit {slots} slots')
-  n, queue = alphas.size, np.asarray(queue_rooms, np.float64)[:slots]
-  m = queue.size
-  later = alphas if later is None else np.asarray(later, np.float64)
+  n, m, eps = alphas.size, queue.size, 1e-9
   # One pass over the running requests and the queued ones (the global acceptance).
   mean, var = token_moments(np.concatenate([alphas, np.full(m, queue_alpha)]), k_max,
                             np.concatenate([later, np.full(m, queue_later)]),
@@ -137,16 +144,20 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   rounds, spreads = tokens / mean, tokens * var / mean ** 3
   finish = np.zeros((slots, k_max + 1))
   spread = np.zeros((slots, k_max + 1))
+  admitted = np.full((slots, k_max + 1), -1.0)      # when each slot's request was admitted
   finish[:n], spread[:n] = rounds[:n], spreads[:n]
-  if m:
-    order = np.argsort(finish, axis=0, kind='stable')[:m]     # [m, K + 1]: slots freed first
-    columns = np.arange(k_max + 1)
-    first, top = finish[order, columns], finish.max(axis=0)
-    # A slot idles a round unless it finishes last; at K >= 1 slots that tie in expectation
-    # finish at random rounds, so each tied slot is charged the idle round too.
-    gap = first < top - 1e-9
-    gap[:, 1:] |= ((finish >= top - 1e-9).sum(axis=0) > 1)[None, 1:]
-    gap = gap.astype(np.float64)
-    finish[order, columns] = first + gap + rounds[n:]
-    spread[order, columns] += spreads[n:]
-  return finish.max(axis=0) + expected_max_normal(slots) * np.sqrt(spread.max(axis=0))
+  columns = np.arange(k_max + 1)
+  for j in range(m):
+    slot = finish.argmin(axis=0)                    # [K + 1]: the slot freed first
+    first = finish[slot, columns]
+    other = np.ones_like(finish, dtype=bool)
+    other[slot, columns] = False
+    decoding = other & (finish > first + eps) & (admitted < first - eps)
+    tied = other & (np.abs(finish - first) <= eps)
+    tied[:, 0] = False
+    gap = (decoding | tied).any(axis=0)
+    admitted[slot, columns] = first
+    finish[slot, columns] = first + gap + rounds[n + j]
+    spread[slot, columns] += spreads[n + j]
+  busy = min(slots, n + m)
+  return finish.max(axis=0) + expected_max_normal(busy) * np.sqrt(spread.max(axis=0))
