@@ -98,11 +98,12 @@ def test_goodput_scores_the_queue_and_its_idle_rounds():
 
 
 def test_horizon_lists_the_queue_in_admission_order():
-  def req(room, decoding=False):
+  def req(room, decoding=False, output=()):
     return types.SimpleNamespace(room=room, max_tokens=room, prefill_tokens=[0] * 4,
-                                 decoding=decoding)
+                                 decoding=decoding, output=list(output))
   run = [req(9, True), req(7), req(5, True)]               # the middle one still prefills
-  waiting = collections.deque([req(4), req(1), req(6), req(8)])
+  # A resumed request (it has output) emits nothing at its prefill: all its room is decoded.
+  waiting = collections.deque([req(4), req(1), req(6, output=[3]), req(8)])
   engine = types.SimpleNamespace(
       policy=object(), prefill_costs={}, chunk_size=8, num_slots=4,
       scheduler=types.SimpleNamespace(running=run, waiting=waiting))
@@ -110,7 +111,7 @@ def test_horizon_lists_the_queue_in_admission_order():
   split, queued, rooms, slots = horizon(engine, decodes)
   # The prefilling request first, then the waiting ones up to num_slots requests; each
   # decodes its room less the prefill's token (room 1: nothing to decode).
-  assert queued == 5 and rooms == [6, 3, 5] and slots == 4 and split == (0.0, 0)
+  assert queued == 5 and rooms == [6, 3, 6] and slots == 4 and split == (0.0, 0)
   engine.policy = None
   assert horizon(engine, decodes) == ((0.0, 0), None, None, None)
 

@@ -106,8 +106,9 @@ def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],
 def horizon(engine, decodes) -> tuple:
   """(split, queued, queue_rooms, slots) for `choose`: `split_cost` of the engine's decoding and
   waiting requests; the requests still prefilling or waiting for a slot, their count and their
-  decode tokens (room - 1: the prefill emits one; prefilling first, then in admission order, at
-  most `num_slots`); and the slot count. ((0.0, 0), None, None, None) without a policy."""
+  decode tokens (room - 1: the prefill emits one, except a resumed request's; prefilling first,
+  then in admission order, at most `num_slots`; none with no token to decode); and the slot
+  count. ((0.0, 0), None, None, None) without a policy."""
   if engine.policy is None:
     return (0.0, 0), None, None, None
   scheduler = engine.scheduler
@@ -116,7 +117,9 @@ def horizon(engine, decodes) -> tuple:
   queue = [r for r in scheduler.running if id(r) not in decoding]
   queued = len(scheduler.waiting) + len(queue)
   queue.extend(itertools.islice(scheduler.waiting, max(0, engine.num_slots - len(queue))))
-  rooms = [r.room - 1 for r in queue[:engine.num_slots] if r.room > 1]
+  # The prefill emits one token, except a resumed request's (its pending token is an output).
+  rooms = [room for room in (r.room - (0 if r.output else 1) for r in queue[:engine.num_slots])
+           if room >= 1]
   return split, queued, rooms, engine.num_slots
 
 
