@@ -1,4 +1,4 @@
-"""The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec) and its acceptance tracker: K per
+"""The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec; estimates from `acceptance.py`): K per
 round maximising the expected tokens per second of the batch, from per-request α estimates and
 measured round costs (host side, numpy). The interface it implements is
 `jaxspec.engine.k_policy.KPolicy`.
@@ -15,112 +15,8 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from jaxspec.engine import makespan
+from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
-
-
-class AlphaTracker:
-  """Per-request acceptance estimates, each a ratio S / N of exponential moving sums of the
-  request's (successes, trials) observations (decay per observed round), kept for two
-  positions: the first proposal of a round (α: also what a K = 0 round's probe measures) and
-  each later one given the ones before it were accepted (β). Measured draft/target pairs accept
-  the first proposal more often (~0.75 against ~0.65 later, `experiments.batching` records at
-  K = 1 against K = 2..8), so one α either prices large K too high (fitted on probes) or
-  K = 1 too low (fitted on K = 8 rounds).
-
-  A request with no observation yet uses the global estimate, the same ratio over every
-  request's observations with `prior_trials` pseudo-trials of `prior` (β's of the global α);
-  its sums decay by decay^(1/n) per observation, n the requests tracked: about `decay` per
-  round of n requests, so at a large batch it is not just the last few requests'. A request's
-  own estimate mixes in `prior_trials` pseudo-trials of the global one.
-
-  Args:
-    decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
-    prior: α before any observation at all, in [0, 1].
-    prior_trials: pseudo-trials of the global estimate mixed into each request's, and of the
-      prior into the global one (so one unlucky first round pins neither near 0: with 4, one
-      rejected first proposal moves the global α from 0.5 to 0.4, not to 0.25 as with 1).
-  Raises:
-    ValueError: a value out of range.
-  """
-
-  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0):
-    decay = checked_real('decay', decay, 0.0, 1.0, high_open=True)
-    prior = checked_real('prior', prior, 0.0, 1.0)
-    prior_trials = checked_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
-    self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
-    self._sums: dict = {}                 # {request: [S_α, N_α, S_β, N_β]}
-    self._global = [0.0, 0.0, 0.0, 0.0]
-
-  def _ratio(self, s: float, n: float, prior: float) -> float:
-    w = self.prior_trials
-    return (s + w * prior) / (n + w) if n + w > 0 else prior
-
-  @property
-  def global_alpha(self) -> float:
-    """α (first proposal) over every request's observations, with `prior_trials`
-    pseudo-trials of the prior."""
-    return self._ratio(self._global[0], self._global[1], self.prior)
-
-  @property
-  def global_later(self) -> float:
-    """β (a later proposal) over every request's observations, with `prior_trials`
-    pseudo-trials of the global α."""
-    return self._ratio(self._global[2], self._global[3], self.global_alpha)
-
-  @property
-  def global_trials(self) -> float:
-    """The (decayed) first-proposal trials behind the global α, its prior's pseudo-trials
-    included."""
-    return self._global[1] + self.prior_trials
-
-  def alpha(self, request_id) -> float:
-    """The request's α estimate (first proposal) in [0, 1]."""
-    s = self._sums.get(request_id)
-    return self.global_alpha if s is None else self._ratio(s[0], s[1], self.global_alpha)
-
-  def later(self, request_id) -> float:
-    """The request's β estimate (a later proposal, given the ones before it accepted)."""
-    s = self._sums.get(request_id)
-    return self.global_later if s is None else self._ratio(s[2], s[3], self.global_later)
-
-  def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
-              later_trials: float = 0.0) -> None:
-    """Add one round's first-proposal (successes, trials) of a request and its later-proposal
-    ones; nothing when both trial counts are <= 0. Decays the request's sums of each position
-    observed by `decay` and the global ones by decay^(1/n) first (n requests tracked)."""
-    if trials <= 0 and later_trials <= 0:
-      return
-    old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])
-    self._sums[request_id] = _decayed(old, self.decay, successes, trials, later_successes,
-                                      later_trials)
-    self._global = _decayed(self._global, self.decay ** (1.0 / len(self._sums)), successes,
-                            trials, later_successes, later_trials)
-
-  def forget(self, request_id) -> None:
-    """Drop a finished request's sums (the global estimate keeps its observations)."""
-    self._sums.pop(request_id, None)
-
-
-def _decayed(sums, decay: float, s1: float, n1: float, s2: float, n2: float) -> list:
-  """[S_α, N_α, S_β, N_β] after one observation: a pair with trials decays, then adds them (a
-  K = 0 probe, which sees no later proposal, leaves β's pair as it was)."""
-  out = list(sums)
-  for i, (s, n) in enumerate(((s1, n1), (s2, n2))):
-    if n > 0:
-      out[2 * i] = decay * out[2 * i] + s
-      out[2 * i + 1] = decay * out[2 * i + 1] + n
-  return out
-
-
-def round_observation(cap: int, accepted: int) -> tuple:
-  """(first successes, first trials, later successes, later trials) of a round at cap >= 1 that
-  accepted n = `accepted` proposals: the first proposal is one trial, accepted iff n >= 1; the
-  later ones (only after an accepted first) give n - 1 successes and one more trial for the
-  rejected one unless n reached the cap."""
-  n = max(0, min(int(accepted), int(cap)))
-  if n == 0:
-    return 0.0, 1.0, 0.0, 0.0
-  return 1.0, 1.0, float(n - 1), float(n - 1 + (n < cap))
 
 
 def _median_with_prior(samples, prior: float, rounds: int) -> float:
