@@ -1,5 +1,5 @@
-"""The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec; estimates from `acceptance.py`): K per
-round maximising the expected tokens per second of the batch, from per-request α estimates and
+"""The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec; its α and β estimates in
+`acceptance.py`): K per round maximising the expected tokens per second of the batch, from per-request α estimates and
 measured round costs (host side, numpy). The interface it implements is
 `jaxspec.engine.k_policy.KPolicy`.
 """
@@ -310,8 +310,9 @@ class GoodputK(KPolicy):
     spec = self._spec_held
     if spec is not None and spec[0] == batch and spec[2] < self.SPEC_HOLD_ROUNDS:
       # A K >= 1 choice is kept for the next round of the same batch, queue, costs, live cost
-      # ratios (within ~10 %) and rooms (those below K_max + 1, where caps bind): the estimates move by one round's observations, and scoring
-      # every round costs ~5 % of a round at B = 4 on the development CPU.
+      # ratios (within ~10 %) and rooms (those below K_max + 1, where caps bind): the
+      # estimates move by one round's observations, and scoring every round costs ~5 % of a
+      # round at B = 4 on the development CPU.
       self._spec_held = (batch, spec[1], spec[2] + 1)
       return spec[1], [spec[1]] * len(request_ids)
     inputs = (tuple(request_ids), queue, self.rows, self._version, drift)

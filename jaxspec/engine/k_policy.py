@@ -25,7 +25,8 @@ prompt lookup α is "a proposal exists and is accepted"). A K = 0 round gives th
 estimate of one drafted token's acceptance: Σ min(p, q) for a draft model, [lookup proposal ==
 emitted token] for prompt lookup (both with expectation α), so α keeps being estimated and the
 policy can leave K = 0 again. `GoodputK` re-reads a round at K_i >= 1 from (K_i, n) as one
-first-proposal trial and the later positions' trials (`jaxspec.engine.acceptance.round_observation`).
+first-proposal trial and the later positions' trials
+(`jaxspec.engine.acceptance.round_observation`).
 """
 
 from __future__ import annotations
