@@ -1,6 +1,6 @@
 """The goodput K policy (SmartSpec, Liu et al. 2024; TurboSpec; its α and β estimates in
-`acceptance.py`): K per round maximising the expected tokens per second of the batch, from per-request α estimates and
-measured round costs (host side, numpy). The interface it implements is
+`acceptance.py`): K per round maximising the expected tokens per second of the batch, from
+per-request α estimates and measured round costs (host side, numpy). The interface it implements is
 `jaxspec.engine.k_policy.KPolicy`.
 """
 
