@@ -134,18 +134,66 @@ def test_k0_hold_is_longer_after_a_clear_lead():
   assert run(0.48, 2 * hold) == 2               # a close call: scored every hold rounds
 
 
-def test_k1_choice_holds_one_round_of_the_same_batch():
+def test_k1_choice_holds_while_rooms_leave_its_caps_alone():
   policy = _policy(0.9, {0: 1.0, 1: 1.2, 2: 1.4})
   calls = []
   scores = policy._scores
   policy._scores = lambda *a: calls.append(1) or scores(*a)
   policy.rooms, policy.queued = [50, 50], 1
-  ks = [policy.choose(['a', 'b'])[0] for _ in range(4)]
-  assert ks == [2] * 4 and len(calls) == 2      # scored every other round
-  policy.rooms = [50, 2]                        # a cap binds now: scored at once
-  assert policy.choose(['a', 'b'])[0] >= 1 and len(calls) == 3
+  hold = GoodputK.SPEC_HOLD_ROUNDS
+  ks = []
+  for r in range(2 * hold):
+    policy.rooms = [50 - 3 * r, 50 - 2 * r]     # rooms shrink, all far above K + 1
+    ks.append(policy.choose(['a', 'b'])[0])
+  assert ks == [2] * (2 * hold) and len(calls) == 2      # scored every SPEC_HOLD_ROUNDS
+  policy.rooms = [40, 4]                        # K + 2 = 4: the caps at K and K + 1 still free
+  policy.choose(['a', 'b'])
+  assert len(calls) == 3                        # (a new hold)
+  policy.rooms = [40, 3]                        # K + 1 would be capped now: scored at once
+  assert policy.choose(['a', 'b'])[0] >= 1 and len(calls) == 4
   policy.choose(['a', 'c'])                     # another batch: scored
-  assert len(calls) == 4
+  assert len(calls) == 5
+
+
+def test_k0_hold_rides_out_a_common_slowdown_not_a_relative_one():
+  """A live cost ratio that moves every K alike (a slower machine) keeps a K = 0 hold (up to
+  LEVEL_DRIFT); one that makes K >= 1 rounds dearer or cheaper against K = 0 (beyond DRIFT)
+  ends it."""
+  policy = _policy(0.1, {0: 1.0, 1: 1.5, 2: 1.9})
+  calls = []
+  scores = policy._scores
+  policy._scores = lambda *a: calls.append(1) or scores(*a)
+  policy.rooms, policy.queued, policy.rows = [1000], 1, None
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 1
+  for _ in range(3):                            # K = 0 rounds 20 % slower; K >= 1 follow
+    policy.round_timing(0, 1.2, 0.0)
+  assert policy._group_ratios() == pytest.approx((1.2, 1.2))
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 1
+  for _ in range(3):                            # K >= 1 rounds 40 % cheaper than start-up
+    policy.round_timing(1, 0.9, 0.0)
+  policy.choose(['a'])
+  assert len(calls) == 2
+  assert GoodputK.DRIFT < abs(np.log(0.6 / 1.2)) and np.log(1.2) < GoodputK.LEVEL_DRIFT
+
+
+def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
+  """When every request has one token left, K = 0 is forced (any K emits just that token): the
+  requests admitted next still get their prompts through the draft if the engine was
+  speculating; an unforced K = 0 round stops that."""
+  engine = types.SimpleNamespace(policy=None, chunk_size=8, prefill_rows=2)
+  drafter = types.SimpleNamespace(probe_every=None, probe_rows=1, probe_budget=None,
+                                  observe_tokens=8)
+  sync = DraftSync(engine, drafter)
+  req = lambda room: types.SimpleNamespace(room=room, num_computed=5, draft_computed=5)
+  sync.before_choice([req(3)])
+  sync.after_round([req(3)], 2, 1.0)
+  assert sync.eager
+  sync.before_choice([req(1), req(1)])
+  sync.after_round([req(1), req(1)], 0, 1.0)
+  assert sync.eager                             # forced: as the engine was going
+  sync.before_choice([req(1), req(2)])
+  sync.after_round([req(1), req(2)], 0, 1.0)
+  assert not sync.eager                         # chosen
 
 
 def test_probe_questions_back_off_while_the_answer_is_no():

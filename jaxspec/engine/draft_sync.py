@@ -77,6 +77,7 @@ class DraftSync:
     self.seconds = 0.0
     self.live_ratio = 1.0
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
+    self._forced = False         # every request of the coming round has one token left
 
   QUIET = 8   # the longest gap between two questions to the policy, in probe_every units
 
@@ -85,6 +86,9 @@ class DraftSync:
   def before_choice(self, decodes) -> float:
     """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
     policy's `sync_s`: a round at K >= 1 pays it first)."""
+    # Every request on its last token: any K emits just that one, so K = 0 is forced and says
+    # nothing about whether the engine speculates (`after_round` keeps `eager`).
+    self._forced = all(r.room <= 1 for r in decodes)
     early = self.probe_every is not None and self.backoff < self.probe_every
     due = self.probe_every is not None and self.rounds_since >= self.backoff
     policy = self.engine.policy
@@ -112,8 +116,11 @@ class DraftSync:
 
   def after_round(self, decodes, k: int, zero_s: float) -> None:
     """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote; a K = 0
-    round adds its estimated seconds `zero_s` (its row bucket's t(0)) to the probe budget's base."""
-    self.eager = k >= 1
+    round adds its estimated seconds `zero_s` (its row bucket's t(0)) to the probe budget's base.
+    A K = 0 round of requests that each had one token left leaves `eager` as it was: the
+    requests it admits next start as the engine was going."""
+    if k >= 1 or not self._forced:
+      self.eager = k >= 1
     if k >= 1:
       for request in decodes:
         request.draft_computed = request.num_computed

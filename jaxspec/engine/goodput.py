@@ -45,6 +45,25 @@ def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> floa
   return 1.0 + alpha * sum(later ** j for j in range(k)) if k >= 1 else 1.0
 
 
+class _Hold:
+  """A choice `GoodputK.choose` keeps without scoring: what it was made on (key, the live cost
+  ratios, and for K = 0 the limits of what may move) and the rounds it has served."""
+
+  def __init__(self, key, ratios, *, k=0, limit=0, host=0.0, left=math.inf, sync_s=0.0,
+               split_s=0.0):
+    self.key, self.ratios, self.k, self.limit, self.rounds = key, ratios, k, limit, 1
+    self.host, self.left, self.sync_s, self.split_s = host, left, sync_s, split_s
+
+  def steady(self, ratios) -> bool:
+    """Whether the live cost ratios (K = 0's, K >= 1's) moved little since the hold began: their
+    quotient, which sets what a K >= 1 round costs against a K = 0 one, by at most
+    `GoodputK.DRIFT` in |log|, and their common level (K = 0's), which only weighs the round
+    against the host and catch-up seconds, by at most `GoodputK.LEVEL_DRIFT`."""
+    (zero, spec), (zero0, spec0) = (tuple(max(v, 1e-9) for v in r) for r in (ratios, self.ratios))
+    return abs(math.log(spec * zero0 / (zero * spec0))) <= GoodputK.DRIFT and \
+        abs(math.log(zero / zero0)) <= GoodputK.LEVEL_DRIFT
+
+
 class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, β_i, K] / t(K) over `candidates` (SmartSpec, Liu et al.
   2024; TurboSpec), every row capped at K; α_i, β_i the request's first- and later-proposal
@@ -80,8 +99,11 @@ class GoodputK(KPolicy):
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
   when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while nothing it depends on
-  moved: no new observation, the same requests, row bucket and queue, live cost ratios within
-  ~10 % and host time within ~5 % of a round.
+  moved: no new observation, the same requests, row bucket and queue, the K >= 1 / K = 0 live
+  cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
+  time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
+  of the same batch, queue and costs while no room falls below K + 2. A scoring costs 0.1-0.3
+  ms of host time on the development CPU, 5-8 % of a round at B = 1-4.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -128,8 +150,8 @@ class GoodputK(KPolicy):
     self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
-    self._held = None                       # (inputs, rounds, ...) of a K = 0 choice still valid
-    self._spec_held = None                  # (batch, K, rounds) of a K >= 1 choice
+    self._held = None                       # the `_Hold` of a K = 0 choice still valid
+    self._spec_held = None                  # the `_Hold` of a K >= 1 choice
     self._tables = 0                        # cost tables set so far
     self._last_k = 0                        # the previous choice
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
@@ -293,35 +315,35 @@ class GoodputK(KPolicy):
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
-    # (each favours K = 0 further), and the live cost ratios moved by less than ~10 %, for up
-    # to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more than
-    # `CLEAR_LEAD`): its host work stays off most K = 0 rounds. The host seconds h per round
-    # count in steps of 5 % of a K = 0 round (not 10 % of h: h is a small part of a round that
-    # jitters by more than that from round to round, which broke most holds), and only a rise
-    # ends a hold: h is paid per round, and K >= 1 runs fewer rounds.
-    # The ratios the cost table uses (prior rounds included): a raw median can stay put while
-    # the padded one moves (a second slow round out of three) or a stale group is dropped.
-    drift = tuple(round(math.log(max(v, 1e-9)) / 0.1) for v in self._group_ratios())
+    # (each favours K = 0 further), the live cost ratios stayed near those it was scored with
+    # (`_Hold.steady`) and the host seconds h per round rose by less than HOST_RISE of a K = 0
+    # round, for up to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more
+    # than `CLEAR_LEAD`): its host work stays off most K = 0 rounds. Drift and h are compared
+    # with their values at the choice, not binned: a value near a bin edge crossed it every few
+    # rounds and broke most holds. Only a rise of h ends one: h is paid per round, and K >= 1
+    # runs fewer rounds. The ratios are those the cost table uses (prior rounds included): a
+    # raw median can stay put while the padded one moves or a stale group is dropped.
+    ratios = self._group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
-    batch = (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self._tables,
-             drift, None if self.rooms is None else
-             tuple(min(r, self.k_max + 1) for r in self.rooms))
+    host = (self.host_s or 0.0) / self._unit_s()
     spec = self._spec_held
-    if spec is not None and spec[0] == batch and spec[2] < self.SPEC_HOLD_ROUNDS:
-      # A K >= 1 choice is kept for the next round of the same batch, queue, costs, live cost
-      # ratios (within ~10 %) and rooms (those below K_max + 1, where caps bind): the
-      # estimates move by one round's observations, and scoring every round costs ~5 % of a
-      # round at B = 4 on the development CPU.
-      self._spec_held = (batch, spec[1], spec[2] + 1)
-      return spec[1], [spec[1]] * len(request_ids)
-    inputs = (tuple(request_ids), queue, self.rows, self._version, drift)
-    host = round((self.host_s or 0.0) / self._table()[min(self.candidates)] / 0.05)
-    left = sum(self.rooms) if self.rooms is not None else None
+    if spec is not None and spec.steady(ratios) and spec.rounds < self.SPEC_HOLD_ROUNDS and \
+        spec.key == self._spec_key(request_ids, queue, spec.k):
+      # A K >= 1 choice is kept for up to SPEC_HOLD_ROUNDS rounds of the same batch, queue,
+      # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
+      # that would change what K and K + 1 gain; one above it only lowers what larger K gain):
+      # the estimates move by one round's observations, and a scoring costs ~0.1-0.3 ms of
+      # host time, 5-8 % of a round at B = 1-4 on the development CPU.
+      spec.rounds += 1
+      return spec.k, [spec.k] * len(request_ids)
+    inputs = (tuple(request_ids), queue, self.rows, self._version)
+    left = sum(self.rooms) if self.rooms is not None else math.inf
     held = self._held
-    if held is not None and held[0] == inputs and held[1] < held[5] and host <= held[6] and \
-        (left is None or left <= held[2]) and self.sync_s >= held[3] and self.split_s >= held[4]:
-      self._held = (inputs, held[1] + 1) + held[2:]
+    if held is not None and held.key == inputs and held.rounds < held.limit and \
+        held.steady(ratios) and host <= held.host + self.HOST_RISE and left <= held.left and \
+        self.sync_s >= held.sync_s and self.split_s >= held.split_s:
+      held.rounds += 1
       return 0, [0] * len(request_ids)
     scores = self._scores(*self._alphas(request_ids))
     k = self._pick(scores)
@@ -330,17 +352,29 @@ class GoodputK(KPolicy):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     self._last_k = k
     self._held = None
-    self._spec_held = (batch, k, 1) if k else None
+    self._spec_held = _Hold(self._spec_key(request_ids, queue, k), ratios, k=k) if k else None
     if k == 0:       # a clear lead holds 4x longer
       best = max((g for c, g in scores.items() if c), default=0.0)
-      rounds = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
-      self._held = (inputs, 1, left if left is not None else math.inf, self.sync_s,
-                    self.split_s, rounds, host)
+      limit = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
+      self._held = _Hold(inputs, ratios, limit=limit, host=host, left=left, sync_s=self.sync_s,
+                         split_s=self.split_s)
     return k, [k] * len(request_ids)
+
+  def _spec_key(self, request_ids, queue, k: int) -> tuple:
+    """What a hold of K = k >= 1 requires unchanged (`choose`)."""
+    return (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self._tables,
+            None if self.rooms is None else tuple(min(r, k + 2) for r in self.rooms))
+
+  def _unit_s(self) -> float:
+    """The start-up time of a full round at the smallest candidate K (the unit of h in holds)."""
+    return self._idle[None][self.candidates[0]]
 
   HOLD_ROUNDS = 8
   CLEAR_LEAD = 0.1
-  SPEC_HOLD_ROUNDS = 2
+  DRIFT = 0.1        # |log| change of the K >= 1 / K = 0 live cost ratio that ends a hold
+  LEVEL_DRIFT = 0.3  # |log| change of K = 0's live cost ratio that ends one (a slow stretch)
+  HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
+  SPEC_HOLD_ROUNDS = 4
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
 

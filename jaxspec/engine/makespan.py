@@ -56,15 +56,12 @@ def token_moments(alphas: np.ndarray, k_max: int, later=None, rooms=None) -> tup
     alphas, later: [n] float64 in [0, 1] (`survival`).
     rooms: [n] tokens each may still emit (>= 1), capping its tokens per round (None: no cap).
   """
-  s = survival(alphas, k_max, later)
-  if rooms is not None:                              # T = min(1 + accepted, room)
-    s = np.where(np.arange(k_max + 2) < np.asarray(rooms, np.float64)[:, None], s, 0.0)
+  s = survival(alphas, k_max, later)[:, :-1]         # P(T > j), j = 0..k_max
   j = np.arange(k_max + 1)
-  mean = np.cumsum(s[:, :-1], axis=1)                # E[T] = Σ_{j<=K} s_j
-  # E[T^2] = Σ_{m<K} (m + 1)^2 P(exactly m accepted) + (K + 1)^2 s_K.
-  stops = np.cumsum((j + 1) ** 2 * (s[:, :-1] - s[:, 1:]), axis=1)
-  second = np.concatenate([np.zeros_like(s[:, :1]), stops[:, :-1]], axis=1) + \
-      (j + 1) ** 2 * s[:, :-1]
+  if rooms is not None:                              # T = min(1 + accepted, room)
+    s = np.where(j < np.asarray(rooms, np.float64)[:, None], s, 0.0)
+  mean = np.cumsum(s, axis=1)                        # E[T] = Σ_{j<=K} P(T > j)
+  second = np.cumsum((2 * j + 1) * s, axis=1)        # E[T^2] = Σ_{j<=K} (2j + 1) P(T > j)
   return mean, np.maximum(second - mean ** 2, 0.0)
 
 
@@ -150,12 +147,9 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   for j in range(m):
     slot = finish.argmin(axis=0)                    # [K + 1]: the slot freed first
     first = finish[slot, columns]
-    other = np.ones_like(finish, dtype=bool)
-    other[slot, columns] = False
-    decoding = other & (finish > first + eps) & (admitted < first - eps)
-    tied = other & (np.abs(finish - first) <= eps)
-    tied[:, 0] = False
-    gap = (decoding | tied).any(axis=0)
+    # A row admitted before `first` still decodes then, or (K >= 1) another slot ties with it.
+    gap = ((finish > first + eps) & (admitted < first - eps)).any(axis=0)
+    gap[1:] |= (np.abs(finish[:, 1:] - first[1:]) <= eps).sum(axis=0) > 1
     admitted[slot, columns] = first
     finish[slot, columns] = first + gap + rounds[n + j]
     spread[slot, columns] += spreads[n + j]
