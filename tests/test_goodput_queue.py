@@ -11,7 +11,7 @@ import pytest
 from jaxspec.engine import makespan
 from jaxspec.engine.draft_sync import DraftSync
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
-from jaxspec.engine.speculation import horizon
+from jaxspec.engine.speculation import choose, horizon
 
 
 def test_rounds_with_queue_at_k0_counts_idle_rounds_of_admissions():
@@ -252,3 +252,35 @@ def test_holds_end_when_the_queue_changes():
     policy.slots = 3
     policy.choose(['a', 'b'])
     assert len(calls) == 3
+
+
+def test_a_held_k0_round_skips_gathering_the_horizon():
+  """While a K = 0 hold stands (`GoodputK.repeat`), `speculation.choose` does not gather the
+  queue, split and catch-up inputs; a new observation, another queue length or row bucket, or
+  a probe falling due sends it the whole way again."""
+  policy = _policy(0.1, {0: 1.0, 1: 1.5, 2: 1.9})
+  gathered = []
+
+  def gather():
+    gathered.append(1)
+    return (0.0, 0), 1, [20], 4
+  decodes = [types.SimpleNamespace(id='a', room=30), types.SimpleNamespace(id='b', room=30)]
+  ask = lambda queued=1, rows=2, sync=None: choose(policy, decodes, rows, 2, sync,
+                                                     queued=queued, horizon=gather)
+  assert ask() == (0, [0, 0]) and len(gathered) == 1
+  assert ask() == (0, [0, 0]) and len(gathered) == 1            # held: nothing gathered
+  assert policy.repeat(['a', 'b'], 2, 1) == (0, [0, 0])
+  assert policy.repeat(['a', 'c'], 2, 1) is None                # another batch
+  ask(queued=2)                                                 # the queue grew
+  assert len(gathered) == 2
+  ask(rows=4)                                                   # another row bucket
+  assert len(gathered) == 3
+  ask(rows=4)
+  assert len(gathered) == 3
+  policy.observe('a', 0, 0, 1.0, 1.0)                           # a new observation
+  ask(rows=4)
+  assert len(gathered) == 4
+  due = types.SimpleNamespace(probe_due=lambda: True, before_choice=lambda d: 0.0,
+                              before_round=lambda d, k: None)
+  ask(rows=4, sync=due)                                         # a probe is due
+  assert len(gathered) == 5

@@ -83,6 +83,11 @@ class DraftSync:
 
   # ------------------------------------------------------------ round hooks
 
+  def probe_due(self) -> bool:
+    """Whether `before_choice` would ask about a probe this round (its K = 0 rounds since the
+    last catch-up reached the current gap)."""
+    return self.probe_every is not None and self.rounds_since >= self.backoff
+
   def before_choice(self, decodes) -> float:
     """Probe when due; return the seconds a catch-up of `decodes` would take now (the K
     policy's `sync_s`: a round at K >= 1 pays it first)."""
@@ -90,7 +95,7 @@ class DraftSync:
     # nothing about whether the engine speculates (`after_round` keeps `eager`).
     self._forced = all(r.room <= 1 for r in decodes)
     early = self.probe_every is not None and self.backoff < self.probe_every
-    due = self.probe_every is not None and self.rounds_since >= self.backoff
+    due = self.probe_due()
     policy = self.engine.policy
     if due and policy is not None:      # could a better α estimate change the choice?
       policy.sync_s = self.pending_s(decodes)
@@ -121,6 +126,7 @@ class DraftSync:
     requests it admits next start as the engine was going."""
     if k >= 1 or not self._forced:
       self.eager = k >= 1
+    self._forced = False
     if k >= 1:
       for request in decodes:
         request.draft_computed = request.num_computed

@@ -392,8 +392,10 @@ class Engine:
     layout = list(zip(rows, decodes))
     table, lengths, pending, room = rows_lib.decode_inputs(layout, width, self.pages_per_seq)
     synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
-    k, row_caps = speculation.choose(self.policy, decodes, width, self.k, self.draft_sync,
-                                     *speculation.horizon(self, decodes))
+    k, row_caps = speculation.choose(
+        self.policy, decodes, width, self.k, self.draft_sync,
+        queued=speculation.queued(self, decodes) if self.policy is not None else None,
+        horizon=lambda: speculation.horizon(self, decodes))
     if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
       start += self.draft_sync.seconds - synced
     caps = np.zeros((width,), np.int32)

@@ -148,6 +148,7 @@ class GoodputK(KPolicy):
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
     self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
+    self._group = None                      # `_group_ratios` (lazily)
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
     self._held = None                       # the `_Hold` of a K = 0 choice still valid
@@ -201,7 +202,7 @@ class GoodputK(KPolicy):
                   for rows, table in tables.items()}
     for ratios in self._ratios.values():
       ratios.clear()
-    self._fitted.clear()
+    self._costs_moved()
     self._version += 1
     self._tables += 1
 
@@ -224,13 +225,20 @@ class GoodputK(KPolicy):
       self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
     return self._fitted[rows]
 
+  def _costs_moved(self) -> None:
+    """Drop what was derived from the cost tables and live ratios (refitted when next read)."""
+    self._fitted.clear()
+    self._group = None
+
   def _group_ratios(self) -> tuple:
     """(K = 0's, K >= 1's) live / start-up ratio: the median of each group's recent rounds,
     padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`; up to `window` if fewer: a
     group never holds more)."""
-    rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
-    zero = _median_with_prior(self._ratios[0], 1.0, rounds)
-    return zero, _median_with_prior(self._ratios[1], zero, rounds)
+    if self._group is None:
+      rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
+      zero = _median_with_prior(self._ratios[0], 1.0, rounds)
+      self._group = zero, _median_with_prior(self._ratios[1], zero, rounds)
+    return self._group
 
   def _table(self) -> dict:
     """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
@@ -340,9 +348,8 @@ class GoodputK(KPolicy):
     inputs = (tuple(request_ids), queue, self.rows, self._version)
     left = sum(self.rooms) if self.rooms is not None else math.inf
     held = self._held
-    if held is not None and held.key == inputs and held.rounds < held.limit and \
-        held.steady(ratios) and host <= held.host + self.HOST_RISE and left <= held.left and \
-        self.sync_s >= held.sync_s and self.split_s >= held.split_s:
+    if held is not None and held.key == inputs and self._k0_stands(held, ratios, host) and \
+        left <= held.left and self.sync_s >= held.sync_s and self.split_s >= held.split_s:
       held.rounds += 1
       return 0, [0] * len(request_ids)
     scores = self._scores(*self._alphas(request_ids))
@@ -359,6 +366,26 @@ class GoodputK(KPolicy):
       self._held = _Hold(inputs, ratios, limit=limit, host=host, left=left, sync_s=self.sync_s,
                          split_s=self.split_s)
     return k, [k] * len(request_ids)
+
+  def repeat(self, request_ids, rows, queued):
+    """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
+    the estimates are unchanged and the cost ratios and host time have not moved (None
+    otherwise). The rest `choose` checks cannot move against K = 0 meanwhile: with the same
+    requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
+    shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
+    stay as they were."""
+    held = self._held
+    if held is None or held.key[0] != tuple(request_ids) or held.key[2] != rows or \
+        held.key[1][0] != queued or held.key[3] != self._version or \
+        not self._k0_stands(held, self._group_ratios(), (self.host_s or 0.0) / self._unit_s()):
+      return None
+    self.rows, self.queued = rows, queued
+    held.rounds += 1
+    return 0, [0] * len(request_ids)
+
+  def _k0_stands(self, held, ratios, host) -> bool:
+    """Whether the K = 0 hold `held` has rounds left, steady cost ratios and no rise of h."""
+    return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE
 
   def _spec_key(self, request_ids, queue, k: int) -> tuple:
     """What a hold of K = k >= 1 requires unchanged (`choose`)."""
@@ -410,7 +437,7 @@ class GoodputK(KPolicy):
     idle = self._idle.get(self.rows, self._idle.get(None, {}))
     if k in idle:
       self._ratios[min(k, 1)].append(device_s / idle[k])
-      self._fitted.clear()
+      self._costs_moved()
     # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped (K = 0's ratio
     # stands in again): while the policy stays at K = 0 only K = 0's ratio follows the machine,
     # and K >= 1 rounds priced high by a slow stretch (several engines sharing the cores, a
@@ -418,4 +445,4 @@ class GoodputK(KPolicy):
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
     if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
       self._ratios[1].clear()
-      self._fitted.clear()
+      self._costs_moved()

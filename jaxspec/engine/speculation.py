@@ -7,7 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine.drafters import make_drafter
@@ -123,9 +123,15 @@ def horizon(engine, decodes) -> tuple:
   return split, queued, rooms, engine.num_slots
 
 
+def queued(engine, decodes) -> int:
+  """Requests still prefilling or waiting for a slot (`horizon`'s count, without its lists)."""
+  return len(engine.scheduler.waiting) + len(engine.scheduler.running) - len(decodes)
+
+
 def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync=None,
            split: tuple = (0.0, 0), queued: Optional[int] = None,
-           queue_rooms: Optional[Sequence[int]] = None, slots: Optional[int] = None):
+           queue_rooms: Optional[Sequence[int]] = None, slots: Optional[int] = None,
+           horizon: Optional[Callable[[], tuple]] = None):
   """The round's K and each request's cap (<= K, proposals its row may accept), from the policy
   (None: K = 0), checked.
 
@@ -139,6 +145,9 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
     draft_sync: the engine's lazy draft cache (`jaxspec.engine.draft_sync.DraftSync`) or None:
       it probes when due and tells the policy its catch-up seconds (`KPolicy.sync_s`) before
       the choice, and catches the draft up after a choice of K >= 1.
+    horizon: None, or a function returning (split, queued, queue_rooms, slots) (`horizon`),
+      called only when the policy does not repeat a held choice (`KPolicy.repeat`, asked with
+      `queued` when no probe is due): gathering them costs host time every round.
   Returns:
     (K, caps: list of int aligned with `decodes`).
   Raises:
@@ -147,19 +156,33 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   """
   if policy is None:
     return 0, [0] * len(decodes)
+  if horizon is not None:
+    again = None if draft_sync is not None and draft_sync.probe_due() else \
+        policy.repeat([r.id for r in decodes], rows, queued)
+    if again is not None:
+      k, caps = _checked(policy, k_max, len(decodes), *again)
+      if draft_sync is not None:
+        draft_sync.before_round(decodes, k)
+      return k, caps
+    split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
   policy.rows, policy.queued = rows, queued
   policy.queue_rooms, policy.slots = queue_rooms, slots
   policy.split_s, policy.split_tokens = split
   if draft_sync is not None:
     policy.sync_s = draft_sync.before_choice(decodes)
-  k, caps = policy.choose([r.id for r in decodes])
-  if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
-      not 0 <= k <= k_max or len(caps) != len(decodes) or \
-      any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k for c in caps):
-    raise ValueError(f'k_policy {policy!r} chose K={k!r} (candidates {policy.candidates}) with '
-                     f'caps {caps!r} for {len(decodes)} requests: K must be an int '
-                     f'candidate in [0, k={k_max}] and each cap an int in [0, K]')
+  k, caps = _checked(policy, k_max, len(decodes), *policy.choose([r.id for r in decodes]))
   if draft_sync is not None:
     draft_sync.before_round(decodes, k)
+  return k, caps
+
+
+def _checked(policy, k_max: int, n: int, k, caps) -> tuple:
+  """(k, list(caps)) if K is an int candidate in [0, k_max] and caps n ints in [0, K]."""
+  if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
+      not 0 <= k <= k_max or len(caps) != n or \
+      any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k for c in caps):
+    raise ValueError(f'k_policy {policy!r} chose K={k!r} (candidates {policy.candidates}) with '
+                     f'caps {caps!r} for {n} requests: K must be an int candidate in '
+                     f'[0, k={k_max}] and each cap an int in [0, K]')
   return k, list(caps)
