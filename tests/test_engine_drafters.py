@@ -348,12 +348,17 @@ def test_goodput_follows_alpha_and_the_cost_table():
   assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
   policy.round_timing(2, 6.0, 0.0)                  # [3, 3, 2]
   assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
-  # K >= 1 ratios left unrefreshed for STALE_ROUNDS rounds at K = 0 are dropped.
+  # K >= 1 ratios left unrefreshed for STALE_ROUNDS rounds at K = 0 are dropped; K = 0's ratio
+  # times the square root of their quotient to it (3 / 2) stands in.
   for _ in range(policy.STALE_ROUNDS - 1):
     policy.round_timing(0, 2.0, 0.0)
   assert policy.costs[2] == pytest.approx(6.0)
   policy.round_timing(0, 2.0, 0.0)
-  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
+  q = 1.5 ** 0.5
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0 * q, 2: 4.0 * q})
+  for _ in range(3 * policy.STALE_ROUNDS):          # no K >= 1 round: nothing more to drop
+    policy.round_timing(0, 2.0, 0.0)
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0 * q, 2: 4.0 * q})
   policy.round_timing(2, 6.0, 0.0)
   policy.round_timing(2, 6.0, 0.0)
   policy.round_timing(1, 15.0, 0.0)                                 # one slow round: ratio 10

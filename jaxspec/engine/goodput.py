@@ -116,8 +116,9 @@ class GoodputK(KPolicy):
     timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
       d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3; at most `window`) of them,
-      pseudo-rounds fill in (ratio 1 for K = 0, K = 0's for K >= 1), and K >= 1's are
-      dropped after `STALE_ROUNDS` (16) rounds in a row at K = 0.
+      pseudo-rounds fill in (ratio 1 for K = 0, K = 0's times the carried K >= 1 / K = 0
+      quotient for K >= 1), and K >= 1's are dropped after `STALE_ROUNDS` (16) rounds in a
+      row at K = 0, the square root of their quotient to K = 0's carried (1 before any).
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
       draft on what the target drew) only if α and β estimates higher by this much plus two
       standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
@@ -149,6 +150,7 @@ class GoodputK(KPolicy):
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
     self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
     self._group = None                      # `_group_ratios` (lazily)
+    self._quotient = 1.0                    # K >= 1 / K = 0 live ratio carried past staleness
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
     self._held = None                       # the `_Hold` of a K = 0 choice still valid
@@ -202,6 +204,7 @@ class GoodputK(KPolicy):
                   for rows, table in tables.items()}
     for ratios in self._ratios.values():
       ratios.clear()
+    self._quotient = 1.0
     self._costs_moved()
     self._version += 1
     self._tables += 1
@@ -237,7 +240,7 @@ class GoodputK(KPolicy):
     if self._group is None:
       rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
       zero = _median_with_prior(self._ratios[0], 1.0, rounds)
-      self._group = zero, _median_with_prior(self._ratios[1], zero, rounds)
+      self._group = zero, _median_with_prior(self._ratios[1], zero * self._quotient, rounds)
     return self._group
 
   def _table(self) -> dict:
@@ -438,11 +441,17 @@ class GoodputK(KPolicy):
     if k in idle:
       self._ratios[min(k, 1)].append(device_s / idle[k])
       self._costs_moved()
-    # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped (K = 0's ratio
-    # stands in again): while the policy stays at K = 0 only K = 0's ratio follows the machine,
-    # and K >= 1 rounds priced high by a slow stretch (several engines sharing the cores, a
-    # cold start) would otherwise keep K >= 1 out for good.
+    # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped, and K = 0's
+    # ratio times the square root of their quotient to it stands in: while the policy stays at
+    # K = 0 only K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow
+    # stretch (several engines sharing the cores, a cold start) would otherwise keep K >= 1 out
+    # for good; but live K >= 1 rounds cost more against K = 0 than the start-up table says
+    # (B = 2 on the development CPU: 1.55-1.65x at K = 1 against a table's 1.33x), and
+    # forgetting that all at once made the policy leave K = 0, pay a catch-up and learn it
+    # again after every stretch at K = 0.
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
     if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
+      zero, spec = self._group_ratios()
+      self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
       self._ratios[1].clear()
       self._costs_moved()
