@@ -196,6 +196,12 @@ def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
   assert not sync.eager                         # chosen
 
 
+def _lagging_request():
+  """A decoding request whose draft cache is 40 tokens behind, with drawn tokens to score."""
+  return types.SimpleNamespace(id='a', room=50, num_computed=40, draft_computed=0,
+                               token_p=[0.5])
+
+
 def test_probe_questions_back_off_while_the_answer_is_no():
   asked = []
 
@@ -207,9 +213,10 @@ def test_probe_questions_back_off_while_the_answer_is_no():
   drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
                                   observe_tokens=8)
   sync = DraftSync(engine, drafter)
+  decodes = [_lagging_request()]
   for rounds in range(400):
-    sync.before_choice([])
-    sync.after_round([], 0, 1.0)
+    sync.before_choice(decodes)
+    sync.after_round(decodes, 0, 1.0)
   # First asked after one K = 0 round, then after 2, 4, ... rounds up to QUIET x probe_every.
   gaps = np.diff(asked).tolist()
   quiet = DraftSync.QUIET * 4
@@ -218,9 +225,38 @@ def test_probe_questions_back_off_while_the_answer_is_no():
   sync.after_round([], 1, 1.0)
   asked.clear()
   for rounds in range(8):
-    sync.before_choice([])
-    sync.after_round([], 0, 1.0)
+    sync.before_choice(decodes)
+    sync.after_round(decodes, 0, 1.0)
   assert asked == [1, 3, 7]
+
+
+def test_a_probe_the_budget_refuses_is_not_asked_about():
+  """Past the early probes, a probe costing more than `probe_budget` of the K = 0 rounds since
+  the last catch-up is not asked about (asking scores the batch): here 5 chunk passes of 10 s
+  against 3 % of 1 s per round."""
+  asked = []
+
+  class Never:
+    def worth_probing(self, ids):
+      asked.append(rounds)
+      return False
+  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2,
+                                 prefill_buckets=(1, 2))
+  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
+                                  observe_tokens=8)
+  sync = DraftSync(engine, drafter)
+  sync.costs = {1: 10.0, 2: 12.0}
+  decodes = [_lagging_request()]
+  assert sync.pending_s(decodes) == pytest.approx(50.0)
+  for rounds in range(400):
+    sync.before_choice(decodes)
+    sync.after_round(decodes, 0, 1.0)
+  assert asked == [1, 3]                        # the early ones only (budget: 0.03 x 400 < 50)
+  assert not sync.probe_due(decodes) and sync.num_calls == 0
+  sync.zero_s = 50.0 / 0.03                     # enough K = 0 time behind it: due and asked
+  assert sync.probe_due(decodes)
+  sync.before_choice(decodes)
+  assert asked == [1, 3, 399]
 
 
 def test_k0_hold_ends_only_when_host_seconds_rise():
@@ -280,7 +316,7 @@ def test_a_held_k0_round_skips_gathering_the_horizon():
   policy.observe('a', 0, 0, 1.0, 1.0)                           # a new observation
   ask(rows=4)
   assert len(gathered) == 4
-  due = types.SimpleNamespace(probe_due=lambda: True, before_choice=lambda d: 0.0,
+  due = types.SimpleNamespace(probe_due=lambda d: True, before_choice=lambda d: 0.0,
                               before_round=lambda d, k: None)
   ask(rows=4, sync=due)                                         # a probe is due
   assert len(gathered) == 5

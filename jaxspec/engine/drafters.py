@@ -126,7 +126,7 @@ class ModelDrafter(Drafter):
   uses_draft_model = True
 
   def __init__(self, lazy: bool = True, probe_every: Optional[int] = 8, probe_rows: int = 1,
-               probe_budget: Optional[float] = 0.03, observe_tokens: int = 8):
+               probe_budget: Optional[float] = 0.01, observe_tokens: int = 8):
     if not isinstance(lazy, bool):
       raise ValueError(f'lazy must be a bool, got {lazy!r}')
     for name, v in (('probe_every', 1 if probe_every is None else probe_every),

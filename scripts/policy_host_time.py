@@ -1,0 +1,113 @@
+"""Where an adaptive K policy's host time goes: each setting's decode rounds split into the device
+call, the K choice (`speculation.choose`: the policy, probes and catch-ups) and gathering the
+queue and split inputs (`speculation.horizon`), against plain continuous batching, in one run.
+
+    PYTHONPATH=$PWD python scripts/policy_host_time.py [--batch 4] [--workload code]
+        [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
+
+Engines are built and warmed up as in the batching study (`configs/batching.py`:
+`experiments.batching.build_engines`, N = 2 x B held-out prompts of 64 tokens, 32 tokens each,
+greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
+rotated per pass. Per setting it prints tokens/s as a ratio to the first setting (mean over
+passes), decode rounds per pass, the mean microseconds per round of each part, the rounds per
+K, and for a lazy draft cache its catch-up calls and milliseconds per pass. The times are the
+wall clock around each call, so the parts include the Python that runs right after a device
+call (slower than the same code in a tight loop: the step has pushed the interpreter's data out
+of the caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+from configs import batching as batching_config
+from experiments import batching
+from experiments.speculative import load_pair
+from jaxspec.data import make_prompts
+from jaxspec.engine import engine as engine_lib
+
+
+def _timed(totals: collections.Counter, part: str, function):
+  """`function` wrapped to add its wall seconds to totals[part]."""
+  def call(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return function(*args, **kwargs)
+    finally:
+      totals[part] += time.perf_counter() - start
+  return call
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--batch', type=int, default=4)
+  parser.add_argument('--workload', default='code', choices=['json', 'code', 'retrieval'])
+  parser.add_argument('--passes', type=int, default=6)
+  parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput')
+  args = parser.parse_args()
+  if args.batch < 1 or args.passes < 1:
+    parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
+  config = batching_config.get_config()
+  config.batch_size, config.settings = args.batch, args.settings
+  settings = batching.parse_settings(config.settings)
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, 2 * args.batch,
+                                            config.prompt_len, split='test', seed=0)]
+  engines = batching.build_engines(config, settings, target, target_params, draft,
+                                   draft_params)
+  stop = tokenizer.eos_ids
+  for name in engines:          # one untimed pass each (first-call host work)
+    batching.measure({name: engines[name]}, [p[:config.chunk_size] for p in prompts[:args.batch]],
+                     max_tokens=4, stop_tokens=stop)
+
+  totals = {name: collections.Counter() for name in engines}
+  current = [None]
+  speculation = engine_lib.speculation
+  choose, horizon = speculation.choose, speculation.horizon
+  speculation.choose = lambda *a, **k: _timed(totals[current[0]], 'choose', choose)(*a, **k)
+  speculation.horizon = lambda *a, **k: _timed(totals[current[0]], 'horizon', horizon)(*a, **k)
+  before = {}
+  for name, (engine, _) in engines.items():
+    engine._call_decode = _timed(totals[name], 'device', engine._call_decode)
+    step = engine.step
+
+    def stepped(step=step, name=name):
+      current[0] = name
+      return step()
+    engine.step = stepped
+    sync = engine.draft_sync
+    before[name] = (dict(engine.k_rounds), sync.num_calls if sync else 0,
+                    sync.seconds if sync else 0.0)
+  speeds = collections.defaultdict(list)
+  try:
+    for p in range(args.passes):
+      order = batching.rotated(list(engines), p)
+      runs = batching.measure({n: engines[n] for n in order}, prompts, max_tokens=32,
+                              stop_tokens=stop)
+      for name, run in runs.items():
+        speeds[name].append(run['tokens_per_s'])
+  finally:
+    speculation.choose, speculation.horizon = choose, horizon
+  base = next(iter(engines))
+  print(f'B = {args.batch}, {args.workload}, {args.passes} passes; tokens/s against {base}')
+  for name, (engine, _) in engines.items():
+    ks, calls, seconds = before[name]
+    by_k = {k: n - ks.get(k, 0) for k, n in sorted(engine.k_rounds.items()) if n > ks.get(k, 0)}
+    rounds = sum(by_k.values())
+    t = totals[name]
+    ratio = statistics.mean(a / b for a, b in zip(speeds[name], speeds[base]))
+    line = (f'{name:>10}: {ratio:.3f}x, {rounds / args.passes:.0f} rounds/pass, per round: '
+            f'device {t["device"] / rounds * 1e6:.0f} us, choose {t["choose"] / rounds * 1e6:.0f}'
+            f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; rounds by K {by_k}')
+    sync = engine.draft_sync
+    if sync is not None:
+      line += (f'; catch-ups {(sync.num_calls - calls) / args.passes:.1f}/pass, '
+               f'{(sync.seconds - seconds) / args.passes * 1e3:.1f} ms/pass')
+    print(line)
+
+
+if __name__ == '__main__':
+  main()
