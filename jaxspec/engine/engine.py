@@ -394,7 +394,7 @@ class Engine:
     synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
     k, row_caps = speculation.choose(
         self.policy, decodes, width, self.k, self.draft_sync,
-        queued=speculation.queued(self, decodes) if self.policy is not None else None,
+        queued=speculation.num_queued(self, decodes) if self.policy is not None else None,
         horizon=lambda: speculation.horizon(self, decodes))
     if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
       start += self.draft_sync.seconds - synced

@@ -115,16 +115,15 @@ def horizon(engine, decodes) -> tuple:
   split = split_cost(decodes, scheduler.waiting, engine.prefill_costs, engine.chunk_size)
   decoding = {id(r) for r in decodes}
   queue = [r for r in scheduler.running if id(r) not in decoding]
-  queued = len(scheduler.waiting) + len(queue)
   queue.extend(itertools.islice(scheduler.waiting, max(0, engine.num_slots - len(queue))))
   # The prefill emits one token, except a resumed request's (its pending token is an output).
   rooms = [room for room in (r.room - (0 if r.output else 1) for r in queue[:engine.num_slots])
            if room >= 1]
-  return split, queued, rooms, engine.num_slots
+  return split, num_queued(engine, decodes), rooms, engine.num_slots
 
 
-def queued(engine, decodes) -> int:
-  """Requests still prefilling or waiting for a slot (`horizon`'s count, without its lists)."""
+def num_queued(engine, decodes) -> int:
+  """Requests still prefilling or waiting for a slot (`decodes`: the running ones decoding)."""
   return len(engine.scheduler.waiting) + len(engine.scheduler.running) - len(decodes)
 
 
