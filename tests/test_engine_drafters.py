@@ -118,7 +118,8 @@ def test_goodput_leaves_k0_when_the_draft_agrees(tiny, lazy):
   # eager: Σ min(p, q) = 1 in each K = 0 round), the estimate rises and the policy moves to
   # K_max.
   config, params = tiny
-  policy = GoodputK(tracker=AlphaTracker(prior=0.0), costs={k: 1.0 for k in range(K + 1)})
+  policy = GoodputK(tracker=AlphaTracker(prior=0.0), costs={k: 1.0 for k in range(K + 1)},
+                    spec_margin=0.0)
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
                   k_policy=policy, drafter=ModelDrafter(lazy=lazy, probe_every=4, probe_budget=None),
                   **SHAPES)

@@ -82,7 +82,7 @@ def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
   """The K = 0 hold keys on the live cost ratios the table is fitted with (prior rounds
   included): a second slow K = 0 round out of PRIOR_ROUNDS leaves the raw median where it was
   but doubles K = 0's fitted cost, so the held K = 0 must be scored again (K = 1 now wins)."""
-  policy = GoodputK(costs={0: 1.0, 1: 1.2})
+  policy = GoodputK(costs={0: 1.0, 1: 1.2}, spec_margin=0.0)
   policy.setup(1)
   for _ in range(3):
     policy.round_timing(1, 1.2, 0.0)           # K >= 1 live ratio 1

@@ -79,6 +79,7 @@ def test_rounds_to_finish():
 
 
 def _policy(alpha, costs, k_max=2, **kwargs):
+  kwargs.setdefault('spec_margin', 0.0)       # these test the model's scores, not the hurdle
   policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs, **kwargs)
   policy.setup(k_max)
   return policy
@@ -116,13 +117,13 @@ def test_worth_probing_only_near_the_threshold_or_while_alpha_is_loose():
   near = _policy(0.5, costs)                             # α + 0.05 would choose K >= 1
   assert near.choose(['a'])[0] == 0 and near.worth_probing(['a'])
   never = GoodputK(tracker=AlphaTracker(prior=0.45, prior_trials=1e9), costs=costs,
-                   probe_margin=0.0)
+                   probe_margin=0.0, spec_margin=0.0)
   never.setup(2)
   assert not never.worth_probing(['a'])
   # A loose estimate (a few trials): α = 0.2 from 5 trials is worth a probe; from 500, not.
   for trials, worth in ((5, True), (500, False)):
     policy = GoodputK(tracker=AlphaTracker(prior=0.2, prior_trials=0.0, decay=0.0),
-                      costs=costs)
+                      costs=costs, spec_margin=0.0)
     policy.setup(2)
     policy.observe('a', 0, 0, 0.2 * trials, trials)
     assert policy.choose(['a'])[0] == 0 and policy.worth_probing(['a']) == worth

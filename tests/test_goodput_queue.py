@@ -72,7 +72,7 @@ def test_rounds_with_queue_matches_a_simulation(rooms, queue, slots):
 
 def _policy(alpha, costs, k_max=2):
   policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs,
-                    stay_margin=0.0)
+                    stay_margin=0.0, spec_margin=0.0)
   policy.setup(k_max)
   return policy
 

@@ -412,11 +412,14 @@ class Engine:
     device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
+    # Rows with neither proposals nor acceptance trials (K = 0 without a draft step) have
+    # nothing to tell the policy or the acceptance metrics.
+    observed = (result.num_proposed > 0) | (result.trials > 0)
     for row, request in layout:
       e = int(result.emitted[row])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached
       request.metrics.accepted_lengths.append(e)
-      if self.policy is not None:
+      if self.policy is not None and observed[row]:
         n = int(result.num_accepted[row])
         request.metrics.proposed += int(result.num_proposed[row])
         request.metrics.accepted += min(n, e)

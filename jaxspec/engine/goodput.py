@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import math
 import numbers
-import statistics
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -17,24 +16,7 @@ import numpy as np
 from jaxspec.engine import makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
-
-
-def _median_with_prior(samples, prior: float, rounds: int) -> float:
-  """The median of `samples` padded with copies of `prior` up to `rounds` values."""
-  return statistics.median(list(samples) + [prior] * max(0, rounds - len(samples)))
-
-
-def nondecreasing(values: Sequence[float]) -> list:
-  """The least-squares non-decreasing fit of `values` (isotonic regression, pool adjacent
-  violators): runs that decrease are replaced by their mean."""
-  blocks = []                                    # [sum, count] per pooled block
-  for v in values:
-    blocks.append([v, 1])
-    while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-      s, n = blocks.pop()
-      blocks[-1][0] += s
-      blocks[-1][1] += n
-  return [s / n for s, n in blocks for _ in range(n)]
+from jaxspec.engine.live_costs import HostSeconds, nondecreasing, padded_median  # noqa: F401
 
 
 def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> float:
@@ -69,7 +51,7 @@ class GoodputK(KPolicy):
   2024; TurboSpec), every row capped at K; α_i, β_i the request's first- and later-proposal
   acceptance estimates (`AlphaTracker`).
 
-  t(K) = d(K) + h, plus at K >= 1 two one-time costs spread over the rounds they serve (see
+  t(K) = d(K) + h(K), plus at K >= 1 two one-time costs spread over the rounds they serve (see
   `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
   the lock-step of requests that would finish together costs (`split_s`,
   `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
@@ -81,10 +63,17 @@ class GoodputK(KPolicy):
   at K = 0's): live rounds also pay what idle ones skip (e.g. a draft model's extra step after a
   fully accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1
   keeps the table's ratios among them and a median keeps one slow round from pricing a K out
-  for good (a K not chosen is not measured again); kept non-decreasing in K. h is an EMA of the
-  host seconds per round around the call (scheduling, tables, proposals, emitting; the same at
-  every K): without it a K > 0 round looks relatively dearer than it is when host work is a
-  large part of a round. E_i is capped by what request i may still emit (`KPolicy.rooms`).
+  for good (a K not chosen is not measured again); kept non-decreasing in K. h(K) is the median
+  host seconds per round around the call (scheduling, tables, proposals, emitting) of the last
+  `window` rounds of its group: K = 0 (`host_s`) and K >= 1 (`spec_host_s`; K = 0's until one
+  ran). Without h a K > 0 round looks relatively dearer than it is when host work is a large
+  part of a round; a K >= 1 round's host work is the larger (it scores K more often, observes
+  every row, emits more tokens: 0.2-0.5 ms against 0.1-0.15 ms at K = 0 at B = 2 on the
+  development CPU, 10-25 % of a K = 0 round); and a median, not a mean, because one round's
+  host time can be many times the usual (a garbage collection, an engine's first rounds): an
+  exponential average that one slow warm-up pass had left at 0.6 ms against a median 0.15 ms
+  made t(1) / t(0) 1.39 where rounds measured 1.65, and the policy speculated at B = 2 where
+  it lost. E_i is capped by what request i may still emit (`KPolicy.rooms`).
 
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
@@ -113,12 +102,13 @@ class GoodputK(KPolicy):
     candidates: the K values considered (default 0..K_max; each is one compiled step).
     costs: the cost table d(K) {K: seconds} of a full round, if known (else the engine measures
       it, per row bucket too); a known table serves every bucket.
-    timing_decay: weight of the past in the EMA of h (per round), in [0, 1).
     window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
-      d(K) (>= 1); until a group has `PRIOR_ROUNDS` (3; at most `window`) of them,
-      pseudo-rounds fill in (ratio 1 for K = 0, K = 0's times the carried K >= 1 / K = 0
-      quotient for K >= 1), and K >= 1's are dropped after `STALE_ROUNDS` (16) rounds in a
-      row at K = 0, the square root of their quotient to K = 0's carried (1 before any).
+      d(K) and whose median host seconds are h(K) (>= 1; `HostSeconds`); until a group has
+      `PRIOR_ROUNDS` (3; at most `window`) of them, pseudo-rounds fill in (ratio 1 for K = 0,
+      K = 0's times the carried K >= 1 / K = 0 quotient for K >= 1), and K >= 1's are dropped
+      after `STALE_ROUNDS` (16) rounds in a row at K = 0, the square root of their quotient to
+      K = 0's carried (1 before any); K >= 1's host seconds are then dropped too, the value
+      halfway to K = 0's carried (`HostSeconds.stale`).
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
       draft on what the target drew) only if α and β estimates higher by this much plus two
       standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
@@ -126,23 +116,30 @@ class GoodputK(KPolicy):
     stay_margin: after a round at K >= 1 (the draft cache in sync), K = 0 must beat the best
       K >= 1 by more than this fraction of goodput: a request's α estimate swings with a few
       rounds, and each return to K >= 1 after K = 0 rounds pays a catch-up.
+    spec_margin: every K >= 1 must beat K = 0 by more than this fraction of goodput to be
+      chosen (its score is divided by 1 + spec_margin before `margin` and `stay_margin` apply):
+      speculating costs what the model leaves out (the extra prefill calls of admissions that
+      do not come in lock-step, idle rows at a wave's end, catch-ups, scoring it more often),
+      and measured speedups sit below the model's (`experiments.batching_report`), so near the
+      threshold K = 0 is the side that cannot lose much; with the stay margin the policy
+      enters K >= 1 above (1 + spec_margin) x K = 0's goodput and leaves it below
+      (1 + spec_margin) / (1 + stay_margin) x.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin or stay_margin < 0, timing_decay outside [0, 1), window < 1.
+      non-positive time, margin, stay_margin or spec_margin < 0, window < 1.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
-               costs: Optional[Mapping[int, float]] = None, timing_decay: float = 0.9,
-               window: int = 16, probe_margin: float = 0.05, stay_margin: float = 0.05):
+               costs: Optional[Mapping[int, float]] = None, window: int = 16,
+               probe_margin: float = 0.05, stay_margin: float = 0.05,
+               spec_margin: float = 0.05):
     super().__init__()
     margin = checked_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = checked_real('probe_margin', probe_margin, 0.0, 1.0)
-    timing_decay = checked_real('timing_decay', timing_decay, 0.0, 1.0, high_open=True)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
       raise ValueError(f'window must be an int >= 1, got {window!r}')
-    self.timing_decay = timing_decay
-    self.host_s: Optional[float] = None     # h, seconds per round (None before any round)
+    self.host = HostSeconds(window, self.PRIOR_ROUNDS)   # h(K)
     self._idle: dict = {}                   # {rows: {K: seconds}} start-up tables (None: full)
     self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
     self.tracker = AlphaTracker() if tracker is None else tracker
@@ -159,6 +156,7 @@ class GoodputK(KPolicy):
     self._last_k = 0                        # the previous choice
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
+    self.spec_margin = checked_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
   @property
   def needs_costs(self) -> bool:
@@ -239,8 +237,8 @@ class GoodputK(KPolicy):
     group never holds more)."""
     if self._group is None:
       rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
-      zero = _median_with_prior(self._ratios[0], 1.0, rounds)
-      self._group = zero, _median_with_prior(self._ratios[1], zero * self._quotient, rounds)
+      zero = padded_median(self._ratios[0], 1.0, rounds)
+      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
     return self._group
 
   def _table(self) -> dict:
@@ -270,7 +268,7 @@ class GoodputK(KPolicy):
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
-    seconds = self._table()[k] + (self.host_s or 0.0)
+    seconds = self._table()[k] + self.host.of(k)
     if k >= 1 and (self.sync_s > 0 or self.split_s > 0):
       left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
       seconds += self.sync_s / max(1.0, left / tokens)
@@ -285,8 +283,9 @@ class GoodputK(KPolicy):
     if rooms is not None and self.queued == 0:
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
       rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
-      table, host = self._table(), self.host_s or 0.0
-      return {k: sum(rooms) / (rounds[k] * (table[k] + host) + (self.sync_s if k else 0.0))
+      table = self._table()
+      return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) +
+                               (self.sync_s if k else 0.0))
               for k in self.candidates}
     queue = self.queue_rooms
     if rooms is not None and queue is not None and self.slots and len(rooms) <= self.slots:
@@ -296,9 +295,9 @@ class GoodputK(KPolicy):
       t = self.tracker
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           t.global_alpha, t.global_later, self.slots)
-      table, host = self._fitted_table(None), self.host_s or 0.0
+      table = self._fitted_table(None)
       tokens = sum(rooms) + sum(queue)
-      return {k: tokens / (rounds[k] * (table[k] + host) +
+      return {k: tokens / (rounds[k] * (table[k] + self.host.of(k)) +
                            (self.sync_s + self.split_s if k else 0.0))
               for k in self.candidates}
     # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of s_ij, j < room_i.
@@ -308,6 +307,30 @@ class GoodputK(KPolicy):
     totals = np.cumsum(powers, axis=1).sum(axis=0)
     return {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
             for k in self.candidates}
+
+  @property
+  def host_s(self) -> Optional[float]:
+    """h(0), the median host seconds of the recent K = 0 rounds (None before any); settable."""
+    return self.host.median(0)
+
+  @host_s.setter
+  def host_s(self, seconds: float) -> None:
+    self.host.set(0, seconds)
+
+  @property
+  def spec_host_s(self) -> Optional[float]:
+    """h(K >= 1), the median host seconds of the recent K >= 1 rounds (`HostSeconds`; None
+    before any); settable."""
+    return self.host.median(1)
+
+  @spec_host_s.setter
+  def spec_host_s(self, seconds: float) -> None:
+    self.host.set(1, seconds)
+
+  def _scored(self, alphas: np.ndarray, later: np.ndarray) -> dict:
+    """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
+    hurdle = 1.0 + self.spec_margin
+    return {k: g / hurdle if k else g for k, g in self._scores(alphas, later).items()}
 
   def _pick(self, scores: dict) -> int:
     best = max(scores.values())
@@ -337,7 +360,7 @@ class GoodputK(KPolicy):
     ratios = self._group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
-    host = (self.host_s or 0.0) / self._unit_s()
+    host = self.host.of(0) / self._unit_s()
     spec = self._spec_held
     if spec is not None and spec.steady(ratios) and spec.rounds < self.SPEC_HOLD_ROUNDS and \
         spec.key == self._spec_key(request_ids, queue, spec.k):
@@ -355,7 +378,7 @@ class GoodputK(KPolicy):
         left <= held.left and self.sync_s >= held.sync_s and self.split_s >= held.split_s:
       held.rounds += 1
       return 0, [0] * len(request_ids)
-    scores = self._scores(*self._alphas(request_ids))
+    scores = self._scored(*self._alphas(request_ids))
     k = self._pick(scores)
     if k == 0 and self._last_k and len(scores) > 1 and \
         scores[0] < max(g for c, g in scores.items() if c) * (1 + self.stay_margin):
@@ -376,11 +399,14 @@ class GoodputK(KPolicy):
     otherwise). The rest `choose` checks cannot move against K = 0 meanwhile: with the same
     requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
     shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
-    stay as they were."""
+    stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
+    the hold (recomputing their medians each round was ~1 % of a K = 0 round at B = 2)."""
     held = self._held
     if held is None or held.key[0] != tuple(request_ids) or held.key[2] != rows or \
-        held.key[1][0] != queued or held.key[3] != self._version or \
-        not self._k0_stands(held, self._group_ratios(), (self.host_s or 0.0) / self._unit_s()):
+        held.key[1][0] != queued or held.key[3] != self._version or held.rounds >= held.limit:
+      return None
+    if held.rounds % self.CHECK_EVERY == 0 and \
+        not self._k0_stands(held, self._group_ratios(), self.host.of(0) / self._unit_s()):
       return None
     self.rows, self.queued = rows, queued
     held.rounds += 1
@@ -404,7 +430,8 @@ class GoodputK(KPolicy):
   DRIFT = 0.1        # |log| change of the K >= 1 / K = 0 live cost ratio that ends a hold
   LEVEL_DRIFT = 0.3  # |log| change of K = 0's live cost ratio that ends one (a slow stretch)
   HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
-  SPEC_HOLD_ROUNDS = 4
+  SPEC_HOLD_ROUNDS = 8
+  CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
 
@@ -419,7 +446,7 @@ class GoodputK(KPolicy):
     sd = math.sqrt(g * (1 - g) / max(n, 1.0))
     up = self.probe_margin + 2 * sd
     alphas, later = self._alphas(request_ids)
-    return self._pick(self._scores(np.minimum(alphas + up, 1.0),
+    return self._pick(self._scored(np.minimum(alphas + up, 1.0),
                                    np.minimum(later + up, 1.0))) >= 1
 
   def observe(self, request_id, k, accepted, successes, trials):
@@ -435,8 +462,7 @@ class GoodputK(KPolicy):
     self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
-    d = self.timing_decay
-    self.host_s = host_s if self.host_s is None else d * self.host_s + (1 - d) * host_s
+    self.host.add(k, host_s)
     idle = self._idle.get(self.rows, self._idle.get(None, {}))
     if k in idle:
       self._ratios[min(k, 1)].append(device_s / idle[k])
@@ -454,4 +480,5 @@ class GoodputK(KPolicy):
       zero, spec = self._group_ratios()
       self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
       self._ratios[1].clear()
+      self.host.stale()
       self._costs_moved()

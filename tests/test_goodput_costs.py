@@ -1,0 +1,79 @@
+"""What a goodput choice weighs besides α: the host seconds of each kind of round (K = 0 and
+K >= 1, windowed medians), the hurdle every K >= 1 must clear (`spec_margin`), and how often a
+repeated K = 0 hold checks them. Host-side, no model."""
+
+import pytest
+
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+
+IDS = ['a', 'b']
+
+
+def _policy(alpha, costs, k_max=1, **kwargs):
+  policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs, **kwargs)
+  policy.setup(k_max)
+  return policy
+
+
+def test_k1_must_beat_k0_by_the_spec_margin():
+  # α = 0.5: K = 1 emits 1.5 tokens a round against K = 0's 1.
+  assert _policy(0.5, {0: 1.0, 1: 1.45}, spec_margin=0.0).choose(IDS)[0] == 1    # +3.4 %
+  assert _policy(0.5, {0: 1.0, 1: 1.45}, spec_margin=0.05).choose(IDS)[0] == 0
+  assert _policy(0.5, {0: 1.0, 1: 1.35}, spec_margin=0.05).choose(IDS)[0] == 1   # +11 %
+  with pytest.raises(ValueError, match='spec_margin'):
+    GoodputK(spec_margin=-0.01)
+
+
+def test_spec_and_stay_margins_make_a_band():
+  """Entered above (1 + spec_margin) x K = 0's goodput, K >= 1 is left only below
+  (1 + spec_margin) / (1 + stay_margin) x (here 1x)."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.35}, spec_margin=0.05, stay_margin=0.05)
+  assert policy.choose(IDS)[0] == 1                 # +11 %: enters
+  policy.set_costs({0: 1.0, 1: 1.45})               # +3.4 %: would not enter, stays
+  assert policy.choose(IDS)[0] == 1
+  policy.set_costs({0: 1.0, 1: 1.55})               # -3 %: leaves
+  assert policy.choose(IDS)[0] == 0
+
+
+def test_host_seconds_are_medians_per_kind_of_round():
+  policy = _policy(0.5, {0: 1.0, 1: 1.5})
+  for seconds in (0.1, 0.1, 5.0, 0.1):              # one slow round (a GC pause) is ignored
+    policy.round_timing(0, 1.0, seconds)
+  assert policy.host_s == pytest.approx(0.1)
+  assert policy.spec_host_s is None and policy.host.of(1) == pytest.approx(0.1)
+  policy.round_timing(1, 1.5, 0.4)
+  assert policy.spec_host_s == pytest.approx(0.4) and policy.host_s == pytest.approx(0.1)
+  assert policy.host.of(1) == pytest.approx(0.4) and policy.host.of(0) == pytest.approx(0.1)
+
+
+def test_dearer_host_work_of_k1_rounds_keeps_k0():
+  """d = {0: 1, 1: 1.3} s, α = 0.5: K = 1 wins by 15 % with no host time, but with 0.3 s more
+  host work per K >= 1 round (1.5 / 1.6 against 1 / 1) K = 0 does."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.3}, spec_margin=0.0)
+  policy.round_timing(0, 1.0, 0.0)
+  assert policy.choose(IDS)[0] == 1
+  policy.round_timing(1, 1.3, 0.3)
+  assert policy.choose(['c', 'd'])[0] == 0          # a new batch: scored again
+
+
+def test_stale_k1_host_seconds_move_halfway_to_k0s():
+  policy = _policy(0.5, {0: 1.0, 1: 1.5})
+  policy.round_timing(1, 1.5, 0.5)
+  for _ in range(GoodputK.STALE_ROUNDS):
+    policy.round_timing(0, 1.0, 0.1)
+  assert policy.spec_host_s == pytest.approx(0.3)
+  policy.round_timing(1, 1.5, 0.5)                  # padded with the carried 0.3: [0.5, 0.3, 0.3]
+  assert policy.spec_host_s == pytest.approx(0.3)
+
+
+def test_repeated_k0_hold_checks_its_costs_every_few_rounds():
+  policy = _policy(0.2, {0: 1.0, 1: 1.5})
+  policy.rooms, policy.queued = [100, 100], 0
+  assert policy.choose(IDS)[0] == 0
+  rows = policy.rows
+  assert policy.repeat(IDS, rows, 0) == (0, [0, 0])
+  for _ in range(GoodputK.PRIOR_ROUNDS):            # a slow stretch: K = 0 rounds cost 3x
+    policy.round_timing(0, 3.0, 0.0)
+  for _ in range(GoodputK.CHECK_EVERY - 2):         # not checked until the hold's next check
+    assert policy.repeat(IDS, rows, 0) == (0, [0, 0])
+  assert policy.repeat(IDS, rows, 0) is None
