@@ -337,11 +337,12 @@ class Engine:
     and contexts [B] (token lists or None; the drafters that read them need them for busy
     rows). Returns a `drafters.Round`."""
     # A lazy draft sits out K = 0 rounds: bind (and donate) the target's cache only.
-    used = 1 if self.drafter is None or (self.draft_sync is not None and k == 0) else None
-    caches = device.bind(self.caches[:used], table, lengths)
+    plain = self.drafter is None or (self.draft_sync is not None and k == 0)
+    caches = device.bind(self.caches[:1 if plain else None], table, lengths)
     rng = self._next_rng()
-    if self.drafter is None:
-      result, self.caches = plain_round(self, caches, pending, room, stop, rng, sampling)
+    if plain:      # the target alone (what the drafter would run too), straight away
+      result, caches = plain_round(self, caches, pending, room, stop, rng, sampling)
+      self.caches = caches + self.caches[1:]
       return result
     rows = pending.shape[0]
     caps = np.full((rows,), k, np.int32) if caps is None else caps
