@@ -27,10 +27,15 @@ def test_tracker_keeps_first_and_later_acceptance_apart():
     tracker.observe('a', *round_observation(4, 1))
   assert tracker.alpha('a') > 0.9 and tracker.later('a') < 0.1
   assert tracker.global_alpha > 0.9 and tracker.global_later < 0.2
-  # K = 0 probes are first-proposal observations: they leave β's sums alone.
-  sums = tracker._sums['a'][2:]
+  # A first-proposal-only observation (a K = 0 probe, a K = 1 round) sees no later proposal:
+  # β's sums only decay, so a stale β drifts back to its prior instead of staying put.
+  later, sums = tracker.later('a'), tracker._sums['a'][2:]
   tracker.observe('a', 0.0, 8.0)
-  assert tracker.alpha('a') < 0.9 and tracker._sums['a'][2:] == sums
+  assert tracker.alpha('a') < 0.9
+  assert tracker._sums['a'][2:] == pytest.approx([tracker.decay * v for v in sums])
+  for _ in range(60):
+    tracker.observe('a', 1.0, 1.0)
+  assert tracker.later('a') > later + 0.5
   with pytest.raises(ValueError, match='prior_trials'):
     AlphaTracker(prior_trials=-1.0)
 
@@ -109,6 +114,22 @@ def test_live_cost_ratios_count_with_a_window_below_the_prior_rounds(window):
   for _ in range(4):
     policy.round_timing(1, 6.0, 0.0)           # K >= 1 at four times
   assert policy.costs == pytest.approx({0: 2.0, 1: 6.0})
+
+
+def test_a_stale_later_acceptance_does_not_trap_the_policy_at_k1():
+  """K = 1 rounds never test β: after K = 3 rounds that always rejected the second proposal,
+  K = 1 is right, but once its first proposals are always accepted the fading β lets a longer
+  K be tried again."""
+  policy = GoodputK(costs={k: 1.0 + 0.2 * k for k in range(5)}, spec_margin=0.0)
+  policy.setup(4)
+  for _ in range(20):
+    policy.observe('a', 3, 1, 0.0, 1.0)         # K = 3: first accepted, second rejected
+  assert policy.choose(['a'])[0] == 1
+  chosen = []
+  for _ in range(40):
+    policy.observe('a', 1, 1, 0.0, 1.0)         # K = 1, always accepted
+    chosen.append(policy.choose(['a'])[0])
+  assert max(chosen) >= 2
 
 
 def test_mismatched_later_or_rooms_raise_instead_of_truncating():

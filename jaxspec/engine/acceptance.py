@@ -26,6 +26,13 @@ class AlphaTracker:
   round of n requests, so at a large batch it is not just the last few requests'. A request's
   own estimate mixes in `prior_trials` pseudo-trials of the global one.
 
+  β's sums decay with every observation, also those that see no later proposal (a K = 0
+  probe, a round at K = 1): otherwise β keeps what the last K >= 2 rounds measured for as long
+  as the policy runs K = 1, and a low one keeps it there (K = 1 rounds never test β), as it did
+  on retrieval at B = 1 (α 0.88, K = 1 in every round after a json stretch at K = 3, 0.66 of
+  K = 8's tokens/s); fading, β drifts back to its prior (the global β, whose own prior is the
+  global α) until a K >= 2 round measures it again.
+
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
     prior: α before any observation at all, in [0, 1].
@@ -79,8 +86,9 @@ class AlphaTracker:
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
               later_trials: float = 0.0) -> None:
     """Add one round's first-proposal (successes, trials) of a request and its later-proposal
-    ones; nothing when both trial counts are <= 0. Decays the request's sums of each position
-    observed by `decay` and the global ones by decay^(1/n) first (n requests tracked)."""
+    ones; nothing when both trial counts are <= 0. Decays the request's sums by `decay` and the
+    global ones by decay^(1/n) first (n requests tracked): the first proposal's when observed,
+    the later ones' always."""
     if trials <= 0 and later_trials <= 0:
       return
     old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])
@@ -95,11 +103,11 @@ class AlphaTracker:
 
 
 def _decayed(sums, decay: float, s1: float, n1: float, s2: float, n2: float) -> list:
-  """[S_α, N_α, S_β, N_β] after one observation: a pair with trials decays, then adds them (a
-  K = 0 probe, which sees no later proposal, leaves β's pair as it was)."""
+  """[S_α, N_α, S_β, N_β] after one observation: α's pair decays and adds its trials when it
+  has some; β's pair decays always (it fades while unobserved) and adds its own."""
   out = list(sums)
   for i, (s, n) in enumerate(((s1, n1), (s2, n2))):
-    if n > 0:
+    if n > 0 or i == 1:
       out[2 * i] = decay * out[2 * i] + s
       out[2 * i + 1] = decay * out[2 * i + 1] + n
   return out
