@@ -264,11 +264,17 @@ def markdown(result: dict) -> str:
     cell = _fmt(t.get(main))
     return f'{cell} ({_fmt(t[other])})' if t.get(other) is not None else cell
 
-  lines += _table(
-      ['B', 'α*', 'K at α*'] + [f'best K @ α={a}' for a in ALPHAS] + [f'c(K={k})' for k in ks],
-      [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_other'), t['k_at_threshold']]
-       + [t[f'best_k_at_{a}'] for a in ALPHAS]
-       + [both(t, f'cost_k{k}', f'cost_other_k{k}') for k in ks] for t in result['thresholds']])
+  if not result['thresholds']:     # an empty table would read as "measured, nothing pays"
+    lines += ['No cost ratio c(B, K), so no threshold: these records hold no fixed K >= 1 '
+              'draft-model setting beside K = 0 with its round times (add one, e.g. '
+              "`--config.settings='k0=k:0;k2=k:2;...'`)."]
+  else:
+    lines += _table(
+        ['B', 'α*', 'K at α*'] + [f'best K @ α={a}' for a in ALPHAS] + [f'c(K={k})' for k in ks],
+        [[t['batch_size'], both(t, 'alpha_star', 'alpha_star_other'), t['k_at_threshold']]
+         + [t[f'best_k_at_{a}'] for a in ALPHAS]
+         + [both(t, f'cost_k{k}', f'cost_other_k{k}') for k in ks]
+         for t in result['thresholds']])
   for workload in dict.fromkeys(r['workload'] for r in result['settings']):
     rows = [r for r in result['settings'] if r['workload'] == workload]
     lines += ['', f'## Measured: workload {workload}', '',

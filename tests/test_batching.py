@@ -147,6 +147,15 @@ def test_analyze_recovers_costs_thresholds_predictions_and_adaptive_fraction():
   assert best[(1, 'retrieval')] == 'k2' and best[(8, 'json')] == 'k0'
 
 
+def test_records_without_a_fixed_k_say_why_there_is_no_threshold():
+  records = [r for r in _records() if r['setting'] != 'k2']      # K = 0 and goodput only
+  result = br.analyze(records)
+  assert result['thresholds'] == [] and result['costs'] == {}
+  text = br.markdown(result)
+  assert 'no threshold' in text and '| B | α* |' not in text
+  assert '## Adaptive policies' in text                          # the rest is still written
+
+
 def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
   path = tmp_path / 'results.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in _records()))

@@ -87,6 +87,8 @@ def test_default_buckets():
   assert _decode_buckets(8, None) == (2, 8)
   assert _decode_buckets(64, None) == (1, 4, 16, 64)
   assert _decode_buckets(8, [8, 8, 1]) == (1, 8)
+  made = _decode_buckets(8, np.array([2, 8]))             # numpy ints, given back as ints
+  assert made == (2, 8) and all(type(b) is int for b in made)
 
 
 def test_measure_costs_widths(tiny, tiny_draft):

@@ -24,6 +24,12 @@ def test_k1_must_beat_k0_by_the_spec_margin():
     GoodputK(spec_margin=-0.01)
 
 
+def test_a_cost_table_time_must_be_a_positive_number_not_a_bool():
+  for bad in (True, 0.0, float('nan'), '1.0'):
+    with pytest.raises(ValueError, match='cost table'):
+      _policy(0.5, {0: 1.0, 1: bad})
+
+
 def test_spec_and_stay_margins_make_a_band():
   """Entered above (1 + spec_margin) x K = 0's goodput, K >= 1 is left only below
   (1 + spec_margin) / (1 + stay_margin) x (here 1x)."""

@@ -15,6 +15,7 @@ max tokens). The speculative steps (draft model, prompt lookup, K = 0 with a dra
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +56,12 @@ def decode_buckets(num_slots: int, buckets) -> tuple:
     made = tuple(sorted(set(buckets)))
   except TypeError:
     raise ValueError(f'decode_buckets must be a sequence of ints, got {buckets!r}') from None
-  bad = [b for b in made if isinstance(b, bool) or not isinstance(b, int) or
-         not 1 <= b <= num_slots]
+  bad = [b for b in made if isinstance(b, (bool, np.bool_)) or
+         not isinstance(b, numbers.Integral) or not 1 <= b <= num_slots]
   if bad or num_slots not in made:
     raise ValueError(f'decode_buckets={buckets!r} must be ints in [1, num_slots={num_slots}] '
                      f'including num_slots')
-  return made
+  return tuple(int(b) for b in made)     # numpy ints too, as plain ints
 
 
 @functools.partial(jax.jit, static_argnames=('target', 'draft'),

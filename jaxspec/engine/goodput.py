@@ -195,7 +195,8 @@ class GoodputK(KPolicy):
       if missing:
         raise ValueError(f'cost table {dict(table)} misses K in {missing}')
       bad = {k: t for k, t in table.items()
-             if not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
+             if isinstance(t, bool) or
+             not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
       if bad:
         raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
     self._idle = {rows: {k: float(table[k]) for k in self.candidates}
