@@ -45,10 +45,10 @@ def test_host_seconds_are_medians_per_kind_of_round():
   policy = _policy(0.5, {0: 1.0, 1: 1.5})
   for seconds in (0.1, 0.1, 5.0, 0.1):              # one slow round (a GC pause) is ignored
     policy.round_timing(0, 1.0, seconds)
-  assert policy.host_s == pytest.approx(0.1)
-  assert policy.spec_host_s is None and policy.host.of(1) == pytest.approx(0.1)
+  assert policy.host.median(0) == pytest.approx(0.1)
+  assert policy.host.median(1) is None and policy.host.of(1) == pytest.approx(0.1)
   policy.round_timing(1, 1.5, 0.4)
-  assert policy.spec_host_s == pytest.approx(0.4) and policy.host_s == pytest.approx(0.1)
+  assert policy.host.median(1) == pytest.approx(0.4) and policy.host.median(0) == pytest.approx(0.1)
   assert policy.host.of(1) == pytest.approx(0.4) and policy.host.of(0) == pytest.approx(0.1)
 
 
@@ -67,9 +67,9 @@ def test_stale_k1_host_seconds_move_halfway_to_k0s():
   policy.round_timing(1, 1.5, 0.5)
   for _ in range(GoodputK.STALE_ROUNDS):
     policy.round_timing(0, 1.0, 0.1)
-  assert policy.spec_host_s == pytest.approx(0.3)
+  assert policy.host.median(1) == pytest.approx(0.3)
   policy.round_timing(1, 1.5, 0.5)                  # padded with the carried 0.3: [0.5, 0.3, 0.3]
-  assert policy.spec_host_s == pytest.approx(0.3)
+  assert policy.host.median(1) == pytest.approx(0.3)
 
 
 def test_repeated_k0_hold_checks_its_costs_every_few_rounds():

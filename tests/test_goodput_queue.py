@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxspec.engine import makespan
+from jaxspec.engine import holds, makespan
 from jaxspec.engine.draft_sync import DraftSync
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
 from jaxspec.engine.speculation import choose, horizon
@@ -173,7 +173,7 @@ def test_k0_hold_rides_out_a_common_slowdown_not_a_relative_one():
     policy.round_timing(1, 0.9, 0.0)
   policy.choose(['a'])
   assert len(calls) == 2
-  assert GoodputK.DRIFT < abs(np.log(0.6 / 1.2)) and np.log(1.2) < GoodputK.LEVEL_DRIFT
+  assert holds.DRIFT < abs(np.log(0.6 / 1.2)) and np.log(1.2) < holds.LEVEL_DRIFT
 
 
 def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
@@ -266,11 +266,12 @@ def test_k0_hold_ends_only_when_host_seconds_rise():
   calls = []
   scores = policy._scores
   policy._scores = lambda *a: calls.append(1) or scores(*a)
-  policy.rooms, policy.queued, policy.host_s = [1000], 1, 0.2
+  policy.rooms, policy.queued = [1000], 1
+  policy.host.set(0, 0.2)
   assert policy.choose(['a'])[0] == 0 and len(calls) == 1
-  policy.host_s = 0.01
+  policy.host.set(0, 0.01)
   assert policy.choose(['a'])[0] == 0 and len(calls) == 1
-  policy.host_s = 0.3
+  policy.host.set(0, 0.3)
   assert policy.choose(['a'])[0] == 0 and len(calls) == 2
 
 

@@ -413,19 +413,11 @@ class Engine:
     device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
-    # Rows with neither proposals nor acceptance trials (K = 0 without a draft step) have
-    # nothing to tell the policy or the acceptance metrics.
-    observed = (result.num_proposed > 0) | (result.trials > 0)
+    speculation.observe_round(self.policy, layout, result, caps)   # before a finish forgets
     for row, request in layout:
       e = int(result.emitted[row])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached
       request.metrics.accepted_lengths.append(e)
-      if self.policy is not None and observed[row]:
-        n = int(result.num_accepted[row])
-        request.metrics.proposed += int(result.num_proposed[row])
-        request.metrics.accepted += min(n, e)
-        self.policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
-                            float(result.trials[row]))
       self._emit(request, result.window[row, :e].tolist(), now, emitted,
                  None if result.token_p is None else [float(result.token_p[row])] * e)
     if self.draft_sync is not None:

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from jaxspec.engine import makespan
+from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
 from jaxspec.engine.live_costs import HostSeconds, nondecreasing, padded_median  # noqa: F401
@@ -25,25 +25,6 @@ def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> floa
   2023, Eq. 1; K + 1 at α = 1)."""
   later = alpha if later is None else later
   return 1.0 + alpha * sum(later ** j for j in range(k)) if k >= 1 else 1.0
-
-
-class _Hold:
-  """A choice `GoodputK.choose` keeps without scoring: what it was made on (key, the live cost
-  ratios, and for K = 0 the limits of what may move) and the rounds it has served."""
-
-  def __init__(self, key, ratios, *, k=0, limit=0, host=0.0, left=math.inf, sync_s=0.0,
-               split_s=0.0):
-    self.key, self.ratios, self.k, self.limit, self.rounds = key, ratios, k, limit, 1
-    self.host, self.left, self.sync_s, self.split_s = host, left, sync_s, split_s
-
-  def steady(self, ratios) -> bool:
-    """Whether the live cost ratios (K = 0's, K >= 1's) moved little since the hold began: their
-    quotient, which sets what a K >= 1 round costs against a K = 0 one, by at most
-    `GoodputK.DRIFT` in |log|, and their common level (K = 0's), which only weighs the round
-    against the host and catch-up seconds, by at most `GoodputK.LEVEL_DRIFT`."""
-    (zero, spec), (zero0, spec0) = (tuple(max(v, 1e-9) for v in r) for r in (ratios, self.ratios))
-    return abs(math.log(spec * zero0 / (zero * spec0))) <= GoodputK.DRIFT and \
-        abs(math.log(zero / zero0)) <= GoodputK.LEVEL_DRIFT
 
 
 class GoodputK(KPolicy):
@@ -65,15 +46,14 @@ class GoodputK(KPolicy):
   keeps the table's ratios among them and a median keeps one slow round from pricing a K out
   for good (a K not chosen is not measured again); kept non-decreasing in K. h(K) is the median
   host seconds per round around the call (scheduling, tables, proposals, emitting) of the last
-  `window` rounds of its group: K = 0 (`host_s`) and K >= 1 (`spec_host_s`; K = 0's until one
+  `window` rounds of its group, K = 0 and K >= 1 (`host`, a `HostSeconds`; K = 0's until one
   ran). Without h a K > 0 round looks relatively dearer than it is when host work is a large
   part of a round; a K >= 1 round's host work is the larger (it scores K more often, observes
-  every row, emits more tokens: 0.2-0.5 ms against 0.1-0.15 ms at K = 0 at B = 2 on the
-  development CPU, 10-25 % of a K = 0 round); and a median, not a mean, because one round's
-  host time can be many times the usual (a garbage collection, an engine's first rounds): an
-  exponential average that one slow warm-up pass had left at 0.6 ms against a median 0.15 ms
-  made t(1) / t(0) 1.39 where rounds measured 1.65, and the policy speculated at B = 2 where
-  it lost. E_i is capped by what request i may still emit (`KPolicy.rooms`).
+  every row, emits more tokens); and a median, not a mean, because one round's host time can
+  be many times the usual (a garbage collection, an engine's first rounds): an exponential
+  average stayed inflated by a slow warm-up pass, priced K >= 1 rounds too cheaply against
+  K = 0 ones, and the policy speculated at B = 2 where it lost. E_i is capped by what request i
+  may still emit (`KPolicy.rooms`).
 
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
@@ -150,8 +130,8 @@ class GoodputK(KPolicy):
     self._quotient = 1.0                    # K >= 1 / K = 0 live ratio carried past staleness
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
-    self._held = None                       # the `_Hold` of a K = 0 choice still valid
-    self._spec_held = None                  # the `_Hold` of a K >= 1 choice
+    self._held = None                       # the `holds.Hold` of a K = 0 choice still valid
+    self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._tables = 0                        # cost tables set so far
     self._last_k = 0                        # the previous choice
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
@@ -309,25 +289,6 @@ class GoodputK(KPolicy):
     return {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
             for k in self.candidates}
 
-  @property
-  def host_s(self) -> Optional[float]:
-    """h(0), the median host seconds of the recent K = 0 rounds (None before any); settable."""
-    return self.host.median(0)
-
-  @host_s.setter
-  def host_s(self, seconds: float) -> None:
-    self.host.set(0, seconds)
-
-  @property
-  def spec_host_s(self) -> Optional[float]:
-    """h(K >= 1), the median host seconds of the recent K >= 1 rounds (`HostSeconds`; None
-    before any); settable."""
-    return self.host.median(1)
-
-  @spec_host_s.setter
-  def spec_host_s(self, seconds: float) -> None:
-    self.host.set(1, seconds)
-
   def _scored(self, alphas: np.ndarray, later: np.ndarray) -> dict:
     """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
     hurdle = 1.0 + self.spec_margin
@@ -351,7 +312,7 @@ class GoodputK(KPolicy):
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
     # (each favours K = 0 further), the live cost ratios stayed near those it was scored with
-    # (`_Hold.steady`) and the host seconds h per round rose by less than HOST_RISE of a K = 0
+    # (`holds.Hold.steady`) and the host seconds h per round rose by less than HOST_RISE of a K = 0
     # round, for up to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more
     # than `CLEAR_LEAD`): its host work stays off most K = 0 rounds. Drift and h are compared
     # with their values at the choice, not binned: a value near a bin edge crossed it every few
@@ -386,11 +347,11 @@ class GoodputK(KPolicy):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     self._last_k = k
     self._held = None
-    self._spec_held = _Hold(self._spec_key(request_ids, queue, k), ratios, k=k) if k else None
+    self._spec_held = holds.Hold(self._spec_key(request_ids, queue, k), ratios, k=k) if k else None
     if k == 0:       # a clear lead holds 4x longer
       best = max((g for c, g in scores.items() if c), default=0.0)
       limit = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
-      self._held = _Hold(inputs, ratios, limit=limit, host=host, left=left, sync_s=self.sync_s,
+      self._held = holds.Hold(inputs, ratios, limit=limit, host=host, left=left, sync_s=self.sync_s,
                          split_s=self.split_s)
     return k, [k] * len(request_ids)
 
@@ -428,8 +389,6 @@ class GoodputK(KPolicy):
 
   HOLD_ROUNDS = 8
   CLEAR_LEAD = 0.1
-  DRIFT = 0.1        # |log| change of the K >= 1 / K = 0 live cost ratio that ends a hold
-  LEVEL_DRIFT = 0.3  # |log| change of K = 0's live cost ratio that ends one (a slow stretch)
   HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
   SPEC_HOLD_ROUNDS = 8
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)

@@ -176,6 +176,29 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   return k, caps
 
 
+def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
+  """Give the policy each row's acceptance observation of a decode round
+  (`KPolicy.observe`) and add the row's proposals and accepted tokens to its request's metrics
+  (accepted counts only emitted tokens). Rows with neither proposals nor trials (K = 0 without
+  a draft step or probe) tell nothing and are skipped; nothing without a policy.
+
+  Args:
+    layout: [(row, request)] of the round's decoding requests.
+    result: the round's `jaxspec.engine.drafters.Round` (arrays [rows]).
+    caps: [rows] int32, the proposals each row could accept.
+  """
+  if policy is None:
+    return
+  observed = (result.num_proposed > 0) | (result.trials > 0)
+  for row, request in layout:
+    if observed[row]:
+      n, e = int(result.num_accepted[row]), int(result.emitted[row])
+      request.metrics.proposed += int(result.num_proposed[row])
+      request.metrics.accepted += min(n, e)
+      policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
+                     float(result.trials[row]))
+
+
 def _checked(policy, k_max: int, n: int, k, caps) -> tuple:
   """(k, list(caps)) if K is an int candidate in [0, k_max] and caps n ints in [0, K]."""
   if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
