@@ -4,11 +4,15 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
     PYTHONPATH=$PWD python scripts/policy_host_time.py [--batch 4] [--workload code]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
+        [--set 'goodput.draft_sync.probe_every=None' ...]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = 2 x B held-out prompts of 64 tokens, 32 tokens each,
 greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
-rotated per pass. Per setting it prints tokens/s as a ratio to the first setting (mean over
+rotated per pass. --set overrides an attribute of a built engine before the runs (SETTING.PATH=VALUE,
+PATH dotted from the engine, VALUE a Python literal): e.g. two goodput settings, one with the
+lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's overhead into
+probes and the rest. Per setting it prints tokens/s as a ratio to the first setting (mean over
 passes), decode rounds per pass, the mean microseconds per round of each part, the rounds per
 K, and for a lazy draft cache its catch-up calls and milliseconds per pass. The times are the
 wall clock around each call, so the parts include the Python that runs right after a device
@@ -19,6 +23,7 @@ of the caches).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import statistics
 import time
@@ -41,12 +46,32 @@ def _timed(totals: collections.Counter, part: str, function):
   return call
 
 
+def _override(engines, override: str, parser) -> None:
+  """Set SETTING.PATH=VALUE on the setting's engine (PATH dotted attributes from it)."""
+  target, _, value = override.partition('=')
+  name, *path = target.split('.')
+  if not _ or not path or name not in engines:
+    parser.error(f'--set {override!r}: want SETTING.PATH=VALUE with SETTING in {list(engines)}')
+  try:
+    value = ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    parser.error(f'--set {override!r}: {value!r} is not a Python literal')
+  owner = engines[name][0]
+  for attribute in path[:-1]:
+    owner = getattr(owner, attribute, None)
+  if owner is None or not hasattr(owner, path[-1]):
+    parser.error(f'--set {override!r}: the {name} engine has no {".".join(path)}')
+  setattr(owner, path[-1], value)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--batch', type=int, default=4)
   parser.add_argument('--workload', default='code', choices=['json', 'code', 'retrieval'])
   parser.add_argument('--passes', type=int, default=6)
   parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput')
+  parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
+                      help='override an engine attribute, e.g. goodput.policy.spec_margin=0.1')
   args = parser.parse_args()
   if args.batch < 1 or args.passes < 1:
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
@@ -58,6 +83,8 @@ def main():
                                             config.prompt_len, split='test', seed=0)]
   engines = batching.build_engines(config, settings, target, target_params, draft,
                                    draft_params)
+  for override in args.set:
+    _override(engines, override, parser)
   stop = tokenizer.eos_ids
   for name in engines:          # one untimed pass each (first-call host work)
     batching.measure({name: engines[name]}, [p[:config.chunk_size] for p in prompts[:args.batch]],

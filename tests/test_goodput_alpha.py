@@ -18,7 +18,7 @@ def test_round_observation_splits_the_first_proposal_from_the_later_ones():
 
 
 def test_tracker_keeps_first_and_later_acceptance_apart():
-  tracker = AlphaTracker(prior=0.5, prior_trials=1.0)
+  tracker = AlphaTracker(prior=0.5, prior_trials=1.0, global_span=1.0)   # a fast global estimate
   # No later-proposal observation anywhere yet: β falls back to the global α.
   tracker.observe('a', 1.0, 1.0)
   assert tracker.later('a') == pytest.approx(tracker.global_alpha)
@@ -38,6 +38,23 @@ def test_tracker_keeps_first_and_later_acceptance_apart():
   assert tracker.later('a') > later + 0.5
   with pytest.raises(ValueError, match='prior_trials'):
     AlphaTracker(prior_trials=-1.0)
+  with pytest.raises(ValueError, match='global_span'):
+    AlphaTracker(global_span=0.5)
+
+
+def test_one_requests_bad_tail_does_not_reset_the_global_alpha():
+  """B = 1: requests run one after another, so the global estimate (the next request's start)
+  decays per observation; with `global_span` it keeps ~span / (1 - decay) of them, and five
+  rejected first proposals at the end of one request leave it near the workload's α, where
+  with a span of 1 it fell to where K = 0 wins."""
+  slow, fast = AlphaTracker(), AlphaTracker(global_span=1.0)
+  for tracker in (slow, fast):
+    for i in range(30):                      # α 0.75: three in four first proposals accepted
+      tracker.observe('a', float(i % 4 != 0), 1.0)
+    for _ in range(5):                       # the request's last five all rejected
+      tracker.observe('a', 0.0, 1.0)
+    tracker.forget('a')
+  assert slow.alpha('next') > 0.55 and fast.alpha('next') < 0.4
 
 
 def _enumerated(alpha, later, k):
@@ -87,7 +104,7 @@ def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
   """The K = 0 hold keys on the live cost ratios the table is fitted with (prior rounds
   included): a second slow K = 0 round out of PRIOR_ROUNDS leaves the raw median where it was
   but doubles K = 0's fitted cost, so the held K = 0 must be scored again (K = 1 now wins)."""
-  policy = GoodputK(costs={0: 1.0, 1: 1.2}, spec_margin=0.0)
+  policy = GoodputK(costs={0: 1.0, 1: 1.2}, spec_margin=0.0, cold_rounds=0)
   policy.setup(1)
   for _ in range(3):
     policy.round_timing(1, 1.2, 0.0)           # K >= 1 live ratio 1
@@ -106,7 +123,7 @@ def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
 def test_live_cost_ratios_count_with_a_window_below_the_prior_rounds(window):
   """A group never holds more than `window` live rounds, so the pseudo-rounds pad it up to
   min(PRIOR_ROUNDS, window): with window = 1 the live ratios must still scale d(K)."""
-  policy = GoodputK(costs={0: 1.0, 1: 1.5}, window=window)
+  policy = GoodputK(costs={0: 1.0, 1: 1.5}, window=window, cold_rounds=0)
   policy.setup(1)
   for _ in range(4):
     policy.round_timing(0, 2.0, 0.0)           # K = 0 live at twice its start-up time

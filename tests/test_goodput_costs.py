@@ -10,6 +10,7 @@ IDS = ['a', 'b']
 
 
 def _policy(alpha, costs, k_max=1, **kwargs):
+  kwargs.setdefault('cold_rounds', 0)        # every round counts (see the cold-rounds test)
   policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs, **kwargs)
   policy.setup(k_max)
   return policy
@@ -83,3 +84,38 @@ def test_repeated_k0_hold_checks_its_costs_every_few_rounds():
   for _ in range(GoodputK.CHECK_EVERY - 2):         # not checked until the hold's next check
     assert policy.repeat(IDS, rows, 0) == (0, [0, 0])
   assert policy.repeat(IDS, rows, 0) is None
+
+
+def test_an_engines_first_round_of_each_kind_is_not_timed():
+  """The first live round at K = 0 and at K >= 1 are cold (3x the usual host work, 1.7x the
+  start-up device time on the development CPU): with `cold_rounds` 1 they price nothing."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5}, cold_rounds=1)
+  policy.round_timing(1, 6.0, 0.9)                  # cold: neither the ratio nor h moves
+  policy.round_timing(0, 3.0, 0.9)
+  assert policy.costs == pytest.approx({0: 1.0, 1: 1.5}) and policy.host.median(0) is None
+  assert policy.host.median(1) is None
+  policy.round_timing(0, 1.0, 0.1)                  # warm rounds count
+  policy.round_timing(1, 1.5, 0.2)
+  assert policy.host.median(0) == pytest.approx(0.1) and policy.host.median(1) == pytest.approx(0.2)
+  with pytest.raises(ValueError, match='cold_rounds must be an int >= 0, got -1'):
+    GoodputK(cold_rounds=-1)
+
+
+def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
+  """A held K >= 1 choice is repeated without gathering the horizon while the batch, its rows
+  and the queue's length are unchanged and every room stays >= K + 2, for SPEC_HOLD_ROUNDS."""
+  policy = _policy(0.9, {0: 1.0, 1: 1.2})
+  policy.rooms, policy.queued = [20, 20], 0
+  assert policy.choose(IDS)[0] == 1
+  rows = policy.rows
+  assert policy.repeat(IDS, rows, 0, 20) == (1, [1, 1])
+  assert policy.repeat(['a', 'c'], rows, 0, 20) is None       # another batch
+  assert policy.repeat(IDS, rows, 1, 20) is None              # the queue moved
+  assert policy.repeat(IDS, rows, 0, 2) is None               # a room below K + 2
+  assert policy.repeat(IDS, rows, 0, None) is None            # rooms not known
+  for _ in range(GoodputK.SPEC_HOLD_ROUNDS - 2):
+    assert policy.repeat(IDS, rows, 0, 20) == (1, [1, 1])
+  assert policy.repeat(IDS, rows, 0, 20) is None              # the hold is used up
+  policy.rooms = [20, 2]                                      # chosen with a short room
+  assert policy.choose(['c', 'd'])[0] == 1
+  assert policy.repeat(['c', 'd'], rows, 0, 20) is None

@@ -22,9 +22,13 @@ class AlphaTracker:
 
   A request with no observation yet uses the global estimate, the same ratio over every
   request's observations with `prior_trials` pseudo-trials of `prior` (β's of the global α);
-  its sums decay by decay^(1/n) per observation, n the requests tracked: about `decay` per
-  round of n requests, so at a large batch it is not just the last few requests'. A request's
-  own estimate mixes in `prior_trials` pseudo-trials of the global one.
+  its sums decay by decay^(1/max(n, global_span)) per observation, n the requests tracked:
+  about `decay` per round of n requests, so at a large batch it is not just the last few
+  requests', and per `global_span` rounds at least, so at a small one it is not just the last
+  few rounds' (B = 1 on the development CPU: a json request's last five tokens all rejected
+  left the next request starting from α 0.35 where 0.7 is usual, below the threshold, and the
+  policy chose K = 0 for whole requests). A request's own estimate mixes in `prior_trials`
+  pseudo-trials of the global one.
 
   β's sums decay with every observation, also those that see no later proposal (a K = 0
   probe, a round at K = 1): otherwise β keeps what the last K >= 2 rounds measured for as long
@@ -39,12 +43,15 @@ class AlphaTracker:
     prior_trials: pseudo-trials of the global estimate mixed into each request's, and of the
       prior into the global one (so one unlucky first round pins neither near 0: with 4, one
       rejected first proposal moves the global α from 0.5 to 0.4, not to 0.25 as with 1).
+    global_span: observations per `decay` of the global sums at least (>= 1).
   Raises:
     ValueError: a value out of range.
   """
 
-  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0):
+  def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0,
+               global_span: float = 8.0):
     decay = checked_real('decay', decay, 0.0, 1.0, high_open=True)
+    self.global_span = checked_real('global_span', global_span, 1.0, math.inf, high_open=True)
     prior = checked_real('prior', prior, 0.0, 1.0)
     prior_trials = checked_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
@@ -87,14 +94,15 @@ class AlphaTracker:
               later_trials: float = 0.0) -> None:
     """Add one round's first-proposal (successes, trials) of a request and its later-proposal
     ones; nothing when both trial counts are <= 0. Decays the request's sums by `decay` and the
-    global ones by decay^(1/n) first (n requests tracked): the first proposal's when observed,
-    the later ones' always."""
+    global ones by decay^(1/max(n, global_span)) first (n requests tracked): the first
+    proposal's when observed, the later ones' always."""
     if trials <= 0 and later_trials <= 0:
       return
     old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])
     self._sums[request_id] = _decayed(old, self.decay, successes, trials, later_successes,
                                       later_trials)
-    self._global = _decayed(self._global, self.decay ** (1.0 / len(self._sums)), successes,
+    span = max(len(self._sums), self.global_span)
+    self._global = _decayed(self._global, self.decay ** (1.0 / span), successes,
                             trials, later_successes, later_trials)
 
   def forget(self, request_id) -> None:

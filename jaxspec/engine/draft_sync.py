@@ -167,8 +167,11 @@ class DraftSync:
   def catch_up(self, decodes) -> None:
     """Run the draft over every lagging request's context[draft_computed:num_computed], in
     chunks, and give the policy the scores (as K = 0 observations)."""
-    start = time.perf_counter()
     lagging = _lagging(decodes)
+    if not lagging:     # nothing lags (every round at K >= 1 after the first): no call
+      self.rounds_since, self.zero_s = 0, 0.0
+      return
+    start = time.perf_counter()
     estimate = self._estimate(lagging)
     rows = self.engine.prefill_rows
     for i in range(0, len(lagging), rows):

@@ -413,7 +413,8 @@ class Engine:
     device_s = time.perf_counter() - call_start
     self.k_rounds[k] += 1
     now = time.perf_counter()
-    speculation.observe_round(self.policy, layout, result, caps)   # before a finish forgets
+    if k or self.draft_sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
+      speculation.observe_round(self.policy, layout, result, caps)   # before a finish forgets
     for row, request in layout:
       e = int(result.emitted[row])
       request.num_computed += e      # pending + the first e - 1 new tokens are now cached

@@ -104,21 +104,30 @@ class GoodputK(KPolicy):
       threshold K = 0 is the side that cannot lose much; with the stay margin the policy
       enters K >= 1 above (1 + spec_margin) x K = 0's goodput and leaves it below
       (1 + spec_margin) / (1 + stay_margin) x.
+    cold_rounds: the engine's first live rounds of each group (K = 0; K >= 1) left out of the
+      live ratios and host seconds: they are cold (on the development CPU the first K >= 1
+      round took 1.7x its start-up time and 3x the usual host work), and priced in they kept
+      K >= 1, and the probes that would have shown it pays, out for whole requests at B = 1.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin, stay_margin or spec_margin < 0, window < 1.
+      non-positive time, margin, stay_margin or spec_margin < 0, window < 1, cold_rounds not
+      an int >= 0.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, window: int = 16,
                probe_margin: float = 0.05, stay_margin: float = 0.05,
-               spec_margin: float = 0.05):
+               spec_margin: float = 0.05, cold_rounds: int = 1):
     super().__init__()
     margin = checked_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = checked_real('probe_margin', probe_margin, 0.0, 1.0)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
       raise ValueError(f'window must be an int >= 1, got {window!r}')
+    if isinstance(cold_rounds, bool) or not isinstance(cold_rounds, int) or cold_rounds < 0:
+      raise ValueError(f'cold_rounds must be an int >= 0, got {cold_rounds!r}')
+    self.cold_rounds = cold_rounds
+    self._timed = [0, 0]                    # live rounds reported per group (K = 0; K >= 1)
     self.host = HostSeconds(window, self.PRIOR_ROUNDS)   # h(K)
     self._idle: dict = {}                   # {rows: {K: seconds}} start-up tables (None: full)
     self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
@@ -355,14 +364,18 @@ class GoodputK(KPolicy):
                          split_s=self.split_s)
     return k, [k] * len(request_ids)
 
-  def repeat(self, request_ids, rows, queued):
+  def repeat(self, request_ids, rows, queued, min_room=None):
     """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
     the estimates are unchanged and the cost ratios and host time have not moved (None
     otherwise). The rest `choose` checks cannot move against K = 0 meanwhile: with the same
     requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
     shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
     stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
-    the hold (recomputing their medians each round was ~1 % of a K = 0 round at B = 2)."""
+    the hold (recomputing their medians each round was ~1 % of a K = 0 round at B = 2).
+
+    A held K >= 1 choice is kept alike (`_repeat_spec`)."""
+    if self._spec_held is not None:
+      return self._repeat_spec(request_ids, rows, queued, min_room)
     held = self._held
     if held is None or held.key[0] != tuple(request_ids) or held.key[2] != rows or \
         held.key[1][0] != queued or held.key[3] != self._version or held.rounds >= held.limit:
@@ -373,6 +386,27 @@ class GoodputK(KPolicy):
     self.rows, self.queued = rows, queued
     held.rounds += 1
     return 0, [0] * len(request_ids)
+
+  def _repeat_spec(self, request_ids, rows, queued, min_room):
+    """The held K >= 1 choice while it has rounds left (`SPEC_HOLD_ROUNDS`) and the batch, its
+    row bucket, the queue's length and the cost tables are unchanged, every room was and still
+    is at least K + 2 (`_spec_key`) and, checked every `CHECK_EVERY` rounds, the cost ratios held steady;
+    else None. The draft is in sync after a round at K >= 1 and stays so for the same requests
+    (no catch-up seconds); the queue's rooms do not move while its length does not. Gathering
+    the horizon and scoring the hold's key each round cost ~4 % of a round at B = 1 on the
+    development CPU."""
+    spec = self._spec_held
+    rooms = spec.key[6]
+    if spec.rounds >= self.SPEC_HOLD_ROUNDS or spec.key[0] != tuple(request_ids) or \
+        spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self._tables or \
+        min_room is None or \
+        min_room < spec.k + 2 or not rooms or min(rooms) < spec.k + 2:
+      return None
+    if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self._group_ratios()):
+      return None
+    self.rows, self.queued = rows, queued
+    spec.rounds += 1
+    return spec.k, [spec.k] * len(request_ids)
 
   def _k0_stands(self, held, ratios, host) -> bool:
     """Whether the K = 0 hold `held` has rounds left, steady cost ratios and no rise of h."""
@@ -422,11 +456,16 @@ class GoodputK(KPolicy):
     self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
-    self.host.add(k, host_s)
+    # The first `cold_rounds` of each group are left out (see the class doc): `worth_probing`
+    # prices with the same costs, so cold ones also stopped the probes.
+    group = min(k, 1)
+    self._timed[group] += 1
     idle = self._idle.get(self.rows, self._idle.get(None, {}))
-    if k in idle:
-      self._ratios[min(k, 1)].append(device_s / idle[k])
-      self._costs_moved()
+    if self._timed[group] > self.cold_rounds:
+      self.host.add(k, host_s)
+      if k in idle:
+        self._ratios[group].append(device_s / idle[k])
+        self._costs_moved()
     # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped, and K = 0's
     # ratio times the square root of their quotient to it stands in: while the policy stays at
     # K = 0 only K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow
