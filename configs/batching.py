@@ -9,15 +9,15 @@
       --config.settings='k0=k:0;k3=k:3;big_chunk=k:3,chunk_size:128'   # any Engine kwargs
 
 One run = one batch size B: one engine per setting (same target/draft pair, same pool and
-max_seq_len), N = requests_per_slot x B held-out prompts per workload submitted at once, greedy,
-stop at <|eos|>, the settings' engines stepped in turn (order rotated per workload and
-repeat), each timed on its own step clock. Records and fields:
+max_seq_len), N = max(requests_per_slot x B, min_requests) held-out prompts per workload
+submitted at once, greedy, stop at <|eos|>, the settings' engines stepped in turn (order
+rotated per workload and repeat), each timed on its own step clock. Records and fields:
 experiments/batching.py; the threshold analysis (cost ratio c(B, K) of a decode round, the α at
 which speculation starts to pay, best K, model-vs-measured speedups, adaptive vs best static):
 experiments/batching_report.py, written by the sweep (and `experiments.report`) to
 threshold.md / threshold.json beside summary.md, plots in plots/.
 
-Sizes: per workload N = 2 x B requests of 64-token prompts, 32 tokens each, one pass (three
+Sizes: per workload N = max(2 x B, 8) requests of 64-token prompts, 32 tokens each, one pass (three
 setting orders over the three workloads): the 7-case sweep took 20 min 47 s on the idle 2-core
 development machine with --config.repeats=2, most of it compiling the step variants (every K of
 every setting at every decode row bucket: up to ~100 at B = 64) and the B = 32 and 64 cases;
@@ -49,7 +49,9 @@ def get_config(arg=None):
   c.settings = ';'.join([STATIC, ADAPTIVE, NGRAM])
   c.workloads = 'json,code,retrieval'
   c.batch_size = 8         # B, engine slots
-  c.requests_per_slot = 2  # N = requests_per_slot x B requests per (workload, setting, repeat)
+  c.requests_per_slot = 2  # N = max(requests_per_slot x B, min_requests) requests per
+  c.min_requests = 8       #   (workload, setting, repeat): at B = 1-2 a pass of 2-4 requests
+                           #   moved a cell's ratio by +-0.05 between runs
   c.prompt_len = 64        # tokens (retrieval: at most); one prefill chunk
   c.max_tokens = 32        # tokens emitted per request at most (stops earlier at <|eos|>)
   c.repeats = 1            # passes over every (workload, setting); the order of the settings
@@ -68,6 +70,7 @@ def get_config(arg=None):
     c.workloads = 'json'
     c.batch_size = 2
     c.requests_per_slot = 1
+    c.min_requests = 0
     c.prompt_len = 48
     c.max_tokens = 8
     c.repeats = 1

@@ -4,7 +4,7 @@ One run = one B (engine slots) and one set of workloads. Inside the run, one `En
 setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft model; adaptive
 policies and other drafters are more settings), all built from the same target/draft pair and
 compiled by `warm_up` before anything is timed. For each repeat and workload, the same
-N = requests_per_slot x B held-out prompts (`make_prompts`) are submitted at once to every
+N = max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`) are submitted at once to every
 setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
 order that rotates by one per (repeat, workload), so every setting's steps are timed
 milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
@@ -315,8 +315,8 @@ def run(config, results) -> None:
   each, written after all settings of a (repeat, workload) ran so speedups can be attached.
 
   Raises:
-    ValueError: bad settings, workloads, batch_size, requests_per_slot, max_tokens, repeats,
-      prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
+    ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
+      max_tokens, repeats, prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
   """
   settings = parse_settings(config.settings)
   workloads = parse_workloads(config)
@@ -325,11 +325,12 @@ def run(config, results) -> None:
       raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
   if config.interleave not in ('steps', 'runs'):
     raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
-  if int(config.cost_rounds) < 0:
-    raise ValueError(f'config.cost_rounds must be >= 0, got {config.cost_rounds}')
+  for field in ('cost_rounds', 'min_requests'):
+    if int(config[field]) < 0:
+      raise ValueError(f'config.{field} must be >= 0, got {config[field]}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   b = int(config.batch_size)
-  n = int(config.requests_per_slot) * b
+  n = max(int(config.requests_per_slot) * b, int(config.min_requests))
   prompts = {w: [p.tokens for p in make_prompts(w, tokenizer, n, int(config.prompt_len),
                                                 split='test', seed=int(config.seed))]
              for w in workloads}
