@@ -7,7 +7,7 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
         [--set 'goodput.draft_sync.probe_every=None' ...]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
-`experiments.batching.build_engines`, N = 2 x B held-out prompts of 64 tokens, 32 tokens each,
+`experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens each,
 greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
 rotated per pass. --set overrides an attribute of a built engine before the runs (SETTING.PATH=VALUE,
 PATH dotted from the engine, VALUE a Python literal): e.g. two goodput settings, one with the
@@ -79,8 +79,9 @@ def main():
   config.batch_size, config.settings = args.batch, args.settings
   settings = batching.parse_settings(config.settings)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, 2 * args.batch,
-                                            config.prompt_len, split='test', seed=0)]
+  n = max(config.requests_per_slot * args.batch, config.min_requests)
+  prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, n, config.prompt_len,
+                                            split='test', seed=0)]
   engines = batching.build_engines(config, settings, target, target_params, draft,
                                    draft_params)
   for override in args.set:

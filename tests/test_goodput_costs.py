@@ -119,3 +119,15 @@ def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
   policy.rooms = [20, 2]                                      # chosen with a short room
   assert policy.choose(['c', 'd'])[0] == 1
   assert policy.repeat(['c', 'd'], rows, 0, 20) is None
+
+
+def test_k0_host_seconds_never_exceed_k1s():
+  """K = 0 rounds measured slow (cold) and then never run again while the policy speculates
+  must not keep K = 0 priced above a K >= 1 round's host work."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5})
+  for _ in range(2):
+    policy.round_timing(0, 1.0, 0.4)
+  for _ in range(3):
+    policy.round_timing(1, 1.5, 0.2)
+  assert policy.host.median(0) == pytest.approx(0.4)
+  assert policy.host.of(0) == pytest.approx(0.2) and policy.host.of(1) == pytest.approx(0.2)

@@ -97,6 +97,25 @@ def test_goodput_scores_the_queue_and_its_idle_rounds():
   assert policy.choose(ids)[0] == 2
 
 
+def test_waves_after_the_horizon_pay_the_split_again():
+  """Finishes apart stay apart, so every later wave is prefilled request by request: with three
+  more waves queued behind the listed one, each adds its tokens, its share of the rounds and
+  the split again, and K = 0 (lock-step) wins where with one wave K = 2 did."""
+  costs = {0: 1.0, 1: 1.5, 2: 1.9}
+  ids = [f'r{i}' for i in range(8)]
+  policy = _policy(0.95, costs)
+  policy.rooms, policy.queued = [12] * 8, 8
+  policy.queue_rooms, policy.slots, policy.split_s = [12] * 8, 8, 4.0
+  assert policy.choose(ids)[0] == 2
+  policy.queued = 32
+  rounds = makespan.rounds_with_queue([0.95] * 8, [12] * 8, 2, None, [12] * 8, 0.95, 0.95, 8)
+  scores = policy._scores(*policy._alphas(ids))
+  for k in range(3):
+    seconds, split = rounds[k] * costs[k], 4.0 if k else 0.0
+    assert scores[k] == pytest.approx((192 + 3 * 96) / (seconds + split + 3 * (seconds / 2 + split)))
+  assert policy.choose(ids)[0] == 0
+
+
 def test_horizon_lists_the_queue_in_admission_order():
   def req(room, decoding=False, output=()):
     return types.SimpleNamespace(room=room, max_tokens=room, prefill_tokens=[0] * 4,
@@ -257,6 +276,31 @@ def test_a_probe_the_budget_refuses_is_not_asked_about():
   assert sync.probe_due(decodes)
   sync.before_choice(decodes)
   assert asked == [1, 3, 399]
+
+
+def test_a_refused_probe_is_not_looked_for_until_affordable():
+  """Once the budget refuses a probe, the lagging requests are not sorted and priced again
+  every round: not until the K = 0 rounds since have cost what affords the refused probe."""
+  class Never:
+    def worth_probing(self, ids):
+      return False
+  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2,
+                                 prefill_buckets=(1, 2))
+  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
+                                  observe_tokens=8)
+  sync = DraftSync(engine, drafter)
+  sync.costs = {1: 10.0, 2: 12.0}
+  priced = []
+  pending = sync.pending_s
+  sync.pending_s = lambda requests: priced.append(len(requests)) or pending(requests)
+  decodes = [_lagging_request(), _lagging_request()]     # a probe takes one of the two
+  for _ in range(400):
+    sync.probe_due(decodes)                      # as `speculation.choose` asks before the choice
+    sync.before_choice(decodes)                  # reuses probe_due's answer: priced once
+    sync.after_round(decodes, 0, 1.0)
+  assert priced.count(1) == 1                    # refused once (round 7), then not looked for
+  sync.zero_s = 50.0 / 0.03                      # the refused probe's cost / budget: due again
+  assert sync.probe_due(decodes) and priced.count(1) == 2
 
 
 def test_k0_hold_ends_only_when_host_seconds_rise():

@@ -78,14 +78,18 @@ class DraftSync:
     self.live_ratio = 1.0
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
     self._forced = False         # every request of the coming round has one token left
+    self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
+    self._due = None             # (decodes, probe) of this round's `probe_due`
 
   QUIET = 8   # the longest gap between two questions to the policy, in probe_every units
 
   # ------------------------------------------------------------ round hooks
 
   def probe_due(self, decodes) -> bool:
-    """Whether `before_choice` would ask the policy about a probe this round (`_probe`)."""
-    return bool(self._probe(decodes))
+    """Whether `before_choice` would ask the policy about a probe this round (`_probe`; kept
+    for `before_choice` of the same `decodes`)."""
+    self._due = decodes, self._probe(decodes)
+    return bool(self._due[1])
 
   def _probe(self, decodes) -> list:
     """The requests a probe would catch up this round (the `probe_rows` least behind of those
@@ -93,14 +97,20 @@ class DraftSync:
     reached the current gap) and affordable (an early probe, or one within `probe_budget`);
     else []. Affordability comes first: a probe the budget refuses is not worth a question
     (one scores the batch), and asking every round until the budget allows cost B = 2 rounds
-    ~5 % on the development CPU."""
-    if self.probe_every is None or self.rounds_since < self.backoff:
+    ~5 % on the development CPU. A probe the budget refused is not looked for again until the
+    K = 0 rounds since have cost what would have afforded it then (its lag grows meanwhile,
+    so it may be refused again): at B = 8 looking every round cost ~0.4 % of the rounds."""
+    if self.probe_every is None or self.rounds_since < self.backoff or \
+        self.zero_s < self._afford_s:
       return []
     probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                    key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
-    if probe and (self.backoff < self.probe_every or self.probe_budget is None or
-                  self.pending_s(probe) <= self.probe_budget * self.zero_s):
+    if not probe or self.backoff < self.probe_every or self.probe_budget is None:
       return probe
+    cost = self.pending_s(probe)
+    if cost <= self.probe_budget * self.zero_s:
+      return probe
+    self._afford_s = cost / self.probe_budget
     return []
 
   def before_choice(self, decodes) -> float:
@@ -109,7 +119,8 @@ class DraftSync:
     # Every request on its last token: any K emits just that one, so K = 0 is forced and says
     # nothing about whether the engine speculates (`after_round` keeps `eager`).
     self._forced = all(r.room <= 1 for r in decodes)
-    probe = self._probe(decodes)
+    due, self._due = self._due, None
+    probe = due[1] if due is not None and due[0] is decodes else self._probe(decodes)
     policy = self.engine.policy
     if probe and policy is not None:    # could a better α estimate change the choice?
       policy.sync_s = self.pending_s(decodes)
@@ -142,6 +153,7 @@ class DraftSync:
       for request in decodes:
         request.draft_computed = request.num_computed
       self.backoff = 1
+      self._afford_s = 0.0
     else:
       self.rounds_since += 1
       self.zero_s += zero_s
@@ -168,8 +180,8 @@ class DraftSync:
     """Run the draft over every lagging request's context[draft_computed:num_computed], in
     chunks, and give the policy the scores (as K = 0 observations)."""
     lagging = _lagging(decodes)
+    self.rounds_since, self.zero_s, self._afford_s = 0, 0.0, 0.0
     if not lagging:     # nothing lags (every round at K >= 1 after the first): no call
-      self.rounds_since, self.zero_s = 0, 0.0
       return
     start = time.perf_counter()
     estimate = self._estimate(lagging)
@@ -179,7 +191,6 @@ class DraftSync:
       while group:
         self._call(group)
         group = [r for r in group if r.draft_computed < r.num_computed]
-    self.rounds_since, self.zero_s = 0, 0.0
     spent = time.perf_counter() - start
     self.seconds += spent
     if estimate > 0:     # host work and live pages: the table alone underestimates
