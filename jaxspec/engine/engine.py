@@ -424,7 +424,7 @@ class Engine:
     if self.draft_sync is not None:
       self.draft_sync.after_round(decodes, k, self.row_costs.get(width, {}).get(0, 0.0))
     if self.policy is not None:   # host seconds of this round besides the device call
-      host_s = time.perf_counter() - start - device_s + self._schedule_s
+      host_s = max(0.0, time.perf_counter() - start - device_s + self._schedule_s)
       self.policy.round_timing(k, device_s, host_s)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,

@@ -63,8 +63,11 @@ class GoodputK(KPolicy):
   takes them in too: (Σ_i room_i + Σ_q room_q) / (rounds(K) t(K) + [K >= 1] (sync_s +
   split_s)), rounds(K) from `makespan.rounds_with_queue` (a freed slot idles one round per
   admission unless the batch finishes together, as at K = 0; the last wave's tail), t(K) the
-  full batch's. A per-round score misses both and overrates K >= 1 once the batch is large
-  (B = 8 on the development CPU: +4 % predicted for K = 2, -10 % measured).
+  full batch's; each of the W = (queued - q) / slots waves queued past the listed q requests
+  adds the listed wave's tokens, its share of the time and, at K >= 1, split_s again (finishes
+  apart stay apart, so every later admission is prefilled alone). A per-round score misses
+  both and overrates K >= 1 once the batch is large (B = 8 on the development CPU: +4 %
+  predicted for K = 2, -10 % measured).
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
   when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while nothing it depends on
@@ -281,7 +284,8 @@ class GoodputK(KPolicy):
     if rooms is not None and queue is not None and self.slots and len(rooms) <= self.slots:
       # Requests wait: the time until they are done too, a freed slot idling one round per
       # admission and the last wave's tail included (`makespan.rounds_with_queue`); the rounds
-      # run the full batch, and K >= 1 pays the catch-up and the split admissions once.
+      # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
+      # per wave.
       t = self.tracker
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           t.global_alpha, t.global_later, self.slots)
@@ -466,6 +470,14 @@ class GoodputK(KPolicy):
     self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
+    """`KPolicy.round_timing`.
+
+    Raises:
+      ValueError: a time that is not a finite number >= 0 (one NaN would poison a median).
+    """
+    if not (0.0 <= device_s < math.inf and 0.0 <= host_s < math.inf):
+      raise ValueError(f'round times must be finite seconds >= 0, got device_s={device_s!r}, '
+                       f'host_s={host_s!r}')
     # The first `cold_rounds` of each group are left out (see the class doc): `worth_probing`
     # prices with the same costs, so cold ones also stopped the probes.
     group = min(k, 1)
