@@ -3,12 +3,12 @@
 One run = one B (engine slots) and one set of workloads. Inside the run, one `Engine` per
 setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft model; adaptive
 policies and other drafters are more settings), all built from the same target/draft pair and
-compiled by `warm_up` before anything is timed. For each repeat and workload, the same
-N = max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`) are submitted at once to every
-setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
-order that rotates by one per (repeat, workload), so every setting's steps are timed
-milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
-interleave='runs' runs the settings one after another instead (whole runs, same rotation).
+compiled by `warm_up` before anything is timed. For each repeat and workload, the same N =
+max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`) are submitted at once to
+every setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
+order that rotates by one per (repeat, workload), so every setting's steps are timed milliseconds
+apart and every ratio against K = 0 is taken under the same machine conditions; interleave='runs'
+runs the settings one after another instead (whole runs, same rotation).
 
 One record per (workload, setting, repeat); "engine seconds" = the sum of that engine's own
 `step()` wall times (all requests arrive at 0 on that clock):
@@ -316,7 +316,8 @@ def run(config, results) -> None:
 
   Raises:
     ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
-      max_tokens, repeats, prompt_len or cost_rounds (before any model is loaded), or a setting the Engine refuses.
+      max_tokens, repeats, prompt_len or cost_rounds (before any model is loaded), or a setting
+      the Engine refuses.
   """
   settings = parse_settings(config.settings)
   workloads = parse_workloads(config)

@@ -7,17 +7,17 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
         [--set 'goodput.draft_sync.probe_every=None' ...]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
-`experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens each,
-greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
-rotated per pass. --set overrides an attribute of a built engine before the runs (SETTING.PATH=VALUE,
-PATH dotted from the engine, VALUE a Python literal): e.g. two goodput settings, one with the
-lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's overhead into
-probes and the rest. Per setting it prints tokens/s as a ratio to the first setting (mean over
-passes), decode rounds per pass, the mean microseconds per round of each part, the rounds per
-K, and for a lazy draft cache its catch-up calls and milliseconds per pass. The times are the
-wall clock around each call, so the parts include the Python that runs right after a device
-call (slower than the same code in a tight loop: the step has pushed the interpreter's data out
-of the caches).
+`experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
+each, greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
+rotated per pass. --set overrides an attribute of a built engine before the runs
+(SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
+settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
+overhead into probes and the rest. Per setting it prints tokens/s as a ratio to the first setting
+(mean over passes), decode rounds per pass, the mean microseconds per round of each part, the rounds
+per K, and for a lazy draft cache its catch-up calls and milliseconds per pass. The times are the
+wall clock around each call, so the parts include the Python that runs right after a device call
+(slower than the same code in a tight loop: the step has pushed the interpreter's data out of the
+caches).
 """
 
 from __future__ import annotations

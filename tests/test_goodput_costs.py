@@ -133,7 +133,8 @@ def test_k0_host_seconds_never_exceed_k1s():
   assert policy.host.of(0) == pytest.approx(0.2) and policy.host.of(1) == pytest.approx(0.2)
 
 
-@pytest.mark.parametrize('device_s, host_s', [(float('nan'), 0.1), (1.0, float('inf')), (-1.0, 0.1)])
+@pytest.mark.parametrize('device_s, host_s',
+                         [(float('nan'), 0.1), (1.0, float('inf')), (-1.0, 0.1)])
 def test_round_times_must_be_finite_and_non_negative(device_s, host_s):
   policy = _policy(0.5, {0: 1.0, 1: 1.5})
   with pytest.raises(ValueError, match='round times must be finite seconds >= 0'):

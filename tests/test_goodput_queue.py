@@ -112,7 +112,8 @@ def test_waves_after_the_horizon_pay_the_split_again():
   scores = policy._scores(*policy._alphas(ids))
   for k in range(3):
     seconds, split = rounds[k] * costs[k], 4.0 if k else 0.0
-    assert scores[k] == pytest.approx((192 + 3 * 96) / (seconds + split + 3 * (seconds / 2 + split)))
+    later = 3 * (seconds / 2 + split)               # three more waves: half the time, the split
+    assert scores[k] == pytest.approx((192 + 3 * 96) / (seconds + split + later))
   assert policy.choose(ids)[0] == 0
 
 

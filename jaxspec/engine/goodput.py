@@ -402,13 +402,13 @@ class GoodputK(KPolicy):
     return 0, [0] * len(request_ids)
 
   def _repeat_spec(self, request_ids, rows, queued, min_room):
-    """The held K >= 1 choice while it has rounds left (`SPEC_HOLD_ROUNDS`) and the batch, its
-    row bucket, the queue's length and the cost tables are unchanged, every room was and still
-    is at least K + 2 (`_spec_key`) and, checked every `CHECK_EVERY` rounds, the cost ratios held steady;
-    else None. The draft is in sync after a round at K >= 1 and stays so for the same requests
-    (no catch-up seconds); the queue's rooms do not move while its length does not. Gathering
-    the horizon and scoring the hold's key each round cost ~4 % of a round at B = 1 on the
-    development CPU."""
+    """The held K >= 1 choice while it has rounds left (`SPEC_HOLD_ROUNDS`) and the batch, its row
+    bucket, the queue's length and the cost tables are unchanged, every room was and still is at
+    least K + 2 (`_spec_key`) and, checked every `CHECK_EVERY` rounds, the cost ratios held steady;
+    else None. The draft is in sync after a round at K >= 1 and stays so for the same requests (no
+    catch-up seconds); the queue's rooms do not move while its length does not. At B = 1 the
+    policy speculates in most rounds, and gathering the horizon for each was a sizeable part of
+    its host work (`scripts/policy_host_time.py` prints it per round)."""
     spec = self._spec_held
     rooms = spec.key[6]
     if spec.rounds >= self.SPEC_HOLD_ROUNDS or spec.key[0] != tuple(request_ids) or \
