@@ -250,6 +250,18 @@ def test_probe_questions_back_off_while_the_answer_is_no():
   assert asked == [1, 3, 7]
 
 
+def _budgeted_sync(policy):
+  """A lazy draft cache probing every 4 K = 0 rounds within a 3 % budget, a catch-up pass
+  costing 10 s (one row) or 12 s (two), for a policy with `worth_probing`."""
+  engine = types.SimpleNamespace(policy=policy, chunk_size=8, prefill_rows=2,
+                                 prefill_buckets=(1, 2))
+  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
+                                  observe_tokens=8)
+  sync = DraftSync(engine, drafter)
+  sync.costs = {1: 10.0, 2: 12.0}
+  return sync
+
+
 def test_a_probe_the_budget_refuses_is_not_asked_about():
   """Past the early probes, a probe costing more than `probe_budget` of the K = 0 rounds since
   the last catch-up is not asked about (asking scores the batch): here 5 chunk passes of 10 s
@@ -260,12 +272,7 @@ def test_a_probe_the_budget_refuses_is_not_asked_about():
     def worth_probing(self, ids):
       asked.append(rounds)
       return False
-  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2,
-                                 prefill_buckets=(1, 2))
-  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
-                                  observe_tokens=8)
-  sync = DraftSync(engine, drafter)
-  sync.costs = {1: 10.0, 2: 12.0}
+  sync = _budgeted_sync(Never())
   decodes = [_lagging_request()]
   assert sync.pending_s(decodes) == pytest.approx(50.0)
   for rounds in range(400):
@@ -285,12 +292,7 @@ def test_a_refused_probe_is_not_looked_for_until_affordable():
   class Never:
     def worth_probing(self, ids):
       return False
-  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2,
-                                 prefill_buckets=(1, 2))
-  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
-                                  observe_tokens=8)
-  sync = DraftSync(engine, drafter)
-  sync.costs = {1: 10.0, 2: 12.0}
+  sync = _budgeted_sync(Never())
   priced = []
   pending = sync.pending_s
   sync.pending_s = lambda requests: priced.append(len(requests)) or pending(requests)

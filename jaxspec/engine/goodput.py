@@ -295,7 +295,7 @@ class GoodputK(KPolicy):
       # its tokens, its share of the rounds) pay the split again: once the finishes are apart
       # at K >= 1 they stay apart, and every admission is prefilled alone (B = 2 on the
       # development CPU: 7 prefill calls for 8 requests against K = 0's 4, +8 % of the run).
-      later_waves = max(0, self.queued - len(queue)) / self.slots if wave else 0.0
+      later_waves = max(0, (self.queued or 0) - len(queue)) / self.slots if wave else 0.0
       scores = {}
       for k in self.candidates:
         seconds = rounds[k] * (table[k] + self.host.of(k))
