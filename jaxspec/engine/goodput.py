@@ -378,7 +378,7 @@ class GoodputK(KPolicy):
                          split_s=self.split_s)
     return k, [k] * len(request_ids)
 
-  def repeat(self, request_ids, rows, queued, min_room=None):
+  def repeat(self, request_ids, rows, queued, rooms=None):
     """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
     the estimates are unchanged and the cost ratios and host time have not moved (None
     otherwise). The rest `choose` checks cannot move against K = 0 meanwhile: with the same
@@ -389,7 +389,7 @@ class GoodputK(KPolicy):
 
     A held K >= 1 choice is kept alike (`_repeat_spec`)."""
     if self._spec_held is not None:
-      return self._repeat_spec(request_ids, rows, queued, min_room)
+      return self._repeat_spec(request_ids, rows, queued, rooms)
     held = self._held
     if held is None or held.key[0] != tuple(request_ids) or held.key[2] != rows or \
         held.key[1][0] != queued or held.key[3] != self._version or held.rounds >= held.limit:
@@ -401,21 +401,25 @@ class GoodputK(KPolicy):
     held.rounds += 1
     return 0, [0] * len(request_ids)
 
-  def _repeat_spec(self, request_ids, rows, queued, min_room):
+  def _repeat_spec(self, request_ids, rows, queued, rooms):
     """The held K >= 1 choice while it has rounds left (`SPEC_HOLD_ROUNDS`) and the batch, its row
     bucket, the queue's length and the cost tables are unchanged, every room was and still is at
-    least K + 2 (`_spec_key`) and, checked every `CHECK_EVERY` rounds, the cost ratios held steady;
-    else None. The draft is in sync after a round at K >= 1 and stays so for the same requests (no
-    catch-up seconds); the queue's rooms do not move while its length does not. At B = 1 the
-    policy speculates in most rounds, and gathering the horizon for each was a sizeable part of
-    its host work (`scripts/policy_host_time.py` prints it per round)."""
+    least K + 2 (`_spec_key`), no two rooms are equal while requests wait, and, checked every
+    `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would also check
+    cannot move against the held K: the draft is in sync after a round at K >= 1 (a catch-up
+    before the choice is paid, so its seconds fall to 0), the queue's rooms do not move while
+    its length does not (an abort and an arrival in one step aside), and the split can cost
+    again only when two decoding requests have equal rooms (`speculation.split_cost`). At B = 1
+    the policy speculates in most rounds, and gathering the horizon for each was a sizeable part
+    of its host work (`scripts/policy_host_time.py` prints it per round)."""
     spec = self._spec_held
-    rooms = spec.key[6]
+    chosen = spec.key[6]
     if spec.rounds >= self.SPEC_HOLD_ROUNDS or spec.key[0] != tuple(request_ids) or \
         spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self._tables or \
-        min_room is None or \
-        min_room < spec.k + 2 or not rooms or min(rooms) < spec.k + 2:
+        not rooms or not chosen or min(chosen) < spec.k + 2 or min(rooms) < spec.k + 2:
       return None
+    if queued and len(set(rooms)) < len(rooms):
+      return None      # equal rooms with requests waiting: a split may cost again (`choose`)
     if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self._group_ratios()):
       return None
     self.rows, self.queued = rows, queued

@@ -114,12 +114,12 @@ class KPolicy(abc.ABC):
     """(K: int in `candidates`, caps: list of int, each in [0, K], one per request)."""
 
   def repeat(self, request_ids: Sequence[Hashable], rows: Optional[int],
-             queued: Optional[int], min_room: Optional[int] = None) -> Optional[tuple]:
+             queued: Optional[int], rooms: Optional[Sequence[int]] = None) -> Optional[tuple]:
     """A choice the policy keeps for this round without being told the round's rooms, queue,
     catch-up and split seconds (which cost host time to gather), as `choose` returns it, or
     None to be asked `choose` with all of them (default). rows: the round's row bucket; queued:
-    requests waiting or prefilling; min_room: the smallest room of the decoding requests
-    (None: not known). Only asked when no probe is due."""
+    requests waiting or prefilling; rooms: the decoding requests' rooms (None: not known). Only
+    asked when no probe is due."""
     return None
 
   def observe(self, request_id: Hashable, k: int, accepted: int, successes: float,

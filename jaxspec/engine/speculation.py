@@ -157,7 +157,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
     return 0, [0] * len(decodes)
   if horizon is not None:
     again = None if draft_sync is not None and draft_sync.probe_due(decodes) else \
-        policy.repeat([r.id for r in decodes], rows, queued, min(r.room for r in decodes))
+        policy.repeat([r.id for r in decodes], rows, queued, [r.room for r in decodes])
     if again is not None:
       k, caps = _checked(policy, k_max, len(decodes), *again)
       if draft_sync is not None:
