@@ -180,3 +180,17 @@ def test_makespan_caps_tokens_per_round_at_the_room():
   policy.setup(4)
   policy.rooms, policy.queued = [1] * 4, 0
   assert policy.choose(list('abcd'))[0] == 0
+
+
+def test_conditional_acceptance_by_position():
+  """scripts/acceptance_by_position.py: P(n >= j | n >= j - 1) from a round's accepted counts."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / 'scripts' / 'acceptance_by_position.py'
+  spec = importlib.util.spec_from_file_location('acceptance_by_position', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  result = module.conditional_acceptance([0, 1, 2, 2, 3], 3)
+  assert [p for p, _ in result] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
+  assert [n for _, n in result] == [5, 4, 3]
+  assert module.conditional_acceptance([0, 0], 2)[1] == (None, 0)   # nothing reached j = 2

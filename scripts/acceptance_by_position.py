@@ -1,0 +1,64 @@
+"""How often the draft's j-th proposal of a round is accepted given that the ones before it were,
+per workload, at one fixed K: P(n >= j | n >= j - 1) from the accepted counts n of every decode
+round. An i.i.d. acceptance gives the same value at every j; the (α, β) model of the goodput
+policy (`jaxspec.engine.acceptance`) one value at j = 1 and one for every later j.
+
+    PYTHONPATH=$PWD python scripts/acceptance_by_position.py [--k 8] [--requests 8]
+        [--workloads json,code,retrieval]
+
+One engine at batch size 1 with the shipped pair (`configs/batching.py`'s shape), greedy, the
+study's held-out prompts (64 tokens, `max_tokens` 32); a request's last round is left out (its
+room may cut it). Prints, per workload, the rounds counted and the conditional acceptance at
+j = 1..K, with the rounds that reached position j in brackets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+from configs import batching as batching_config
+from experiments import batching
+from experiments.common import parse_workloads
+from experiments.speculative import load_pair
+from jaxspec.data import make_prompts
+
+
+def conditional_acceptance(accepted, k: int) -> list:
+  """[(P(n >= j | n >= j - 1), rounds with n >= j - 1)] for j = 1..k from accepted counts n
+  (ints in [0, k]); the probability is None where no round reached position j."""
+  counts = collections.Counter(accepted)
+  reach = [sum(v for n, v in counts.items() if n >= j) for j in range(k + 1)]
+  return [(reach[j] / reach[j - 1] if reach[j - 1] else None, reach[j - 1])
+          for j in range(1, k + 1)]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--k', type=int, default=8)
+  parser.add_argument('--requests', type=int, default=8)
+  parser.add_argument('--workloads', default='json,code,retrieval')
+  args = parser.parse_args()
+  if args.k < 1 or args.requests < 1:
+    parser.error(f'--k and --requests must be >= 1, got {args.k} and {args.requests}')
+  config = batching_config.get_config()
+  config.batch_size, config.settings, config.workloads = 1, f'k0=k:0;k=k:{args.k}', args.workloads
+  workloads = parse_workloads(config)
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  engine = batching.build_engines(config, batching.parse_settings(config.settings), target,
+                                  target_params, draft, draft_params)['k'][0]
+  for workload in workloads:
+    prompts = make_prompts(workload, tokenizer, args.requests, config.prompt_len, split='test',
+                           seed=0)
+    ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
+                              stop_tokens=tokenizer.eos_ids) for p in prompts]
+    outputs = engine.run()
+    accepted = [e - 1 for rid in ids for e in outputs[rid].metrics.accepted_lengths[:-1]]
+    cells = ' '.join('-' if p is None else f'{p:.2f} ({n})'
+                     for p, n in conditional_acceptance(accepted, args.k))
+    print(f'{workload}: {len(accepted)} rounds; P(accept j | accepted before), j = 1..{args.k}: '
+          f'{cells}')
+
+
+if __name__ == '__main__':
+  main()
