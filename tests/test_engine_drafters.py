@@ -13,7 +13,8 @@ from scipy import stats
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample
 from jaxspec.engine import Engine, compile_counts
 from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
-from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens, nondecreasing
+from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens
+from jaxspec.engine.live_costs import nondecreasing
 from jaxspec.engine.k_policy import KPolicy, ScheduleK
 from jaxspec.engine.spec_steps import host_q
 

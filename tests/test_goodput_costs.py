@@ -87,8 +87,8 @@ def test_repeated_k0_hold_checks_its_costs_every_few_rounds():
 
 
 def test_an_engines_first_round_of_each_kind_is_not_timed():
-  """The first live round at K = 0 and at K >= 1 are cold (3x the usual host work, 1.7x the
-  start-up device time on the development CPU): with `cold_rounds` 1 they price nothing."""
+  """An engine's first live round at K = 0 and at K >= 1 are cold (slower on device and host
+  than the rounds after them): with `cold_rounds` 1 they price nothing."""
   policy = _policy(0.5, {0: 1.0, 1: 1.5}, cold_rounds=1)
   policy.round_timing(1, 6.0, 0.9)                  # cold: neither the ratio nor h moves
   policy.round_timing(0, 3.0, 0.9)

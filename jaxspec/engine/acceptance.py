@@ -25,10 +25,10 @@ class AlphaTracker:
   its sums decay by decay^(1/max(n, global_span)) per observation, n the requests tracked:
   about `decay` per round of n requests, so at a large batch it is not just the last few
   requests', and per `global_span` rounds at least, so at a small one it is not just the last
-  few rounds' (B = 1 on the development CPU: a json request's last five tokens all rejected
-  left the next request starting from α 0.35 where 0.7 is usual, below the threshold, and the
-  policy chose K = 0 for whole requests). A request's own estimate mixes in `prior_trials`
-  pseudo-trials of the global one.
+  few rounds' (at B = 1, where requests run one after another, one request's last rounds all
+  rejected would otherwise start the next one far below the workload's α, where K = 0 wins,
+  for a whole request). A request's own estimate mixes in `prior_trials` pseudo-trials of the
+  global one.
 
   β's sums decay with every observation, also those that see no later proposal (a K = 0
   probe, a round at K = 1): otherwise β keeps what the last K >= 2 rounds measured for as long

@@ -99,7 +99,7 @@ class DraftSync:
     (one scores the batch), and asking every round until the budget allows cost B = 2 rounds
     ~5 % on the development CPU. A probe the budget refused is not looked for again until the
     K = 0 rounds since have cost what would have afforded it then (its lag grows meanwhile,
-    so it may be refused again): at B = 8 looking every round cost ~0.4 % of the rounds."""
+    so it may be refused again): looking costs a sort and a price of the batch per round."""
     if self.probe_every is None or self.rounds_since < self.backoff or \
         self.zero_s < self._afford_s:
       return []

@@ -6,7 +6,6 @@ per-request α estimates and measured round costs (host side, numpy). The interf
 
 from __future__ import annotations
 
-import collections
 import math
 import numbers
 from typing import Mapping, Optional, Sequence
@@ -16,7 +15,7 @@ import numpy as np
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
-from jaxspec.engine.live_costs import HostSeconds, nondecreasing, padded_median  # noqa: F401
+from jaxspec.engine.live_costs import HostSeconds, LiveCosts
 
 
 def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> float:
@@ -38,21 +37,12 @@ class GoodputK(KPolicy):
   `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
   decode round at K for the round's row bucket (`KPolicy.rows`; the call computes all its rows,
   idle ones included, so d depends on K and the bucket, not on how many rows are busy; the
-  batch enters through Σ_i: more rows gain more tokens from the same round). It is the table
-  measured over idle rows at start-up times the median live / start-up ratio of the last
-  `window` live rounds of its group, K = 0 or K >= 1 (`round_timing`; the K >= 1 group starts
-  at K = 0's): live rounds also pay what idle ones skip (e.g. a draft model's extra step after a
-  fully accepted round) and the machine's speed drifts, while one ratio shared by all K >= 1
-  keeps the table's ratios among them and a median keeps one slow round from pricing a K out
-  for good (a K not chosen is not measured again); kept non-decreasing in K. h(K) is the median
-  host seconds per round around the call (scheduling, tables, proposals, emitting) of the last
-  `window` rounds of its group, K = 0 and K >= 1 (`host`, a `HostSeconds`; K = 0's until one
-  ran). Without h a K > 0 round looks relatively dearer than it is when host work is a large
-  part of a round; a K >= 1 round's host work is the larger (it scores K more often, observes
-  every row, emits more tokens); and a median, not a mean, because one round's host time can
-  be many times the usual (a garbage collection, an engine's first rounds): an exponential
-  average stayed inflated by a slow warm-up pass, priced K >= 1 rounds too cheaply against
-  K = 0 ones, and the policy speculated at B = 2 where it lost. E_i is capped by what request i
+  batch enters through Σ_i: more rows gain more tokens from the same round), h(K) the host
+  seconds per round around it (scheduling, tables, proposals, emitting): both kept by
+  `LiveCosts` (`live`) from the start-up tables and the live rounds (`round_timing`). Without h
+  a K > 0 round looks relatively dearer than it is when host work is a large part of a round;
+  a K >= 1 round's host work is the larger (it scores K more often, observes every row, emits
+  more tokens). E_i is capped by what request i
   may still emit (`KPolicy.rooms`).
 
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
@@ -85,13 +75,8 @@ class GoodputK(KPolicy):
     candidates: the K values considered (default 0..K_max; each is one compiled step).
     costs: the cost table d(K) {K: seconds} of a full round, if known (else the engine measures
       it, per row bucket too); a known table serves every bucket.
-    window: live rounds per group (K = 0; K >= 1) whose median live / start-up ratio scales
-      d(K) and whose median host seconds are h(K) (>= 1; `HostSeconds`); until a group has
-      `PRIOR_ROUNDS` (3; at most `window`) of them, pseudo-rounds fill in (ratio 1 for K = 0,
-      K = 0's times the carried K >= 1 / K = 0 quotient for K >= 1), and K >= 1's are dropped
-      after `STALE_ROUNDS` (16) rounds in a row at K = 0, the square root of their quotient to
-      K = 0's carried (1 before any); K >= 1's host seconds are then dropped too, the value
-      halfway to K = 0's carried (`HostSeconds.stale`).
+    window: live rounds per group (K = 0; K >= 1) whose medians scale d(K) and give h(K)
+      (>= 1; `LiveCosts`: pseudo-rounds while a group has few, staleness after long at K = 0).
     probe_margin: in [0, 1]; while it chooses K = 0, a lazy draft cache probes (scores the
       draft on what the target drew) only if α and β estimates higher by this much plus two
       standard errors of the global α would choose K >= 1 (`worth_probing`): far from the
@@ -107,10 +92,9 @@ class GoodputK(KPolicy):
       threshold K = 0 is the side that cannot lose much; with the stay margin the policy
       enters K >= 1 above (1 + spec_margin) x K = 0's goodput and leaves it below
       (1 + spec_margin) / (1 + stay_margin) x.
-    cold_rounds: the engine's first live rounds of each group (K = 0; K >= 1) left out of the
-      live ratios and host seconds: they are cold (on the development CPU the first K >= 1
-      round took 1.7x its start-up time and 3x the usual host work), and priced in they kept
-      K >= 1, and the probes that would have shown it pays, out for whole requests at B = 1.
+    cold_rounds: the engine's first live rounds of each group left out of d(K) and h(K)
+      (`LiveCosts`): priced in, the cold first K >= 1 round kept K >= 1, and the probes that
+      would have shown it pays, out for whole requests at B = 1.
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
       non-positive time, margin, stay_margin or spec_margin < 0, window < 1, cold_rounds not
@@ -129,35 +113,31 @@ class GoodputK(KPolicy):
       raise ValueError(f'window must be an int >= 1, got {window!r}')
     if isinstance(cold_rounds, bool) or not isinstance(cold_rounds, int) or cold_rounds < 0:
       raise ValueError(f'cold_rounds must be an int >= 0, got {cold_rounds!r}')
-    self.cold_rounds = cold_rounds
-    self._timed = [0, 0]                    # live rounds reported per group (K = 0; K >= 1)
-    self.host = HostSeconds(window, self.PRIOR_ROUNDS)   # h(K)
-    self._idle: dict = {}                   # {rows: {K: seconds}} start-up tables (None: full)
-    self._ratios = {0: collections.deque(maxlen=window), 1: collections.deque(maxlen=window)}
+    self.live = LiveCosts(window, cold_rounds)   # d(K) and h(K)
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
-    self._fitted: dict = {}                 # {rows: fitted d(K)} per row bucket (lazily)
-    self._group = None                      # `_group_ratios` (lazily)
-    self._quotient = 1.0                    # K >= 1 / K = 0 live ratio carried past staleness
     self._pending_costs = costs
     self._version = 0                       # bumped by every new observation or cost table
     self._held = None                       # the `holds.Hold` of a K = 0 choice still valid
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
-    self._tables = 0                        # cost tables set so far
     self._last_k = 0                        # the previous choice
-    self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = checked_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
   @property
   def needs_costs(self) -> bool:
-    return not self._idle
+    return not self.live.idle
 
   @property
   def costs(self) -> Optional[dict]:
     """The fitted d(K) {K: seconds} of a full round (None before `set_costs`)."""
-    return self._fitted_table(None) if self._idle else None
+    return self.live.table(None) if self.live.idle else None
+
+  @property
+  def host(self) -> HostSeconds:
+    """h(K), the host seconds per round (`LiveCosts.host`)."""
+    return self.live.host
 
   def setup(self, k_max: int) -> None:
     super().setup(k_max)
@@ -191,52 +171,9 @@ class GoodputK(KPolicy):
              not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
       if bad:
         raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
-    self._idle = {rows: {k: float(table[k]) for k in self.candidates}
-                  for rows, table in tables.items()}
-    for ratios in self._ratios.values():
-      ratios.clear()
-    self._quotient = 1.0
-    self._costs_moved()
+    self.live.set_tables({rows: {k: float(table[k]) for k in self.candidates}
+                          for rows, table in tables.items()})
     self._version += 1
-    self._tables += 1
-
-  def _fitted_table(self, rows) -> dict:
-    # d(K) = start-up time x the median live / start-up ratio of the recent rounds of its
-    # group: K = 0, or K >= 1 (before any, K = 0's). Live speculative rounds pay what idle ones
-    # skip (the draft's extra step after a fully accepted round) and the machine's speed
-    # drifts; a median over a group shared by every K >= 1 keeps one slow round from pricing a
-    # K out for good (a K not chosen is never measured again).
-    # Fitted when read, once per change of the ratios.
-    rows = rows if rows in self._idle else None
-    if rows not in self._fitted:
-      # Until PRIOR_ROUNDS live rounds of a group are in, pseudo-rounds fill in for the missing
-      # ones (K = 0: the start-up table itself, ratio 1; K >= 1: K = 0's ratio): one slow
-      # round (the first call of a run touches cold memory, ~2x) must not price a group out
-      # before a second one could be measured.
-      zero, spec = self._group_ratios()
-      idle = self._idle[rows]
-      d = [idle[k] * (zero if k == 0 else spec) for k in self.candidates]
-      self._fitted[rows] = dict(zip(self.candidates, nondecreasing(d)))
-    return self._fitted[rows]
-
-  def _costs_moved(self) -> None:
-    """Drop what was derived from the cost tables and live ratios (refitted when next read)."""
-    self._fitted.clear()
-    self._group = None
-
-  def _group_ratios(self) -> tuple:
-    """(K = 0's, K >= 1's) live / start-up ratio: the median of each group's recent rounds,
-    padded with pseudo-rounds up to PRIOR_ROUNDS (`_fitted_table`; up to `window` if fewer: a
-    group never holds more)."""
-    if self._group is None:
-      rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
-      zero = padded_median(self._ratios[0], 1.0, rounds)
-      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
-    return self._group
-
-  def _table(self) -> dict:
-    """The fitted d(K) of the coming round's row bucket (the full round's if not measured)."""
-    return self._fitted_table(self.rows)
 
   def goodput(self, alphas: Sequence[float], k: int,
               rooms: Optional[Sequence[int]] = None,
@@ -261,7 +198,7 @@ class GoodputK(KPolicy):
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
-    seconds = self._table()[k] + self.host.of(k)
+    seconds = self.live.table(self.rows)[k] + self.host.of(k)
     if k >= 1 and (self.sync_s > 0 or self.split_s > 0):
       left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
       seconds += self.sync_s / max(1.0, left / tokens)
@@ -276,7 +213,7 @@ class GoodputK(KPolicy):
     if rooms is not None and self.queued == 0:
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
       rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
-      table = self._table()
+      table = self.live.table(self.rows)
       return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) +
                                (self.sync_s if k else 0.0))
               for k in self.candidates}
@@ -289,7 +226,7 @@ class GoodputK(KPolicy):
       t = self.tracker
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           t.global_alpha, t.global_later, self.slots)
-      table = self._fitted_table(None)
+      table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
       # Waves admitted after the horizon's (`later_waves` of them, each like the listed one:
       # its tokens, its share of the rounds) pay the split again: once the finishes are apart
@@ -330,7 +267,7 @@ class GoodputK(KPolicy):
             np.array([t.later(r) for r in request_ids]))
 
   def choose(self, request_ids):
-    if not self._idle:
+    if not self.live.idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
     # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
@@ -342,10 +279,10 @@ class GoodputK(KPolicy):
     # rounds and broke most holds. Only a rise of h ends one: h is paid per round, and K >= 1
     # runs fewer rounds. The ratios are those the cost table uses (prior rounds included): a
     # raw median can stay put while the padded one moves or a stale group is dropped.
-    ratios = self._group_ratios()
+    ratios = self.live.group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
-    host = self.host.of(0) / self._unit_s()
+    host = self.host.of(0) / self.live.unit_s()
     spec = self._spec_held
     if spec is not None and spec.steady(ratios) and spec.rounds < self.SPEC_HOLD_ROUNDS and \
         spec.key == self._spec_key(request_ids, queue, spec.k):
@@ -395,7 +332,7 @@ class GoodputK(KPolicy):
         held.key[1][0] != queued or held.key[3] != self._version or held.rounds >= held.limit:
       return None
     if held.rounds % self.CHECK_EVERY == 0 and \
-        not self._k0_stands(held, self._group_ratios(), self.host.of(0) / self._unit_s()):
+        not self._k0_stands(held, self.live.group_ratios(), self.host.of(0) / self.live.unit_s()):
       return None
     self.rows, self.queued = rows, queued
     held.rounds += 1
@@ -415,12 +352,12 @@ class GoodputK(KPolicy):
     spec = self._spec_held
     chosen = spec.key[6]
     if spec.rounds >= self.SPEC_HOLD_ROUNDS or spec.key[0] != tuple(request_ids) or \
-        spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self._tables or \
+        spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self.live.tables or \
         not rooms or not chosen or min(chosen) < spec.k + 2 or min(rooms) < spec.k + 2:
       return None
     if queued and len(set(rooms)) < len(rooms):
       return None      # equal rooms with requests waiting: a split may cost again (`choose`)
-    if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self._group_ratios()):
+    if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self.live.group_ratios()):
       return None
     self.rows, self.queued = rows, queued
     spec.rounds += 1
@@ -432,27 +369,23 @@ class GoodputK(KPolicy):
 
   def _spec_key(self, request_ids, queue, k: int) -> tuple:
     """What a hold of K = k >= 1 requires unchanged (`choose`)."""
-    return (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self._tables,
+    return (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self.live.tables,
             None if self.rooms is None else tuple(min(r, k + 2) for r in self.rooms))
-
-  def _unit_s(self) -> float:
-    """The start-up time of a full round at the smallest candidate K (the unit of h in holds)."""
-    return self._idle[None][self.candidates[0]]
 
   HOLD_ROUNDS = 8
   CLEAR_LEAD = 0.1
   HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
   SPEC_HOLD_ROUNDS = 8
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
-  PRIOR_ROUNDS = 3
-  STALE_ROUNDS = 16
+  PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
+  STALE_ROUNDS = LiveCosts.STALE_ROUNDS
 
   def worth_probing(self, request_ids) -> bool:
     """Whether α and β estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
     sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
     trials: with few observations (one request, or a batch that has not been probed yet) the
     estimates are loose and a probe is worth its cost; many probes' worth of trials pin them."""
-    if not self._idle:
+    if not self.live.idle:
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
     sd = math.sqrt(g * (1 - g) / max(n, 1.0))
@@ -474,36 +407,10 @@ class GoodputK(KPolicy):
     self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
-    """`KPolicy.round_timing`.
+    """`KPolicy.round_timing`: counted by `LiveCosts.add` (the first `cold_rounds` of each kind
+    left out: `worth_probing` prices with the same costs, so cold ones also stopped probes).
 
     Raises:
-      ValueError: a time that is not a finite number >= 0 (one NaN would poison a median).
+      ValueError: a time that is not a finite number >= 0.
     """
-    if not (0.0 <= device_s < math.inf and 0.0 <= host_s < math.inf):
-      raise ValueError(f'round times must be finite seconds >= 0, got device_s={device_s!r}, '
-                       f'host_s={host_s!r}')
-    # The first `cold_rounds` of each group are left out (see the class doc): `worth_probing`
-    # prices with the same costs, so cold ones also stopped the probes.
-    group = min(k, 1)
-    self._timed[group] += 1
-    idle = self._idle.get(self.rows, self._idle.get(None, {}))
-    if self._timed[group] > self.cold_rounds:
-      self.host.add(k, host_s)
-      if k in idle:
-        self._ratios[group].append(device_s / idle[k])
-        self._costs_moved()
-    # K >= 1 ratios not refreshed for STALE_ROUNDS rounds at K = 0 are dropped, and K = 0's
-    # ratio times the square root of their quotient to it stands in: while the policy stays at
-    # K = 0 only K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow
-    # stretch (several engines sharing the cores, a cold start) would otherwise keep K >= 1 out
-    # for good; but live K >= 1 rounds cost more against K = 0 than the start-up table says
-    # (B = 2 on the development CPU: 1.55-1.65x at K = 1 against a table's 1.33x), and
-    # forgetting that all at once made the policy leave K = 0, pay a catch-up and learn it
-    # again after every stretch at K = 0.
-    self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
-    if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
-      zero, spec = self._group_ratios()
-      self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
-      self._ratios[1].clear()
-      self.host.stale()
-      self._costs_moved()
+    self.live.add(k, self.rows, device_s, host_s)

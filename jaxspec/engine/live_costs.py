@@ -1,11 +1,13 @@
 """What the goodput K policy (`jaxspec.engine.goodput`) measures while the engine runs, host
-side: medians over a window of recent rounds, padded with a prior while there are few of them
-(`padded_median`), the host seconds per round of each kind of round (`HostSeconds`), and the
+side: a decode round's cost t(K) = d(K) + h(K) kept up to date from live rounds (`LiveCosts`),
+the host seconds per round of each kind of round (`HostSeconds`), medians over a window of
+recent rounds, padded with a prior while there are few of them (`padded_median`), and the
 least-squares non-decreasing fit of a cost table (`nondecreasing`)."""
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 from typing import Optional, Sequence
 
@@ -76,9 +78,9 @@ class HostSeconds:
   def of(self, k: int) -> float:
     """h(k) in seconds: its group's median, else the other group's, else 0; h(0) at most
     h(K >= 1). A K >= 1 round does all a K = 0 round does and more, and the K = 0 group is not
-    measured while the policy speculates, so it keeps whatever its last rounds measured: at
-    B = 2 on the development CPU the warm-up pass's cold rounds (~420 us where ~130 us is
-    usual) priced K = 0 rounds 13 % too dear, and goodput speculated where it lost."""
+    measured while the policy speculates, so it keeps whatever its last rounds measured (an
+    engine's cold first rounds priced K = 0 rounds too dear at B = 2, and goodput speculated
+    where it lost)."""
     zero, spec = self.median(0), self.median(1)
     if k:
       return spec if spec is not None else (zero or 0.0)
@@ -94,3 +96,115 @@ class HostSeconds:
       self._prior = (spec + zero) / 2
       self._rounds[1].clear()
       self._medians.pop(1, None)
+
+
+class LiveCosts:
+  """t(K) = d(K) + h(K), what a decode round at K costs as the goodput K policy
+  (`jaxspec.engine.goodput.GoodputK`) prices it, in seconds, kept up to date from the rounds
+  the engine runs (host side).
+
+  d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
+  `warm_up`) times the median live / start-up ratio of the last `window` live rounds of its
+  group, K = 0 or K >= 1, made non-decreasing in K (`table`). Live rounds pay what idle ones
+  skip (a draft model's extra step after a fully accepted round) and the machine's speed
+  drifts; one ratio shared by every K >= 1 keeps the table's ratios among them, and a median
+  keeps one slow round from pricing a K out for good (a K not chosen is never measured again).
+  Until a group has `PRIOR_ROUNDS` live rounds (at most `window`), pseudo-rounds fill in: ratio
+  1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is `host`
+  (`HostSeconds`).
+
+  The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
+  are cold: slower, on device and host, than the rounds after them). After `STALE_ROUNDS` rounds in a row at K = 0, K >= 1's ratios are
+  dropped and the square root of their quotient to K = 0's is carried (and K >= 1's host
+  seconds move halfway to K = 0's, `HostSeconds.stale`): while the policy stays at K = 0 only
+  K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow stretch (several
+  engines sharing the cores, a cold start) would otherwise keep K >= 1 out for good; but live
+  K >= 1 rounds cost more against K = 0 than the start-up table says (B = 2 on the development
+  CPU: 1.55-1.65x at K = 1 against a table's 1.33x), and forgetting that all at once made the
+  policy leave K = 0, pay a catch-up and learn it again after every stretch at K = 0.
+
+  Args:
+    window: live rounds per group (>= 1); cold_rounds: uncounted first rounds per group (>= 0).
+  Attributes:
+    idle: {rows: {K: seconds}} the start-up tables (rows None: the full batch's); tables: how
+      many times they were set; host: the `HostSeconds`.
+  """
+
+  PRIOR_ROUNDS = 3
+  STALE_ROUNDS = 16
+
+  def __init__(self, window: int, cold_rounds: int):
+    self.cold_rounds = cold_rounds
+    self.host = HostSeconds(window, self.PRIOR_ROUNDS)
+    self.idle: dict = {}
+    self.tables = 0
+    self._ratios = (collections.deque(maxlen=window), collections.deque(maxlen=window))
+    self._fitted: dict = {}                 # {rows: fitted d(K)} (lazily, per change)
+    self._group = None                      # `group_ratios` (lazily)
+    self._quotient = 1.0                    # K >= 1 / K = 0 ratio carried past staleness
+    self._timed = [0, 0]                    # live rounds reported per group
+    self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
+
+  def set_tables(self, tables: dict) -> None:
+    """Take the start-up tables {rows: {K: seconds}} (rows None: the full batch's; checked by
+    the caller) and drop the live ratios measured against the old ones."""
+    self.idle = tables
+    for ratios in self._ratios:
+      ratios.clear()
+    self._quotient = 1.0
+    self._moved()
+    self.tables += 1
+
+  def table(self, rows) -> dict:
+    """The fitted d(K) {K: seconds} of row bucket `rows` (the full batch's if not measured)."""
+    rows = rows if rows in self.idle else None
+    if rows not in self._fitted:
+      zero, spec = self.group_ratios()
+      idle = self.idle[rows]
+      self._fitted[rows] = dict(zip(idle, nondecreasing(
+          [t * (zero if k == 0 else spec) for k, t in idle.items()])))
+    return self._fitted[rows]
+
+  def group_ratios(self) -> tuple:
+    """(K = 0's, K >= 1's) live / start-up ratio: each group's median, padded with
+    pseudo-rounds up to PRIOR_ROUNDS (at most `window`: a group never holds more)."""
+    if self._group is None:
+      rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
+      zero = padded_median(self._ratios[0], 1.0, rounds)
+      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
+    return self._group
+
+  def unit_s(self) -> float:
+    """The start-up seconds of a full round at the smallest K in the tables."""
+    full = self.idle[None]
+    return full[min(full)]
+
+  def add(self, k: int, rows, device_s: float, host_s: float) -> None:
+    """Count one live round at K = k in row bucket `rows`: its device call and host seconds.
+
+    Raises:
+      ValueError: a time that is not a finite number >= 0 (one NaN would poison a median).
+    """
+    if not (0.0 <= device_s < math.inf and 0.0 <= host_s < math.inf):
+      raise ValueError(f'round times must be finite seconds >= 0, got device_s={device_s!r}, '
+                       f'host_s={host_s!r}')
+    group = min(k, 1)
+    self._timed[group] += 1
+    idle = self.idle.get(rows, self.idle.get(None, {}))
+    if self._timed[group] > self.cold_rounds:
+      self.host.add(k, host_s)
+      if k in idle:
+        self._ratios[group].append(device_s / idle[k])
+        self._moved()
+    self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
+    if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
+      zero, spec = self.group_ratios()
+      self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
+      self._ratios[1].clear()
+      self.host.stale()
+      self._moved()
+
+  def _moved(self) -> None:
+    """Drop what was derived from the tables and ratios (refitted when next read)."""
+    self._fitted.clear()
+    self._group = None
