@@ -368,3 +368,60 @@ def test_a_held_k0_round_skips_gathering_the_horizon():
                               before_round=lambda d, k: None)
   ask(rows=4, sync=due)                                         # a probe is due
   assert len(gathered) == 5
+
+
+def test_one_slot_scores_the_decoding_request_alone():
+  """With one slot nothing couples the requests: each queued one gets its own K when it runs, so
+  the score is the decoding request's per round, its own α deciding, not the queue's global one
+  (`rounds_with_queue` would price the queued rounds at the K chosen now)."""
+  costs = {0: 1.0, 1: 1.5, 2: 1.9}
+  policy = GoodputK(tracker=AlphaTracker(prior=0.3, prior_trials=4.0), costs=costs,
+                    spec_margin=0.0, cold_rounds=0)
+  policy.setup(2)
+  for _ in range(20):                          # request 'a' accepts every proposal
+    policy.observe('a', 2, 2, 0.0, 1.0)
+  policy.tracker._global = [0.0, 0.0, 0.0, 0.0]  # the global α stays at the prior 0.3
+  policy.rooms, policy.split_s, policy.slots = [30], 0.0, 1
+  alone = policy._scores(*policy._alphas(['a']))          # nothing queued: per round
+  assert max(alone, key=alone.get) == 2
+  policy.queued, policy.queue_rooms = 6, [30]
+  assert policy._scores(*policy._alphas(['a'])) == alone   # the queue left out
+  assert policy.choose(['a'])[0] == 2
+  policy.slots = 2                              # two slots: the queue at α 0.3 weighs in
+  two = policy._scores(*policy._alphas(['a']))
+  assert two != alone and max(two, key=two.get) < 2
+
+
+def test_one_slot_k1_choice_is_rescored_every_few_rounds():
+  """With one slot the per-round score is cheap and a request's estimates move fast: a K >= 1
+  choice holds ONE_SLOT_HOLD_ROUNDS rounds, not SPEC_HOLD_ROUNDS."""
+  policy = _policy(0.9, {0: 1.0, 1: 1.2, 2: 1.4})
+  calls = []
+  scores = policy._scores
+  policy._scores = lambda *a: calls.append(1) or scores(*a)
+  policy.queued, policy.queue_rooms, policy.slots = 3, [50], 1
+  hold = GoodputK.ONE_SLOT_HOLD_ROUNDS
+  assert hold < GoodputK.SPEC_HOLD_ROUNDS
+  for r in range(4 * hold):
+    policy.rooms = [60 - 3 * r]
+    assert policy.choose(['a'])[0] == 2
+  assert len(calls) == 4
+
+
+def test_per_round_scores_sum_the_capped_expected_tokens():
+  """The per-round score's Σ_i E_i (plain Python) equals `goodput`'s for every K, rooms capping
+  each request's proposals (room 0: nothing)."""
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    n, k_max = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    alphas, later = rng.random(n), rng.random(n)
+    rooms = [int(r) for r in rng.integers(1, 12, n)]
+    policy = GoodputK(costs={k: 1.0 + k for k in range(k_max + 1)}, cold_rounds=0)
+    policy.setup(k_max)
+    policy.rooms = rooms
+    scores = policy._scores(alphas, later)
+    for k in range(k_max + 1):
+      assert scores[k] == pytest.approx(policy.goodput(alphas, k, rooms, later))
+  policy.rooms = [0] + rooms[1:]
+  scores = policy._scores(alphas, later)
+  assert scores[0] == pytest.approx((n - 1) / 1.0)

@@ -57,14 +57,17 @@ class GoodputK(KPolicy):
   adds the listed wave's tokens, its share of the time and, at K >= 1, split_s again (finishes
   apart stay apart, so every later admission is prefilled alone). A per-round score misses
   both and overrates K >= 1 once the batch is large (B = 8 on the development CPU: +4 %
-  predicted for K = 2, -10 % measured).
+  predicted for K = 2, -10 % measured). With one slot (`KPolicy.slots` 1) the queue is left
+  out: nothing couples the requests, each queued one gets its own K when it runs, and the
+  horizon would price its rounds, at the global α, at the K chosen for the decoding request.
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
   when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while nothing it depends on
   moved: no new observation, the same requests, row bucket and queue, the K >= 1 / K = 0 live
   cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
   time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
-  of the same batch, queue and costs while no room falls below K + 2. A scoring costs 0.1-0.3
+  (`ONE_SLOT_HOLD_ROUNDS` with one slot) of the same batch, queue and costs while no room falls
+  below K + 2. A scoring costs 0.1-0.3
   ms of host time on the development CPU, 5-8 % of a round at B = 1-4.
 
   Args:
@@ -218,7 +221,8 @@ class GoodputK(KPolicy):
                                (self.sync_s if k else 0.0))
               for k in self.candidates}
     queue = self.queue_rooms
-    if rooms is not None and queue is not None and self.slots and len(rooms) <= self.slots:
+    if rooms is not None and queue is not None and (self.slots or 0) > 1 and \
+        len(rooms) <= self.slots:
       # Requests wait: the time until they are done too, a freed slot idling one round per
       # admission and the last wave's tail included (`makespan.rounds_with_queue`); the rounds
       # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
@@ -241,13 +245,20 @@ class GoodputK(KPolicy):
             seconds + (self.sync_s + split if k else 0.0) +
             later_waves * (seconds * wave / tokens + split))
       return scores
-    # Σ_i E_i for K = 0..K_max at once (`goodput`): cumulative sums of s_ij, j < room_i.
-    powers = makespan.survival(alphas, self.k_max, later)[:, :-1]
-    if rooms is not None:
-      powers = np.where(np.arange(self.k_max + 1) < np.array(rooms)[:, None], powers, 0.0)
-    totals = np.cumsum(powers, axis=1).sum(axis=0)
-    return {k: self._per_second(float(totals[k]), len(alphas), k, rooms)
-            for k in self.candidates}
+    # Per round (one slot, or no rooms): Σ_i E_i for K = 0..K_max at once (`goodput`), the
+    # cumulative sums of s_ij = α_i β_i^(j-1), j < room_i, in plain Python (n is small here,
+    # and a numpy call costs more than the sums).
+    totals = [0.0] * (self.k_max + 1)
+    for i, (a, b) in enumerate(zip(alphas.tolist(), later.tolist())):
+      last = self.k_max if rooms is None else min(self.k_max, rooms[i] - 1)
+      if last < 0:
+        continue       # no room: emits nothing
+      s, e = a, 1.0
+      for j in range(self.k_max + 1):
+        totals[j] += e
+        if j < last:
+          e, s = e + s, s * b
+    return {k: self._per_second(totals[k], len(alphas), k, rooms) for k in self.candidates}
 
   def _scored(self, alphas: np.ndarray, later: np.ndarray) -> dict:
     """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
@@ -284,7 +295,7 @@ class GoodputK(KPolicy):
              None if self.queue_rooms is None else tuple(self.queue_rooms))
     host = self.host.of(0) / self.live.unit_s()
     spec = self._spec_held
-    if spec is not None and spec.steady(ratios) and spec.rounds < self.SPEC_HOLD_ROUNDS and \
+    if spec is not None and spec.steady(ratios) and spec.rounds < spec.limit and \
         spec.key == self._spec_key(request_ids, queue, spec.k):
       # A K >= 1 choice is kept for up to SPEC_HOLD_ROUNDS rounds of the same batch, queue,
       # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
@@ -307,7 +318,8 @@ class GoodputK(KPolicy):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     self._last_k = k
     self._held = None
-    self._spec_held = holds.Hold(self._spec_key(request_ids, queue, k), ratios, k=k) if k else None
+    self._spec_held = holds.Hold(self._spec_key(request_ids, queue, k), ratios, k=k,
+                                 limit=self._spec_hold_rounds()) if k else None
     if k == 0:       # a clear lead holds 4x longer
       best = max((g for c, g in scores.items() if c), default=0.0)
       limit = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
@@ -351,7 +363,7 @@ class GoodputK(KPolicy):
     of its host work (`scripts/policy_host_time.py` prints it per round)."""
     spec = self._spec_held
     chosen = spec.key[6]
-    if spec.rounds >= self.SPEC_HOLD_ROUNDS or spec.key[0] != tuple(request_ids) or \
+    if spec.rounds >= spec.limit or spec.key[0] != tuple(request_ids) or \
         spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self.live.tables or \
         not rooms or not chosen or min(chosen) < spec.k + 2 or min(rooms) < spec.k + 2:
       return None
@@ -367,6 +379,12 @@ class GoodputK(KPolicy):
     """Whether the K = 0 hold `held` has rounds left, steady cost ratios and no rise of h."""
     return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE
 
+  def _spec_hold_rounds(self) -> int:
+    """Rounds a K >= 1 choice is held: `SPEC_HOLD_ROUNDS`, or `ONE_SLOT_HOLD_ROUNDS` with one
+    slot, where `_scores` prices per round in plain Python (a few µs) and a request's estimates
+    move fast (a 32-token request lives ~12 rounds)."""
+    return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
+
   def _spec_key(self, request_ids, queue, k: int) -> tuple:
     """What a hold of K = k >= 1 requires unchanged (`choose`)."""
     return (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self.live.tables,
@@ -376,6 +394,7 @@ class GoodputK(KPolicy):
   CLEAR_LEAD = 0.1
   HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
   SPEC_HOLD_ROUNDS = 8
+  ONE_SLOT_HOLD_ROUNDS = 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
   STALE_ROUNDS = LiveCosts.STALE_ROUNDS
