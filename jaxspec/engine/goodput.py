@@ -66,9 +66,9 @@ class GoodputK(KPolicy):
   moved: no new observation, the same requests, row bucket and queue, the K >= 1 / K = 0 live
   cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
   time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
-  (`ONE_SLOT_HOLD_ROUNDS` with one slot) of the same batch, queue and costs while no room falls
-  below K + 2. A scoring costs 0.1-0.3
-  ms of host time on the development CPU, 5-8 % of a round at B = 1-4.
+  (`ONE_SLOT_HOLD_ROUNDS` with one slot, whose per-round score takes a few µs) of the same
+  batch, queue and costs while no room falls below K + 2. A scoring over the horizon costs
+  0.1-0.3 ms of host time on the development CPU, 5-8 % of a round at B = 2-4.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -245,7 +245,7 @@ class GoodputK(KPolicy):
             seconds + (self.sync_s + split if k else 0.0) +
             later_waves * (seconds * wave / tokens + split))
       return scores
-    # Per round (one slot, or no rooms): Σ_i E_i for K = 0..K_max at once (`goodput`), the
+    # Per round (one slot, or no queue inputs): Σ_i E_i for K = 0..K_max at once (`goodput`), the
     # cumulative sums of s_ij = α_i β_i^(j-1), j < room_i, in plain Python (n is small here,
     # and a numpy call costs more than the sums).
     totals = [0.0] * (self.k_max + 1)
@@ -297,11 +297,11 @@ class GoodputK(KPolicy):
     spec = self._spec_held
     if spec is not None and spec.steady(ratios) and spec.rounds < spec.limit and \
         spec.key == self._spec_key(request_ids, queue, spec.k):
-      # A K >= 1 choice is kept for up to SPEC_HOLD_ROUNDS rounds of the same batch, queue,
+      # A K >= 1 choice is kept for up to `_spec_hold_rounds` rounds of the same batch, queue,
       # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
       # that would change what K and K + 1 gain; one above it only lowers what larger K gain):
-      # the estimates move by one round's observations, and a scoring costs ~0.1-0.3 ms of
-      # host time, 5-8 % of a round at B = 1-4 on the development CPU.
+      # the estimates move by one round's observations, and a scoring over the horizon costs
+      # ~0.1-0.3 ms of host time, 5-8 % of a round at B = 2-4 on the development CPU.
       spec.rounds += 1
       return spec.k, [spec.k] * len(request_ids)
     inputs = (tuple(request_ids), queue, self.rows, self._version)
