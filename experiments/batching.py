@@ -191,10 +191,10 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str
   runs = {}
   for name, (engine, _) in engines.items():
     engine.prefix.reset()               # every run prefills its prompts (no cross-run hits)
+    ids = [engine.add_request(p, max_tokens=max_tokens, stop_tokens=stop_tokens)
+           for p in prompts]
     runs[name] = dict(rounds=dict(engine.k_rounds), clock=0.0, first={}, last={}, decode_s=[],
-                      decode_tokens=0, prefill_steps=0, ids=[engine.add_request(p, max_tokens=max_tokens,
-                                                               stop_tokens=stop_tokens)
-                                            for p in prompts])
+                      decode_tokens=0, prefill_steps=0, ids=ids)
   live = [n for n, (e, _) in engines.items() if e.has_unfinished()]
   while live:
     for name in live:
@@ -235,7 +235,8 @@ def _summary(engine: Engine, run: dict) -> dict:
       ttft_s=_mean(first.get(o.request_id) for o in outs), tpot_s=_mean(tpots),
       acceptance_rate=sum(m.accepted for m in metrics) / proposed if proposed else None,
       mean_accepted_length=sum(rounds) / len(rounds) if rounds else None,
-      decode_steps=len(decode_s), prefill_steps=run['prefill_steps'], round_s=statistics.median(decode_s) if decode_s else None,
+      decode_steps=len(decode_s), prefill_steps=run['prefill_steps'],
+      round_s=statistics.median(decode_s) if decode_s else None,
       decode_tokens_per_s=run['decode_tokens'] / sum(decode_s) if decode_s else None,
       preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
 
@@ -360,7 +361,8 @@ def run(config, results) -> None:
         engine = engines[name][0]
         idle_s, idle_cost = idle.get(name, (None, None))
         results.write(dict(
-            workload=workload, setting=name, repeat=repeat, batch_size=b, **describe(settings[name]),
+            workload=workload, setting=name, repeat=repeat, batch_size=b,
+            **describe(settings[name]),
             **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),
             decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
             round_cost=_ratio(m['round_s'], ref.get('round_s')),

@@ -121,9 +121,9 @@ def test_goodput_leaves_k0_when_the_draft_agrees(tiny, lazy):
   config, params = tiny
   policy = GoodputK(tracker=AlphaTracker(prior=0.0), costs={k: 1.0 for k in range(K + 1)},
                     spec_margin=0.0)
+  drafter = ModelDrafter(lazy=lazy, probe_every=4, probe_budget=None)
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
-                  k_policy=policy, drafter=ModelDrafter(lazy=lazy, probe_every=4, probe_budget=None),
-                  **SHAPES)
+                  k_policy=policy, drafter=drafter, **SHAPES)
   prompt = _prompts([11], seed=3)[0]
   rid = engine.add_request(prompt, max_tokens=M)
   out = engine.run()[rid]

@@ -422,6 +422,8 @@ def test_per_round_scores_sum_the_capped_expected_tokens():
     scores = policy._scores(alphas, later)
     for k in range(k_max + 1):
       assert scores[k] == pytest.approx(policy.goodput(alphas, k, rooms, later))
-  policy.rooms = [0] + rooms[1:]
+  policy.rooms = rooms = [0] + rooms[1:]
   scores = policy._scores(alphas, later)
   assert scores[0] == pytest.approx((n - 1) / 1.0)
+  for k in range(k_max + 1):
+    assert scores[k] == pytest.approx(policy.goodput(alphas, k, rooms, later))

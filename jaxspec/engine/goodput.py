@@ -183,10 +183,10 @@ class GoodputK(KPolicy):
               later: Optional[Sequence[float]] = None) -> float:
     """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
     per second: E_i = E[tokens | α_i, β_i, min(K, room_i - 1)] (`expected_tokens`; a round emits
-    at most room_i tokens; uncapped without rooms), R = max(1, Σ_i room_i / Σ_i E_i), the rounds
-    the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i + split_tokens) /
-    Σ_i E_i), the rounds until the successors a split admits are done too. `later`: each
-    request's β (`expected_tokens`; None: β = α).
+    at most room_i tokens, none at room 0; uncapped without rooms), R = max(1, Σ_i room_i /
+    Σ_i E_i), the rounds the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i +
+    split_tokens) / Σ_i E_i), the rounds until the successors a split admits are done too.
+    `later`: each request's β (`expected_tokens`; None: β = α).
 
     Raises:
       ValueError: rooms or later not one per α.
@@ -197,7 +197,8 @@ class GoodputK(KPolicy):
                          f'{len(alphas)}')
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     later = alphas if later is None else later
-    tokens = sum(expected_tokens(a, c, b) for a, c, b in zip(alphas, caps, later))
+    tokens = sum(expected_tokens(a, c, b) for a, c, b, r in
+                 zip(alphas, caps, later, rooms or [1] * len(alphas)) if r >= 1)
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:

@@ -114,9 +114,10 @@ class LiveCosts:
   (`HostSeconds`).
 
   The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
-  are cold: slower, on device and host, than the rounds after them). After `STALE_ROUNDS` rounds in a row at K = 0, K >= 1's ratios are
-  dropped and the square root of their quotient to K = 0's is carried (and K >= 1's host
-  seconds move halfway to K = 0's, `HostSeconds.stale`): while the policy stays at K = 0 only
+  are cold: slower, on device and host, than the rounds after them). After `STALE_ROUNDS`
+  rounds in a row at K = 0, K >= 1's ratios are dropped and the square root of their quotient
+  to K = 0's is carried (and K >= 1's host seconds move halfway to K = 0's,
+  `HostSeconds.stale`): while the policy stays at K = 0 only
   K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow stretch (several
   engines sharing the cores, a cold start) would otherwise keep K >= 1 out for good; but live
   K >= 1 rounds cost more against K = 0 than the start-up table says (B = 2 on the development
