@@ -281,6 +281,19 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   return engines
 
 
+def decode_alone(engine: Engine, config, tokenizer, workload: str, requests: int) -> tuple:
+  """(prompts, outputs): the study's first `requests` held-out prompts of `workload`
+  (`make_prompts`, test split, seed 0, `config.prompt_len` tokens) run through `engine` to the
+  end (`config.max_tokens`, stop at the tokenizer's EOS); outputs[i] is prompts[i]'s
+  `RequestOutput`. The study scripts' one-engine runs (scripts/acceptance_by_position.py,
+  scripts/replay_k_policy.py)."""
+  prompts = make_prompts(workload, tokenizer, requests, config.prompt_len, split='test', seed=0)
+  ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
+                            stop_tokens=tokenizer.eos_ids) for p in prompts]
+  done = engine.run()
+  return prompts, [done[i] for i in ids]
+
+
 def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: int) -> dict:
   """Seconds of one decode round on idle rows per fixed-policy setting, interleaved.
 

@@ -21,7 +21,6 @@ from configs import batching as batching_config
 from experiments import batching
 from experiments.common import parse_workloads
 from experiments.speculative import load_pair
-from jaxspec.data import make_prompts
 
 
 def conditional_acceptance(accepted, k: int) -> list:
@@ -48,12 +47,8 @@ def main():
   engine = batching.build_engines(config, batching.parse_settings(config.settings), target,
                                   target_params, draft, draft_params)['k'][0]
   for workload in workloads:
-    prompts = make_prompts(workload, tokenizer, args.requests, config.prompt_len, split='test',
-                           seed=0)
-    ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
-                              stop_tokens=tokenizer.eos_ids) for p in prompts]
-    outputs = engine.run()
-    accepted = [e - 1 for rid in ids for e in outputs[rid].metrics.accepted_lengths[:-1]]
+    _, outputs = batching.decode_alone(engine, config, tokenizer, workload, args.requests)
+    accepted = [e - 1 for out in outputs for e in out.metrics.accepted_lengths[:-1]]
     cells = ' '.join('-' if p is None else f'{p:.2f} ({n})'
                      for p, n in conditional_acceptance(accepted, args.k))
     print(f'{workload}: {len(accepted)} rounds; P(accept j | accepted before), j = 1..{args.k}: '

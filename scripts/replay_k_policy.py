@@ -31,7 +31,6 @@ from configs import batching as batching_config
 from experiments import batching
 from experiments.common import parse_workloads
 from experiments.speculative import load_pair
-from jaxspec.data import make_prompts
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 from jaxspec.models.llama import Transformer
 
@@ -117,13 +116,9 @@ def main():
   print('d(K) / d(0): ' + ', '.join(f'{k}: {t / costs[0]:.2f}' for k, t in costs.items()))
   engine = engines['k0'][0]
   for workload in workloads:
-    prompts = make_prompts(workload, tokenizer, args.requests, config.prompt_len, split='test',
-                           seed=0)
-    ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
-                              stop_tokens=tokenizer.eos_ids) for p in prompts]
-    outputs = engine.run()
-    sequences = [acceptance_sequence(draft, draft_params, p.tokens, outputs[i].tokens)
-                 for p, i in zip(prompts, ids)]
+    prompts, outputs = batching.decode_alone(engine, config, tokenizer, workload, args.requests)
+    sequences = [acceptance_sequence(draft, draft_params, p.tokens, out.tokens)
+                 for p, out in zip(prompts, outputs)]
     speed = {'k0': (1.0 / costs[0], {0: sum(map(len, sequences))})}   # one token a round
     for name, (make, k) in _policies(['schedule', 'goodput'], static, args.k_max).items():
       policy = make()
