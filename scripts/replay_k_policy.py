@@ -6,13 +6,19 @@ L_t the run of positions from t where the draft's argmax, given the target's own
 it, is the target's token (after an accepted proposal the draft's context is the target's), and
 emits one more token. So one teacher-forced draft pass over each request's greedy output
 (`acceptance_sequence`) fixes every round of every K schedule (`replay`). A round's seconds are
-the start-up table d(K) of a B = 1 engine (`Engine.step_costs`, idle rows); host time is left
-out, and a K = 0 round gives the policy a one-token probe observation (the engine's lazy draft
-probes only now and then). Prints, per workload, each policy's decode speedup over K = 0 (tokens
-per table second), its fraction of the best static K and its rounds per K.
+the start-up table d(K) of a B = 1 engine (`Engine.step_costs`, idle rows). Left out against an
+engine run: host time; the lazy draft's catch-up seconds (the policy is told 0, so it returns to
+K >= 1 more readily); the engine probes only now and then, here every K = 0 round gives the
+policy a one-token probe observation; and a round cut by the output's end is observed only up
+to it (the engine sees what the draft did past a stop token). Prints, per workload, each
+policy's decode speedup over K = 0 (tokens per table second), its fraction of the best static K
+and its rounds per K.
 
     PYTHONPATH=$PWD python scripts/replay_k_policy.py [--requests 8] [--k-max 8]
-        [--workloads json,code,retrieval] [--static 1,2,3,4,8]
+        [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
+
+--costs gives d(K) / d(0) for K = 0..k_max instead of timing them (the start-up table moves by
+~10 % between runs on the development CPU, and the replay's ratios with it).
 
 The study's shape (`configs/batching.py`): the shipped pair, held-out prompts of 64 tokens,
 `max_tokens` 32, greedy. Measured engine runs add host work and catch-ups on top
@@ -76,10 +82,10 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int) -> tuple:
       run = 0
       while run < cap and seq[pos + run]:
         run += 1
-      if k:
-        policy.observe(i, caps[0], run, float(run), float(run + (run < caps[0])))
-      else:                                       # a probe: one drafted token scored
+      if k == 0:                                  # a probe: one drafted token scored
         policy.observe(i, 0, 0, float(seq[pos]), 1.0)
+      elif cap:         # capped at the output's end: no rejection is known past it
+        policy.observe(i, cap, run, float(run), float(run + (run < cap)))
       policy.round_timing(k, costs[k], 0.0)
       pos, emitted = pos + run + 1, emitted + run + 1
       rounds.append((k, run + 1))
@@ -99,6 +105,7 @@ def main():
   parser.add_argument('--k-max', type=int, default=8)
   parser.add_argument('--workloads', default='json,code,retrieval')
   parser.add_argument('--static', default='1,2,3,4,8')
+  parser.add_argument('--costs', default='', help='d(K) / d(0) for K = 0..k_max')
   args = parser.parse_args()
   static = [int(k) for k in args.static.split(',') if k]
   if args.requests < 1 or not 1 <= args.k_max <= 8 or any(not 1 <= k <= args.k_max
@@ -107,12 +114,20 @@ def main():
                  f'{args.requests}, {args.k_max}, {static}')
   config = batching_config.get_config()
   config.batch_size, config.workloads = 1, args.workloads
-  config.settings = f'k0=k:0;gp=k:{args.k_max},k_policy:goodput'
+  try:
+    given = [float(c) for c in args.costs.split(',') if c.strip()]
+  except ValueError:
+    parser.error(f'--costs must be numbers, got {args.costs!r}')
+  if given and (len(given) != args.k_max + 1 or min(given) <= 0):
+    parser.error(f'--costs wants {args.k_max + 1} positive numbers (K = 0..{args.k_max}), '
+                 f'got {given}')
+  config.settings = 'k0=k:0' + ('' if given else f';gp=k:{args.k_max},k_policy:goodput')
   workloads = parse_workloads(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   engines = batching.build_engines(config, batching.parse_settings(config.settings), target,
                                    target_params, draft, draft_params)
-  costs = dict(engines['gp'][0].step_costs)       # d(K), K = 0..k_max, of a B = 1 round
+  # d(K), K = 0..k_max, of a B = 1 round: given, or the goodput engine's start-up table.
+  costs = dict(enumerate(given)) if given else dict(engines['gp'][0].step_costs)
   print('d(K) / d(0): ' + ', '.join(f'{k}: {t / costs[0]:.2f}' for k, t in costs.items()))
   engine = engines['k0'][0]
   for workload in workloads:

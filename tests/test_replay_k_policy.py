@@ -54,3 +54,18 @@ def test_replay_accepts_runs_of_the_sequence_up_to_k_and_the_room():
   # K_i: 1 (all accepted) -> 3 (all) -> 4, of which the room leaves 2 (not all accepted).
   assert replay_k_policy.replay(schedule, [ones], {1: 1.0, 3: 1.0, 4: 1.0}, 10) == \
       [(1, 2), (3, 4), (4, 3)]
+
+
+def test_a_round_cut_by_the_outputs_end_invents_no_rejection():
+  """A request that stopped early (a stop token) ends inside a run: the replay observes the
+  round capped where the output ends, with no rejection the sequence cannot show."""
+  seen = []
+
+  class Recording(FixedK):
+    def observe(self, request_id, k, accepted, successes, trials):
+      seen.append((k, accepted, successes, trials))
+
+  policy = Recording()
+  policy.setup(4)
+  assert replay_k_policy.replay(policy, [[1, 1, 1]], {4: 1.0}, 10) == [(4, 3)]
+  assert seen == [(2, 2, 2.0, 2.0)]

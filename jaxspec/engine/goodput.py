@@ -198,7 +198,8 @@ class GoodputK(KPolicy):
     caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
     later = alphas if later is None else later
     tokens = sum(expected_tokens(a, c, b) for a, c, b, r in
-                 zip(alphas, caps, later, rooms or [1] * len(alphas)) if r >= 1)
+                 zip(alphas, caps, later, [1] * len(alphas) if rooms is None else rooms)
+                 if r >= 1)
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
@@ -352,7 +353,7 @@ class GoodputK(KPolicy):
     return 0, [0] * len(request_ids)
 
   def _repeat_spec(self, request_ids, rows, queued, rooms):
-    """The held K >= 1 choice while it has rounds left (`SPEC_HOLD_ROUNDS`) and the batch, its row
+    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`) and the batch, its row
     bucket, the queue's length and the cost tables are unchanged, every room was and still is at
     least K + 2 (`_spec_key`), no two rooms are equal while requests wait, and, checked every
     `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would also check
