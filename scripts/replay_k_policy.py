@@ -1,34 +1,37 @@
-"""Replay K policies at batch size 1 on recorded greedy acceptance: every policy on the same
-rounds, without timing noise, in seconds.
+"""Replay K policies on recorded greedy acceptance: every policy on the same rounds, without
+timing noise, in seconds, at batch size 1 or on a B-slot engine's schedule.
 
 At greedy decoding a round at K that starts at output position t accepts min(L_t, K) proposals,
 L_t the run of positions from t where the draft's argmax, given the target's own tokens before
 it, is the target's token (after an accepted proposal the draft's context is the target's), and
 emits one more token. So one teacher-forced draft pass over each request's greedy output
-(`acceptance_sequence`) fixes every round of every K schedule (`replay`). A round's seconds are
-the start-up table d(K) of a B = 1 engine (`Engine.step_costs`, idle rows). Left out against an
-engine run: host time; the lazy draft's catch-up seconds (the policy is told 0, so it returns to
-K >= 1 more readily); the engine probes only now and then, here every K = 0 round gives the
+(`acceptance_sequence`) fixes every round of every K schedule; `replay` runs a policy over them
+with the engine's scheduling (admissions, prefill calls, row buckets, finishes). A round's
+seconds are the start-up table of a B-slot engine (`Engine.row_costs`, idle rows) and a
+prefill call's `Engine.prefill_costs`. Left out against an engine run: host time, and live
+rounds costing more than idle ones (at B = 2 the replay puts static K = 1-4 4-30 % above
+K = 0, where the study measured 0.85-1.06x: the policy's live ratios and h(K) see that, this
+replay does not); the lazy draft's catch-up seconds (the policy is told 0, so it returns
+to K >= 1 more readily); the engine probes only now and then, here every K = 0 round gives the
 policy a one-token probe observation; and a round cut by the output's end is observed only up
 to it (the engine sees what the draft did past a stop token). Prints, per workload, each
-policy's decode speedup over K = 0 (tokens per table second), its fraction of the best static K
-and its rounds per K.
+policy's speedup over K = 0 (table seconds), its fraction of the best static K and its rounds
+per K.
 
-    PYTHONPATH=$PWD python scripts/replay_k_policy.py [--requests 8] [--k-max 8]
+    PYTHONPATH=$PWD python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
 
---costs gives d(K) / d(0) for K = 0..k_max instead of timing them (the start-up table moves by
-~10 % between runs on the development CPU, and the replay's ratios with it).
-
-The study's shape (`configs/batching.py`): the shipped pair, held-out prompts of 64 tokens,
-`max_tokens` 32, greedy. Measured engine runs add host work and catch-ups on top
-(`experiments.run --config=configs/batching.py --config.batch_size=1`).
+--costs (B = 1) gives d(K) / d(0) for K = 0..k_max instead of timing them and counts decode
+rounds only (the start-up table moves by ~10 % between runs on the development CPU, and the
+replay's ratios with it). N defaults to the study's max(2 B, 8).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import types
+from typing import Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +40,8 @@ from configs import batching as batching_config
 from experiments import batching
 from experiments.common import parse_workloads
 from experiments.speculative import load_pair
+from jaxspec.engine import device, speculation
+from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 from jaxspec.models.llama import Transformer
 
@@ -56,100 +61,157 @@ def acceptance_sequence(draft, draft_params, prompt, output) -> list:
   return [int(guess[start + i - 1] == tokens[start + i]) for i in range(1, len(output))]
 
 
-def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int) -> tuple:
-  """Run `policy` (set up, with its costs) over requests decoded one after another at B = 1.
+def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int = 1,
+           prefill_costs: Optional[dict] = None) -> tuple:
+  """Run `policy` (set up, with its costs) over the requests, all queued at once, on an engine
+  of `slots` slots as `jaxspec.engine.Engine` schedules them: each step admits waiting requests
+  into free slots (first come, first served) and prefills them in one call, which emits their
+  first token, then runs one decode round for the requests that were decoding before it, in a
+  row bucket (`Engine.decode_buckets`) at the K the policy chooses; a request that emitted its
+  whole output frees its slot for the next step. The policy is told what the engine tells it
+  (`speculation.choose`: rooms, row bucket, queue, its rooms, slots, the split admission
+  `speculation.split_cost`, one prefill chunk per prompt) but no catch-up seconds.
 
   Args:
     sequences: per request, its `acceptance_sequence` (a request emits len + 1 tokens: the
       prefill's and one per position).
-    costs: {K: seconds} of one decode round (the policy's candidates); max_tokens: the
-      requests' token limit (what the policy is told their room is).
+    costs: {rows: {K: seconds}} of one decode round per row bucket (each bucket the engine
+      would use; the policy's candidates); max_tokens: the requests' token limit (what the
+      policy is told their room is).
+    slots: the engine's batch slots; prefill_costs: {rows: seconds} one prefill call per
+      prefill bucket (powers of two up to `slots`; None: prefill is free).
   Returns:
-    [(K, tokens emitted)] per decode round, in order.
+    (rounds: [(K, rows, {request index: tokens emitted})] per decode round, prefills: [requests
+    admitted] per prefill call, seconds: the decode rounds' and prefill calls' table seconds).
   """
-  rounds = []
-  for i, seq in enumerate(sequences):
-    pos, emitted, total = 0, 1, len(seq) + 1
-    queued = len(sequences) - i - 1
-    while emitted < total:
-      room = max_tokens - emitted
-      policy.rooms, policy.rows, policy.queued, policy.slots = [room], 1, queued, 1
-      policy.queue_rooms = [max_tokens - 1] if queued else []
-      policy.split_s, policy.split_tokens, policy.sync_s = 0.0, 0, 0.0
-      again = policy.repeat([i], 1, queued, [room])
-      k, caps = again if again is not None else policy.choose([i])
-      cap = min(caps[0], total - emitted - 1)
-      run = 0
-      while run < cap and seq[pos + run]:
-        run += 1
-      if k == 0:                                  # a probe: one drafted token scored
-        policy.observe(i, 0, 0, float(seq[pos]), 1.0)
-      elif cap:         # capped at the output's end: no rejection is known past it
-        policy.observe(i, cap, run, float(run), float(run + (run < cap)))
-      policy.round_timing(k, costs[k], 0.0)
-      pos, emitted = pos + run + 1, emitted + run + 1
-      rounds.append((k, run + 1))
-    policy.forget(i)
-  return rounds
+  buckets = device.decode_buckets(slots, None)
+  prefill_buckets = sorted({1 << b for b in range(slots.bit_length())} | {slots})
+  pos, emitted = [0] * len(sequences), [0] * len(sequences)
+  total = [len(seq) + 1 for seq in sequences]
+  waiting, held, decoding = list(range(len(sequences))), [], []
+  rounds, prefills, seconds = [], [], 0.0
+  while waiting or held:
+    admitted = waiting[:slots - len(held)]
+    waiting = waiting[len(admitted):]
+    if admitted:
+      prefills.append(len(admitted))
+      rows = min(b for b in prefill_buckets if b >= len(admitted))
+      seconds += (prefill_costs or {}).get(rows, 0.0)
+      for i in admitted:
+        emitted[i] = 1
+    held += admitted
+    if decoding:
+      rows = min(b for b in buckets if b >= len(decoding))
+      queued = len(waiting) + len(admitted)
+      rooms = [max_tokens - emitted[i] for i in decoding]
+      policy.rooms, policy.rows, policy.queued, policy.slots = rooms, rows, queued, slots
+      policy.queue_rooms = [max_tokens - 1] * min(queued, slots)
+      policy.split_s, policy.split_tokens = speculation.split_cost(
+          [types.SimpleNamespace(room=r) for r in rooms],
+          [types.SimpleNamespace(prefill_tokens=[0], max_tokens=max_tokens)] * len(waiting),
+          prefill_costs or {}, 1)
+      policy.sync_s = 0.0
+      again = policy.repeat(decoding, rows, queued, rooms)
+      k, caps = again if again is not None else policy.choose(decoding)
+      out = {}
+      for i, cap in zip(decoding, caps):
+        seq, p = sequences[i], pos[i]
+        cap = min(cap, total[i] - emitted[i] - 1)
+        run = 0
+        while run < cap and seq[p + run]:
+          run += 1
+        if k == 0:                                # a probe: one drafted token scored
+          policy.observe(i, 0, 0, float(seq[p]), 1.0)
+        elif cap:       # capped at the output's end: no rejection is known past it
+          policy.observe(i, cap, run, float(run), float(run + (run < cap)))
+        pos[i], emitted[i], out[i] = p + run + 1, emitted[i] + run + 1, run + 1
+      policy.round_timing(k, costs[rows][k], 0.0)
+      seconds += costs[rows][k]
+      rounds.append((k, rows, out))
+      for i in decoding:
+        if emitted[i] >= total[i]:
+          policy.forget(i)
+          held.remove(i)
+    decoding = sorted(held)
+  return rounds, prefills, seconds
 
 
-def _policies(names, static, k_max):
-  out = {f'k{k}': (lambda k=k: FixedK(), k) for k in static}
-  out.update({name: (lambda name=name: make_policy(name), k_max) for name in names})
+def _policies(static, k_max):
+  """{name: (make, K_max)}: K = 0 (a goodput policy with no other candidate), each static K,
+  the schedule and goodput."""
+  out = {'k0': (lambda: make_policy(GoodputK(candidates=[0])), k_max)}
+  out.update({f'k{k}': (lambda k=k: FixedK(), k) for k in static})
+  out.update({name: (lambda name=name: make_policy(name), k_max)
+              for name in ('schedule', 'goodput')})
   return out
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--requests', type=int, default=8)
+  parser.add_argument('--batch', type=int, default=1, help='engine slots B')
+  parser.add_argument('--requests', type=int, default=0,
+                      help='requests per workload (default: the study\'s max(2 B, 8))')
   parser.add_argument('--k-max', type=int, default=8)
   parser.add_argument('--workloads', default='json,code,retrieval')
   parser.add_argument('--static', default='1,2,3,4,8')
-  parser.add_argument('--costs', default='', help='d(K) / d(0) for K = 0..k_max')
+  parser.add_argument('--costs', default='',
+                      help='d(K) / d(0) for K = 0..k_max (B = 1 only; decode rounds only)')
   args = parser.parse_args()
-  static = [int(k) for k in args.static.split(',') if k]
-  if args.requests < 1 or not 1 <= args.k_max <= 8 or any(not 1 <= k <= args.k_max
-                                                          for k in static):
-    parser.error(f'want --requests >= 1, --k-max in [1, 8] and --static in [1, --k-max], got '
-                 f'{args.requests}, {args.k_max}, {static}')
-  config = batching_config.get_config()
-  config.batch_size, config.workloads = 1, args.workloads
   try:
+    static = [int(k) for k in args.static.split(',') if k.strip()]
     given = [float(c) for c in args.costs.split(',') if c.strip()]
   except ValueError:
-    parser.error(f'--costs must be numbers, got {args.costs!r}')
-  if given and (len(given) != args.k_max + 1 or min(given) <= 0):
-    parser.error(f'--costs wants {args.k_max + 1} positive numbers (K = 0..{args.k_max}), '
-                 f'got {given}')
+    parser.error(f'--static and --costs must be numbers, got {args.static!r}, {args.costs!r}')
+  if args.batch < 1 or args.requests < 0 or not 1 <= args.k_max <= 8 or \
+      any(not 1 <= k <= args.k_max for k in static):
+    parser.error(f'want --batch >= 1, --requests >= 0, --k-max in [1, 8] and --static in '
+                 f'[1, --k-max], got {args.batch}, {args.requests}, {args.k_max}, {static}')
+  if given and (args.batch != 1 or len(given) != args.k_max + 1 or min(given) <= 0):
+    parser.error(f'--costs wants --batch 1 and {args.k_max + 1} positive numbers '
+                 f'(K = 0..{args.k_max}), got --batch {args.batch} and {given}')
+  config = batching_config.get_config()
+  config.batch_size, config.workloads = args.batch, args.workloads
+  requests = args.requests or max(config.requests_per_slot * args.batch, config.min_requests)
   config.settings = 'k0=k:0' + ('' if given else f';gp=k:{args.k_max},k_policy:goodput')
   workloads = parse_workloads(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   engines = batching.build_engines(config, batching.parse_settings(config.settings), target,
                                    target_params, draft, draft_params)
-  # d(K), K = 0..k_max, of a B = 1 round: given, or the goodput engine's start-up table.
-  costs = dict(enumerate(given)) if given else dict(engines['gp'][0].step_costs)
-  print('d(K) / d(0): ' + ', '.join(f'{k}: {t / costs[0]:.2f}' for k, t in costs.items()))
-  engine = engines['k0'][0]
+  # Round costs per row bucket and prefill calls: given (B = 1, decode only), or the goodput
+  # engine's start-up tables.
+  if given:
+    costs, prefill_costs = {1: dict(enumerate(given))}, None
+  else:
+    costs, prefill_costs = engines['gp'][0].row_costs, engines['gp'][0].prefill_costs
+  full = costs[args.batch]
+  print(f'B = {args.batch}, {requests} requests per workload; d(K) / d(0) of a full round: ' +
+        ', '.join(f'{k}: {t / full[0]:.2f}' for k, t in full.items()) +
+        ('; prefill calls counted' if prefill_costs else '; decode rounds only'))
+  one = batching_config.get_config()
+  one.batch_size = 1
+  alone = batching.build_engines(one, {'k0': {'k': 0}}, target, target_params, draft,
+                                 draft_params)['k0'][0] if args.batch > 1 else engines['k0'][0]
   for workload in workloads:
-    prompts, outputs = batching.decode_alone(engine, config, tokenizer, workload, args.requests)
+    prompts, outputs = batching.decode_alone(alone, config, tokenizer, workload, requests)
     sequences = [acceptance_sequence(draft, draft_params, p.tokens, out.tokens)
                  for p, out in zip(prompts, outputs)]
-    speed = {'k0': (1.0 / costs[0], {0: sum(map(len, sequences))})}   # one token a round
-    for name, (make, k) in _policies(['schedule', 'goodput'], static, args.k_max).items():
+    seconds, by_k = {}, {}
+    for name, (make, k) in _policies(static, args.k_max).items():
       policy = make()
       policy.setup(k)
       if policy.needs_costs:
-        policy.set_costs({c: costs[c] for c in policy.candidates})
-      rounds = replay(policy, sequences, costs, config.max_tokens)
-      speed[name] = (sum(e for _, e in rounds) / sum(costs[k] for k, _ in rounds),
-                     collections.Counter(k for k, _ in rounds))
-    base = speed['k0'][0]
-    best = max(v for n, (v, _) in speed.items() if n.startswith('k'))
+        policy.set_costs({c: full[c] for c in policy.candidates},
+                         by_rows={rows: {c: t[c] for c in policy.candidates}
+                                  for rows, t in costs.items()})
+      rounds, _, seconds[name] = replay(policy, sequences, costs, config.max_tokens,
+                                        args.batch, prefill_costs)
+      by_k[name] = collections.Counter(k for k, _, _ in rounds)
+    best = min(t for n, t in seconds.items() if n[1:].isdigit())
     print(f'{workload} ({sum(map(len, sequences))} drafted positions, '
           f'{np.mean([s for q in sequences for s in q]):.2f} accepted):')
-    for name, (v, by_k) in speed.items():
-      print(f'  {name:>9}: {v / base:.3f}x K = 0, {v / best:.3f} of the best static; rounds by K '
-            f'{dict(sorted(by_k.items()))}')
+    for name, t in seconds.items():
+      print(f'  {name:>9}: {seconds["k0"] / t:.3f}x K = 0, {best / t:.3f} of the best static; '
+            f'rounds by K {dict(sorted(by_k[name].items()))}')
 
 
 if __name__ == '__main__':

@@ -1,5 +1,5 @@
 """scripts/replay_k_policy.py: greedy rounds replayed from a teacher-forced draft pass are the
-rounds the engine runs."""
+rounds the engine runs, alone and batched."""
 
 import importlib.util
 import pathlib
@@ -21,6 +21,12 @@ def _fixed(k):
   return policy
 
 
+def _alone(policy, sequences, k_costs, max_tokens):
+  """[(K, tokens emitted)] per round of a one-slot replay."""
+  rounds, _, _ = replay_k_policy.replay(policy, sequences, {1: k_costs}, max_tokens)
+  return [(k, e) for k, _, out in rounds for e in out.values()]
+
+
 @pytest.mark.parametrize('k', [1, 3])
 def test_replayed_rounds_are_the_engines(tiny, tiny_draft, k):
   """Per round, the tokens the engine emits at fixed K (greedy, one slot) equal the replay's
@@ -40,20 +46,17 @@ def test_replayed_rounds_are_the_engines(tiny, tiny_draft, k):
     assert done.tokens == output                  # greedy speculation keeps the target's tokens
     engine_rounds.extend(done.metrics.accepted_lengths)
   assert 0 < sum(map(sum, sequences)) < sum(map(len, sequences))   # some accepted, not all
-  rounds = replay_k_policy.replay(_fixed(k), sequences, {k: 1.0}, max_tokens)
-  assert rounds == [(k, e) for e in engine_rounds]
+  assert _alone(_fixed(k), sequences, {k: 1.0}, max_tokens) == [(k, e) for e in engine_rounds]
 
 
 def test_replay_accepts_runs_of_the_sequence_up_to_k_and_the_room():
   ones, alternating = [1] * 9, [1, 0] * 4 + [1]   # 10 tokens each (the prefill's first)
-  assert replay_k_policy.replay(_fixed(4), [ones], {4: 1.0}, 10) == [(4, 5), (4, 4)]
-  assert replay_k_policy.replay(_fixed(4), [alternating], {4: 1.0}, 10) == \
-      [(4, 2)] * 4 + [(4, 1)]
+  assert _alone(_fixed(4), [ones], {4: 1.0}, 10) == [(4, 5), (4, 4)]
+  assert _alone(_fixed(4), [alternating], {4: 1.0}, 10) == [(4, 2)] * 4 + [(4, 1)]
   schedule = ScheduleK(initial=1)
   schedule.setup(4)
   # K_i: 1 (all accepted) -> 3 (all) -> 4, of which the room leaves 2 (not all accepted).
-  assert replay_k_policy.replay(schedule, [ones], {1: 1.0, 3: 1.0, 4: 1.0}, 10) == \
-      [(1, 2), (3, 4), (4, 3)]
+  assert _alone(schedule, [ones], {1: 1.0, 3: 1.0, 4: 1.0}, 10) == [(1, 2), (3, 4), (4, 3)]
 
 
 def test_a_round_cut_by_the_outputs_end_invents_no_rejection():
@@ -67,5 +70,35 @@ def test_a_round_cut_by_the_outputs_end_invents_no_rejection():
 
   policy = Recording()
   policy.setup(4)
-  assert replay_k_policy.replay(policy, [[1, 1, 1]], {4: 1.0}, 10) == [(4, 3)]
+  assert _alone(policy, [[1, 1, 1]], {4: 1.0}, 10) == [(4, 3)]
   assert seen == [(2, 2, 2.0, 2.0)]
+
+
+def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft):
+  """Two slots at fixed K: the engine's prefill calls (requests per call), decode rounds and each
+  request's tokens per round are the replay's; finishes apart admit one request a call."""
+  (config, params), (draft, draft_params) = tiny, tiny_draft
+  prompts = [[5, 9, 12, 3, 40, 7], [17, 2, 33, 33, 8], [4, 4, 21, 9], [11, 30, 6, 2, 19, 8, 3]]
+  max_tokens, k = 14, 2
+  base = Engine(config, params, num_slots=1, num_pages=32, page_size=4, chunk_size=8)
+  sequences = []
+  for prompt in prompts:
+    rid = base.add_request(prompt, max_tokens=max_tokens)
+    sequences.append(replay_k_policy.acceptance_sequence(draft, draft_params, prompt,
+                                                         base.run()[rid].tokens))
+  engine = Engine(config, params, num_slots=2, num_pages=64, page_size=4, chunk_size=8,
+                  draft=draft, draft_params=draft_params, k=k)
+  calls = []
+  prefill = engine._prefill
+  engine._prefill = lambda prefills, emitted: calls.append(len(prefills)) or \
+      prefill(prefills, emitted)
+  ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+  done = engine.run()
+  rounds, prefills, seconds = replay_k_policy.replay(
+      _fixed(k), sequences, {2: {k: 1.0}}, max_tokens, slots=2, prefill_costs={1: 5.0, 2: 7.0})
+  assert prefills == calls and sum(calls) == len(prompts)
+  assert len(rounds) == engine.k_rounds[k]
+  for i, rid in enumerate(ids):
+    assert [out[i] for _, _, out in rounds if i in out] == done[rid].metrics.accepted_lengths
+  assert seconds == len(rounds) + sum(5.0 if n == 1 else 7.0 for n in prefills)
+  assert 1 in prefills          # some finishes came apart
