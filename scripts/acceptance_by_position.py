@@ -33,7 +33,7 @@ def conditional_acceptance(accepted, k: int) -> list:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split()))
   parser.add_argument('--k', type=int, default=8)
   parser.add_argument('--requests', type=int, default=8)
   parser.add_argument('--workloads', default='json,code,retrieval')
@@ -42,7 +42,10 @@ def main():
     parser.error(f'--k and --requests must be >= 1, got {args.k} and {args.requests}')
   config = batching_config.get_config()
   config.batch_size, config.settings, config.workloads = 1, f'k0=k:0;k=k:{args.k}', args.workloads
-  workloads = parse_workloads(config)
+  try:
+    workloads = parse_workloads(config)
+  except ValueError as err:
+    parser.error(str(err))
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   engine = batching.build_engines(config, batching.parse_settings(config.settings), target,
                                   target_params, draft, draft_params)['k'][0]

@@ -1,5 +1,6 @@
-"""Replay K policies on recorded greedy acceptance: every policy on the same rounds, without
-timing noise, in seconds, at batch size 1 or on a B-slot engine's schedule.
+"""Replay K policies on recorded greedy acceptance: every policy on the same rounds, priced by a
+fixed cost table (no timing noise), in seconds of wall time, at batch size 1 or on a B-slot
+engine's schedule.
 
 At greedy decoding a round at K that starts at output position t accepts min(L_t, K) proposals,
 L_t the run of positions from t where the draft's argmax, given the target's own tokens before
@@ -20,16 +21,22 @@ per K.
 
     PYTHONPATH=$PWD python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
+        [--live runs/batching/sweep/results.jsonl]
 
 --costs (B = 1) gives d(K) / d(0) for K = 0..k_max instead of timing them and counts decode
-rounds only (the start-up table moves by ~10 % between runs on the development CPU, and the
-replay's ratios with it). N defaults to the study's max(2 B, 8).
+rounds only (the start-up table moves by 10-15 % between runs on the development CPU, and the
+replay's ratios with it). --live RESULTS prices full rounds by a batching study's measured
+decode-only step seconds at this B (`live_table`; other row buckets scaled alike), host work
+included: at B = 2 the static ratios then match the study's within 0.03. N defaults to the
+study's max(2 B, 8). K = 0 is always replayed (the baseline).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
+import math
 import types
 from typing import Optional
 
@@ -136,6 +143,28 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
   return rounds, prefills, seconds
 
 
+def live_table(records, batch: int, k_max: int) -> dict:
+  """{K: seconds} for K = 0..k_max of one decode round of a B-slot engine as the batching study
+  measured it: the median `round_s` (a decode-only engine step, host work included) of its fixed
+  draft-model settings (and K = 0) at batch size `batch`, linear in K between the measured K
+  (constant past the largest).
+
+  Raises:
+    ValueError: no K = 0 record, or none at K >= 1, at that batch size.
+  """
+  by_k = collections.defaultdict(list)
+  for r in records:
+    if r.get('batch_size') == batch and r.get('k_policy') == 'fixed' and \
+        r.get('round_s') is not None and (r.get('k') == 0 or r.get('drafter') == 'model'):
+      by_k[int(r['k'])].append(float(r['round_s']))
+  known = sorted(by_k)
+  if not known or known[0] != 0 or len(known) < 2:
+    raise ValueError(f'the study records hold no decode-only round times at K = 0 and K >= 1 '
+                     f'for batch size {batch} (found K {known})')
+  return dict(enumerate(np.interp(range(k_max + 1), known,
+                                  [float(np.median(by_k[k])) for k in known])))
+
+
 def _policies(static, k_max):
   """{name: (make, K_max)}: K = 0 (a goodput policy with no other candidate), each static K,
   the schedule and goodput."""
@@ -147,33 +176,47 @@ def _policies(static, k_max):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--batch', type=int, default=1, help='engine slots B')
+  parser = argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split()))
+  parser.add_argument('--batch', type=int, default=1, help='engine slots B (default 1)')
   parser.add_argument('--requests', type=int, default=0,
                       help='requests per workload (default: the study\'s max(2 B, 8))')
-  parser.add_argument('--k-max', type=int, default=8)
+  parser.add_argument('--k-max', type=int, default=8,
+                      help='K_max of the adaptive policies, in [1, 8] (default 8)')
   parser.add_argument('--workloads', default='json,code,retrieval')
-  parser.add_argument('--static', default='1,2,3,4,8')
+  parser.add_argument('--static', default='',
+                      help='the static K replayed beside K = 0 (default 1,2,3,4,8 up to --k-max)')
   parser.add_argument('--costs', default='',
-                      help='d(K) / d(0) for K = 0..k_max (B = 1 only; decode rounds only)')
+                      help='d(K) / d(0) for K = 0..k_max instead of timing them (B = 1 only; '
+                           'decode rounds only; skips the goodput engine\'s start-up timing)')
+  parser.add_argument('--live', default='',
+                      help='a batching study results.jsonl: price full rounds by its measured '
+                           'decode-only step seconds at this B')
   args = parser.parse_args()
   try:
-    static = [int(k) for k in args.static.split(',') if k.strip()]
+    static = [int(k) for k in args.static.split(',') if k.strip()] if args.static else \
+        [k for k in (1, 2, 3, 4, 8) if k <= args.k_max]
     given = [float(c) for c in args.costs.split(',') if c.strip()]
   except ValueError:
     parser.error(f'--static and --costs must be numbers, got {args.static!r}, {args.costs!r}')
-  if args.batch < 1 or args.requests < 0 or not 1 <= args.k_max <= 8 or \
-      any(not 1 <= k <= args.k_max for k in static):
-    parser.error(f'want --batch >= 1, --requests >= 0, --k-max in [1, 8] and --static in '
-                 f'[1, --k-max], got {args.batch}, {args.requests}, {args.k_max}, {static}')
-  if given and (args.batch != 1 or len(given) != args.k_max + 1 or min(given) <= 0):
-    parser.error(f'--costs wants --batch 1 and {args.k_max + 1} positive numbers '
-                 f'(K = 0..{args.k_max}), got --batch {args.batch} and {given}')
+  for name, value, ok in (('--batch', args.batch, args.batch >= 1),
+                          ('--requests', args.requests, args.requests >= 0),
+                          ('--k-max', args.k_max, 1 <= args.k_max <= 8),
+                          ('--static', static, all(1 <= k <= args.k_max for k in static))):
+    if not ok:
+      parser.error(f'{name} {value} is out of range (--batch >= 1, --requests >= 0, --k-max in '
+                   f'[1, 8], --static in [1, --k-max={args.k_max}])')
+  if given and (args.batch != 1 or args.live or len(given) != args.k_max + 1 or
+                not all(0 < c < math.inf for c in given)):
+    parser.error(f'--costs wants --batch 1, no --live and {args.k_max + 1} finite positive '
+                 f'numbers (K = 0..{args.k_max}), got --batch {args.batch} and {given}')
   config = batching_config.get_config()
   config.batch_size, config.workloads = args.batch, args.workloads
   requests = args.requests or max(config.requests_per_slot * args.batch, config.min_requests)
   config.settings = 'k0=k:0' + ('' if given else f';gp=k:{args.k_max},k_policy:goodput')
-  workloads = parse_workloads(config)
+  try:
+    workloads = parse_workloads(config)
+  except ValueError as err:
+    parser.error(str(err))
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   engines = batching.build_engines(config, batching.parse_settings(config.settings), target,
                                    target_params, draft, draft_params)
@@ -183,10 +226,19 @@ def main():
     costs, prefill_costs = {1: dict(enumerate(given))}, None
   else:
     costs, prefill_costs = engines['gp'][0].row_costs, engines['gp'][0].prefill_costs
+  if args.live:
+    # Live rounds of the full bucket from the study; other buckets scaled alike per K.
+    with open(args.live) as f:
+      live = live_table([json.loads(line) for line in f if line.strip()], args.batch,
+                        args.k_max)
+    idle = costs[args.batch]
+    costs = {rows: {k: t * live[k] / idle[k] for k, t in table.items()}
+             for rows, table in costs.items()}
   full = costs[args.batch]
   print(f'B = {args.batch}, {requests} requests per workload; d(K) / d(0) of a full round: ' +
         ', '.join(f'{k}: {t / full[0]:.2f}' for k, t in full.items()) +
-        ('; prefill calls counted' if prefill_costs else '; decode rounds only'))
+        ('; prefill calls counted' if prefill_costs else '; decode rounds only') +
+        (f'; live rounds from {args.live}' if args.live else ''))
   one = batching_config.get_config()
   one.batch_size = 1
   alone = batching.build_engines(one, {'k0': {'k': 0}}, target, target_params, draft,
@@ -207,10 +259,10 @@ def main():
                                         args.batch, prefill_costs)
       by_k[name] = collections.Counter(k for k, _, _ in rounds)
     best = min(t for n, t in seconds.items() if n[1:].isdigit())
-    print(f'{workload} ({sum(map(len, sequences))} drafted positions, '
-          f'{np.mean([s for q in sequences for s in q]):.2f} accepted):')
+    print(f'{workload} ({sum(map(len, sequences))} drafted positions, the draft\'s greedy token '
+          f'is the target\'s at {np.mean([s for q in sequences for s in q]):.2f} of them):')
     for name, t in seconds.items():
-      print(f'  {name:>9}: {seconds["k0"] / t:.3f}x K = 0, {best / t:.3f} of the best static; '
+      print(f'  {name:>9}: {seconds["k0"] / t:.3f}x over K = 0, {best / t:.3f} of the best static; '
             f'rounds by K {dict(sorted(by_k[name].items()))}')
 
 
