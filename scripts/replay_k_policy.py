@@ -27,7 +27,7 @@ per K.
 rounds only (the start-up table moves by 10-15 % between runs on the development CPU, and the
 replay's ratios with it). --live RESULTS prices full rounds by a batching study's measured
 decode-only step seconds at this B (`live_table`; other row buckets scaled alike), host work
-included: at B = 2 the static ratios then match the study's within 0.03. N defaults to the
+included: at B = 2 the static ratios then match the study's within 0.035. N defaults to the
 study's max(2 B, 8). K = 0 is always replayed (the baseline).
 """
 
