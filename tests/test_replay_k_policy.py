@@ -102,3 +102,18 @@ def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft):
     assert [out[i] for _, _, out in rounds if i in out] == done[rid].metrics.accepted_lengths
   assert seconds == len(rounds) + sum(5.0 if n == 1 else 7.0 for n in prefills)
   assert 1 in prefills          # some finishes came apart
+
+
+def test_live_table_takes_the_studys_median_round_seconds_per_k():
+  """Fixed draft-model settings (and K = 0) at the batch size, medians per K, linear between
+  the measured K and flat past the last; other settings, batch sizes and drafters are not used;
+  without K = 0 and some K >= 1 it refuses."""
+  def rec(k, seconds, batch=2, drafter='model', policy='fixed'):
+    return dict(batch_size=batch, k=k, round_s=seconds, k_policy=policy,
+                drafter='none' if k == 0 else drafter)
+  records = [rec(0, 1.0), rec(0, 3.0), rec(1, 2.0), rec(2, 2.5), rec(4, 3.5), rec(2, 9.0, batch=4),
+             rec(4, 9.0, drafter='ngram'), rec(8, 9.0, policy='goodput')]
+  table = replay_k_policy.live_table(records, 2, 6)
+  assert table == pytest.approx({0: 2.0, 1: 2.0, 2: 2.5, 3: 3.0, 4: 3.5, 5: 3.5, 6: 3.5})
+  with pytest.raises(ValueError, match='batch size 8'):
+    replay_k_policy.live_table(records, 8, 6)
