@@ -281,6 +281,20 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   return engines
 
 
+def load_study(config) -> tuple:
+  """(workloads, (target, target_params, draft, draft_params, tokenizer), engines) of a batching
+  study config: its workloads, its model pair (`load_pair`) and its settings' engines
+  (`build_engines`). The study scripts' start.
+
+  Raises:
+    ValueError: an unknown workload or setting, or a pair that does not load.
+  """
+  workloads = parse_workloads(config)
+  pair = load_pair(config)
+  engines = build_engines(config, parse_settings(config.settings), *pair[:4])
+  return workloads, pair, engines
+
+
 def decode_alone(engine: Engine, config, tokenizer, workload: str, requests: int) -> tuple:
   """(prompts, outputs): the study's first `requests` held-out prompts of `workload`
   (`make_prompts`, test split, seed 0, `config.prompt_len` tokens) run through `engine` to the

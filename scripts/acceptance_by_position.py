@@ -19,8 +19,6 @@ import collections
 
 from configs import batching as batching_config
 from experiments import batching
-from experiments.common import parse_workloads
-from experiments.speculative import load_pair
 
 
 def conditional_acceptance(accepted, k: int) -> list:
@@ -43,12 +41,10 @@ def main():
   config = batching_config.get_config()
   config.batch_size, config.settings, config.workloads = 1, f'k0=k:0;k=k:{args.k}', args.workloads
   try:
-    workloads = parse_workloads(config)
+    workloads, (_, _, _, _, tokenizer), engines = batching.load_study(config)
   except ValueError as err:
     parser.error(str(err))
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  engine = batching.build_engines(config, batching.parse_settings(config.settings), target,
-                                  target_params, draft, draft_params)['k'][0]
+  engine = engines['k'][0]
   for workload in workloads:
     _, outputs = batching.decode_alone(engine, config, tokenizer, workload, args.requests)
     accepted = [e - 1 for out in outputs for e in out.metrics.accepted_lengths[:-1]]

@@ -45,8 +45,6 @@ import numpy as np
 
 from configs import batching as batching_config
 from experiments import batching
-from experiments.common import parse_workloads
-from experiments.speculative import load_pair
 from jaxspec.engine import device, speculation
 from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
@@ -214,12 +212,10 @@ def main():
   requests = args.requests or max(config.requests_per_slot * args.batch, config.min_requests)
   config.settings = 'k0=k:0' + ('' if given else f';gp=k:{args.k_max},k_policy:goodput')
   try:
-    workloads = parse_workloads(config)
+    workloads, pair, engines = batching.load_study(config)
   except ValueError as err:
     parser.error(str(err))
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  engines = batching.build_engines(config, batching.parse_settings(config.settings), target,
-                                   target_params, draft, draft_params)
+  target, target_params, draft, draft_params, tokenizer = pair
   # Round costs per row bucket and prefill calls: given (B = 1, decode only), or the goodput
   # engine's start-up tables.
   if given:
