@@ -306,7 +306,7 @@ class GoodputK(KPolicy):
       # ~0.1-0.3 ms of host time, 5-8 % of a round at B = 2-4 on the development CPU.
       spec.rounds += 1
       return spec.k, [spec.k] * len(request_ids)
-    inputs = (tuple(request_ids), queue, self.rows, self._version)
+    inputs = holds.Key(tuple(request_ids), queue, self.rows, version=self._version)
     left = sum(self.rooms) if self.rooms is not None else math.inf
     held = self._held
     if held is not None and held.key == inputs and self._k0_stands(held, ratios, host) and \
@@ -342,8 +342,9 @@ class GoodputK(KPolicy):
     if self._spec_held is not None:
       return self._repeat_spec(request_ids, rows, queued, rooms)
     held = self._held
-    if held is None or held.key[0] != tuple(request_ids) or held.key[2] != rows or \
-        held.key[1][0] != queued or held.key[3] != self._version or held.rounds >= held.limit:
+    if held is None or held.key.request_ids != tuple(request_ids) or held.key.rows != rows or \
+        held.key.queue[0] != queued or held.key.version != self._version or \
+        held.rounds >= held.limit:
       return None
     if held.rounds % self.CHECK_EVERY == 0 and \
         not self._k0_stands(held, self.live.group_ratios(), self.host.of(0) / self.live.unit_s()):
@@ -364,9 +365,10 @@ class GoodputK(KPolicy):
     the policy speculates in most rounds, and gathering the horizon for each was a sizeable part
     of its host work (`scripts/policy_host_time.py` prints it per round)."""
     spec = self._spec_held
-    chosen = spec.key[6]
-    if spec.rounds >= spec.limit or spec.key[0] != tuple(request_ids) or \
-        spec.key[2] != rows or spec.key[1][0] != queued or spec.key[5] != self.live.tables or \
+    key = spec.key
+    chosen = key.rooms
+    if spec.rounds >= spec.limit or key.request_ids != tuple(request_ids) or \
+        key.rows != rows or key.queue[0] != queued or key.tables != self.live.tables or \
         not rooms or not chosen or min(chosen) < spec.k + 2 or min(rooms) < spec.k + 2:
       return None
     if queued and len(set(rooms)) < len(rooms):
@@ -387,10 +389,12 @@ class GoodputK(KPolicy):
     move fast (a 32-token request lives ~12 rounds)."""
     return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
 
-  def _spec_key(self, request_ids, queue, k: int) -> tuple:
+  def _spec_key(self, request_ids, queue, k: int) -> holds.Key:
     """What a hold of K = k >= 1 requires unchanged (`choose`)."""
-    return (tuple(request_ids), queue, self.rows, self.sync_s, self.split_s, self.live.tables,
-            None if self.rooms is None else tuple(min(r, k + 2) for r in self.rooms))
+    return holds.Key(tuple(request_ids), queue, self.rows, sync_s=self.sync_s,
+                     split_s=self.split_s, tables=self.live.tables,
+                     rooms=None if self.rooms is None else
+                     tuple(min(r, k + 2) for r in self.rooms))
 
   HOLD_ROUNDS = 8
   CLEAR_LEAD = 0.1

@@ -4,9 +4,26 @@ scoring it again: what it was made on and how many rounds it has served (host si
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 DRIFT = 0.1        # |log| change of the K >= 1 / K = 0 live cost ratio that ends a hold
 LEVEL_DRIFT = 0.3  # |log| change of K = 0's live cost ratio that ends one (a slow stretch)
+
+
+class Key(NamedTuple):
+  """What a held choice requires unchanged (`GoodputK.choose`): the batch's request ids, the
+  queue (queued count, slots, the queue's rooms), the row bucket, and for K = 0 the estimates'
+  version; for K >= 1 the catch-up and split seconds, the cost tables' version and the rooms as
+  far as they cap K + 1."""
+
+  request_ids: tuple
+  queue: tuple
+  rows: Optional[int]
+  version: Optional[int] = None
+  sync_s: float = 0.0
+  split_s: float = 0.0
+  tables: int = 0
+  rooms: Optional[tuple] = None
 
 
 class Hold:
