@@ -73,9 +73,10 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
   into free slots (first come, first served) and prefills them in one call, which emits their
   first token, then runs one decode round for the requests that were decoding before it, in a
   row bucket (`Engine.decode_buckets`) at the K the policy chooses; a request that emitted its
-  whole output frees its slot for the next step. The policy is told what the engine tells it
-  (`speculation.choose`: rooms, row bucket, queue, its rooms, slots, the split admission
-  `speculation.split_cost`, one prefill chunk per prompt) but no catch-up seconds.
+  whole output frees its slot for the next step. The policy is asked through
+  `speculation.choose`, as the engine asks it (rooms, row bucket, queue, its rooms, slots, the
+  split admission `speculation.split_cost`, one prefill chunk per prompt), but with no lazy
+  draft: no probes or catch-up seconds of the engine's (a K = 0 round observes a probe here).
 
   Args:
     sequences: per request, its `acceptance_sequence` (a request emits len + 1 tokens: the
@@ -108,16 +109,15 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
     if decoding:
       rows = min(b for b in buckets if b >= len(decoding))
       queued = len(waiting) + len(admitted)
-      rooms = [max_tokens - emitted[i] for i in decoding]
-      policy.rooms, policy.rows, policy.queued, policy.slots = rooms, rows, queued, slots
-      policy.queue_rooms = [max_tokens - 1] * min(queued, slots)
-      policy.split_s, policy.split_tokens = speculation.split_cost(
-          [types.SimpleNamespace(room=r) for r in rooms],
-          [types.SimpleNamespace(prefill_tokens=[0], max_tokens=max_tokens)] * len(waiting),
-          prefill_costs or {}, 1)
-      policy.sync_s = 0.0
-      again = policy.repeat(decoding, rows, queued, rooms)
-      k, caps = again if again is not None else policy.choose(decoding)
+      decodes = [types.SimpleNamespace(id=i, room=max_tokens - emitted[i]) for i in decoding]
+      queue = [types.SimpleNamespace(prefill_tokens=[0], max_tokens=max_tokens)] * len(waiting)
+
+      def horizon(decodes=decodes, queue=queue, queued=queued):   # `speculation.horizon`'s
+        split = speculation.split_cost(decodes, queue, prefill_costs or {}, 1)
+        return split, queued, [max_tokens - 1] * min(queued, slots), slots
+
+      k, caps = speculation.choose(policy, decodes, rows, policy.k_max, queued=queued,
+                                   horizon=horizon)
       out = {}
       for i, cap in zip(decoding, caps):
         seq, p = sequences[i], pos[i]

@@ -26,6 +26,26 @@ def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> floa
   return 1.0 + alpha * sum(later ** j for j in range(k)) if k >= 1 else 1.0
 
 
+def round_tokens(alphas: Sequence[float], later: Sequence[float], rooms: Optional[Sequence[int]],
+                 k_max: int) -> list:
+  """[k_max + 1] floats: Σ_i E[tokens request i emits in one round at K], K = 0..k_max, with
+  first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`), each request's
+  proposals capped at room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap
+  without rooms): the cumulative sums of P(T > j) = α_i β_i^(j-1), j < room_i. Plain Python (n
+  is small where it is used, and a numpy call costs more than the sums)."""
+  totals = [0.0] * (k_max + 1)
+  for i, (a, b) in enumerate(zip(alphas, later)):
+    last = k_max if rooms is None else min(k_max, rooms[i] - 1)
+    if last < 0:
+      continue       # no room: emits nothing
+    s, e = a, 1.0
+    for j in range(k_max + 1):
+      totals[j] += e
+      if j < last:
+        e, s = e + s, s * b
+  return totals
+
+
 class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, β_i, K] / t(K) over `candidates` (SmartSpec, Liu et al.
   2024; TurboSpec), every row capped at K; α_i, β_i the request's first- and later-proposal
@@ -195,11 +215,7 @@ class GoodputK(KPolicy):
       if values is not None and len(values) != len(alphas):
         raise ValueError(f'goodput needs one {name} value per α: got {len(values)} for '
                          f'{len(alphas)}')
-    caps = [k] * len(alphas) if rooms is None else [min(k, max(0, r - 1)) for r in rooms]
-    later = alphas if later is None else later
-    tokens = sum(expected_tokens(a, c, b) for a, c, b, r in
-                 zip(alphas, caps, later, [1] * len(alphas) if rooms is None else rooms)
-                 if r >= 1)
+    tokens = round_tokens(alphas, alphas if later is None else later, rooms, k)[k]
     return self._per_second(tokens, len(alphas), k, rooms)
 
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
@@ -247,19 +263,8 @@ class GoodputK(KPolicy):
             seconds + (self.sync_s + split if k else 0.0) +
             later_waves * (seconds * wave / tokens + split))
       return scores
-    # Per round (one slot, or no queue inputs): Σ_i E_i for K = 0..K_max at once (`goodput`), the
-    # cumulative sums of s_ij = α_i β_i^(j-1), j < room_i, in plain Python (n is small here,
-    # and a numpy call costs more than the sums).
-    totals = [0.0] * (self.k_max + 1)
-    for i, (a, b) in enumerate(zip(alphas.tolist(), later.tolist())):
-      last = self.k_max if rooms is None else min(self.k_max, rooms[i] - 1)
-      if last < 0:
-        continue       # no room: emits nothing
-      s, e = a, 1.0
-      for j in range(self.k_max + 1):
-        totals[j] += e
-        if j < last:
-          e, s = e + s, s * b
+    # Per round (one slot, or no queue inputs), as `goodput` prices one K.
+    totals = round_tokens(alphas.tolist(), later.tolist(), rooms, self.k_max)
     return {k: self._per_second(totals[k], len(alphas), k, rooms) for k in self.candidates}
 
   def _scored(self, alphas: np.ndarray, later: np.ndarray) -> dict:
