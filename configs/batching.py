@@ -11,7 +11,7 @@
 One run = one batch size B: one engine per setting (same target/draft pair, same pool and
 max_seq_len), N = max(requests_per_slot x B, min_requests) held-out prompts per workload
 submitted at once, greedy, stop at <|eos|>, the settings' engines stepped in turn (order
-rotated per workload and repeat), each timed on its own step clock. Records and fields:
+shuffled every round), each timed on its own step clock. Records and fields:
 experiments/batching.py; the threshold analysis (cost ratio c(B, K) of a decode round, the α at
 which speculation starts to pay, best K, model-vs-measured speedups, adaptive vs best static):
 experiments/batching_report.py, written by the sweep (and `experiments.report`) to
@@ -54,8 +54,8 @@ def get_config(arg=None):
                            #   moved a cell's ratio by +-0.05 between runs
   c.prompt_len = 64        # tokens (retrieval: at most); one prefill chunk
   c.max_tokens = 32        # tokens emitted per request at most (stops earlier at <|eos|>)
-  c.repeats = 1            # passes over every (workload, setting); the order of the settings
-                           # rotates per (repeat, workload), so 3 workloads x 1 pass = 3 orders
+  c.repeats = 1            # passes over every (workload, setting); the settings step in an
+                           # order shuffled every round, seeded per (repeat, workload)
   c.interleave = 'steps'   # 'steps': engines step in turn (robust under load); 'runs': one by one
   c.cost_rounds = 30      # interleaved idle decode rounds per fixed setting (round-cost ratios)
   c.chunk_size = 64        # prefill chunk per request per step (tokens)

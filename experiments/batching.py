@@ -6,9 +6,10 @@ policies and other drafters are more settings), all built from the same target/d
 compiled by `warm_up` before anything is timed. For each repeat and workload, the same N =
 max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`) are submitted at once to
 every setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
-order that rotates by one per (repeat, workload), so every setting's steps are timed milliseconds
-apart and every ratio against K = 0 is taken under the same machine conditions; interleave='runs'
-runs the settings one after another instead (whole runs, same rotation).
+order shuffled every round (`measure`; seeded per (repeat, workload)), so every setting's steps are
+timed milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
+interleave='runs' runs the settings one after another instead (whole runs, in an order that rotates
+by one per (repeat, workload)).
 
 One record per (workload, setting, repeat); "engine seconds" = the sum of that engine's own
 `step()` wall times (all requests arrive at 0 on that clock):
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import random
 import statistics
 import time
 
@@ -172,19 +174,28 @@ def _mean(values) -> float | None:
   return sum(values) / len(values) if values else None
 
 
-def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str, dict]:
+def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens,
+            seed: int = 0) -> dict[str, dict]:
   """Submit every prompt at once to each engine, then step the engines in turn (one step of
-  each, in the dict's order, round after round) until all finish, timing every step.
+  each, round after round, in an order shuffled every round) until all finish, timing every
+  step.
 
-  Stepping round-robin puts every setting's steps milliseconds apart, so a burst of load from
+  Stepping in turn puts every setting's steps milliseconds apart, so a burst of load from
   other processes slows all settings alike (a ratio of whole runs taken one after another
   moves by 2-3x on a shared machine). Each engine's clock is the sum of its own step seconds:
   tokens/s, TTFT and TPOT are measured on it (all requests arrive at 0), so the other engines'
   steps in between do not count. With one engine this is an ordinary run.
 
+  The order is shuffled every round because a step runs faster after a step that left the
+  same data in the CPU's caches: in a fixed cyclic order (rotations keep it) each setting
+  always follows the same one, and at B = 4 on the development CPU K = 0 rounds of the goodput
+  engine, which followed K = 8's, took 4 % longer than the same call of the K = 0 engine,
+  which followed another K = 0 engine's (equal when both followed K = 0 steps).
+
   Args:
     engines: {name: (Engine, StepKinds)}, warmed up, no live requests.
     prompts: token-id lists; max_tokens, stop_tokens: per request.
+    seed: of the per-round shuffles (the same seed gives the same orders).
   Returns:
     {name: the per-run fields of a record (see the module docstring)}; times in seconds.
   """
@@ -196,7 +207,9 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens) -> dict[str
     runs[name] = dict(rounds=dict(engine.k_rounds), clock=0.0, first={}, last={}, decode_s=[],
                       decode_tokens=0, prefill_steps=0, ids=ids)
   live = [n for n, (e, _) in engines.items() if e.has_unfinished()]
+  shuffle = random.Random(seed).shuffle
   while live:
+    shuffle(live)
     for name in live:
       engine, kinds = engines[name]
       run = runs[name]
@@ -381,7 +394,8 @@ def run(config, results) -> None:
       runs = {}
       for group in groups:
         runs.update(measure({n: engines[n] for n in group}, prompts[workload],
-                            max_tokens=int(config.max_tokens), stop_tokens=stop))
+                            max_tokens=int(config.max_tokens), stop_tokens=stop,
+                            seed=repeat * len(workloads) + w))
       ref = runs.get(base, {})
       for name in names:
         m = runs[name]

@@ -205,6 +205,32 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
   assert idle['a'][1] == 1.0 and idle['b'][0] > 0 and idle['b'][1] > 0
 
 
+def test_measure_shuffles_the_step_order_every_round_reproducibly(tiny):
+  """Engines stepped in turn follow one another in an order shuffled per round (a fixed cyclic
+  order gave each setting the same predecessor every round, whose cache footprint its step
+  paid for): over 12 rounds of three engines each one follows both others, and the same seed
+  gives the same sequence of orders."""
+  from jaxspec.engine import Engine
+  config, params = tiny
+  prompts = [list(range(3 + i, 15 + i)) for i in range(3)]
+
+  def orders(seed):
+    engines, steps = {}, []
+    for name in 'abc':
+      engine = Engine(config, params, num_slots=2, num_pages=32, page_size=8, chunk_size=8)
+      step = engine.step
+      engine.step = lambda step=step, name=name: steps.append(name) or step()
+      engines[name] = (engine, batching.StepKinds(engine))
+    batching.measure(engines, prompts, max_tokens=5, stop_tokens=(), seed=seed)
+    return [''.join(steps[i:i + 3]) for i in range(0, len(steps), 3)]
+
+  first = orders(0)
+  assert len(first) == 12 and all(sorted(o) == ['a', 'b', 'c'] for o in first)
+  followed = {(o[i], o[i + 1]) for o in first for i in range(2)}
+  assert followed == {(x, y) for x in 'abc' for y in 'abc' if x != y}
+  assert orders(0) == first and orders(1) != first
+
+
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
   records = _records()
   for r in records:
