@@ -8,8 +8,8 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
-each, greedy), then stepped in turn (`experiments.batching.measure`) for --passes passes, the order
-rotated per pass. --set overrides an attribute of a built engine before the runs
+each, greedy), then stepped in turn (`experiments.batching.measure`, the order shuffled every
+round) for --passes passes. --set overrides an attribute of a built engine before the runs
 (SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
 settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
 overhead into probes and the rest. Per setting it prints tokens/s as a ratio to the first setting
@@ -112,9 +112,7 @@ def main():
   speeds = collections.defaultdict(list)
   try:
     for p in range(args.passes):
-      order = batching.rotated(list(engines), p)
-      runs = batching.measure({n: engines[n] for n in order}, prompts, max_tokens=32,
-                              stop_tokens=stop)
+      runs = batching.measure(engines, prompts, max_tokens=32, stop_tokens=stop, seed=p)
       for name, run in runs.items():
         speeds[name].append(run['tokens_per_s'])
   finally:
