@@ -56,6 +56,7 @@ def get_config(arg=None):
   c.max_tokens = 32        # tokens emitted per request at most (stops earlier at <|eos|>)
   c.repeats = 1            # passes over every (workload, setting); the settings step in an
                            # order shuffled every round, seeded per (repeat, workload)
+                           # (interleave='runs': whole runs, the order rotated per pass)
   c.interleave = 'steps'   # 'steps': engines step in turn (robust under load); 'runs': one by one
   c.cost_rounds = 30      # interleaved idle decode rounds per fixed setting (round-cost ratios)
   c.chunk_size = 64        # prefill chunk per request per step (tokens)

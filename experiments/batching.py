@@ -190,12 +190,16 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens,
   same data in the CPU's caches: in a fixed cyclic order (rotations keep it) each setting
   always follows the same one, and at B = 4 on the development CPU K = 0 rounds of the goodput
   engine, which followed K = 8's, took 4 % longer than the same call of the K = 0 engine,
-  which followed another K = 0 engine's (equal when both followed K = 0 steps).
+  which followed another K = 0 engine's (equal when both followed K = 0 steps). What the
+  shuffle cannot even out: once some engines have finished, the rest follow only each other
+  (the last one itself), so the settings that need the most rounds (K = 0 and what runs like
+  it) take their last steps after steps like their own, a bias against the others' speedups.
 
   Args:
     engines: {name: (Engine, StepKinds)}, warmed up, no live requests.
     prompts: token-id lists; max_tokens, stop_tokens: per request.
-    seed: of the per-round shuffles (the same seed gives the same orders).
+    seed: of the per-round shuffles (the same seed, engine order and rounds per engine give
+      the same orders).
   Returns:
     {name: the per-run fields of a record (see the module docstring)}; times in seconds.
   """
