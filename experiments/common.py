@@ -111,7 +111,11 @@ def parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    sys.exit(f'FATAL flags: {e}')
+    text = str(e)
+    if 'Traceback (most recent call last)' in text:   # a config file's get_config raised:
+      lines = text.strip().splitlines()                # ml_collections quotes its traceback
+      text = f'{lines[0].rstrip(": ")}: {lines[-1]}'
+    sys.exit(f'FATAL flags: {text}')
   except (AttributeError, KeyError) as e:  # ml_collections: override of a field the config lacks
     exit_unknown_field(e, argv)
 
@@ -137,8 +141,8 @@ def parse_workloads(config) -> list[str]:
   Returns:
     the names in order, blanks dropped (each one of `jaxspec.data.WORKLOADS`).
   Raises:
-    ValueError: the string names no workload, or names one not in WORKLOADS (the message names
-      the bad value and the known workloads).
+    ValueError: the string names no workload, names one not in WORKLOADS (the message names
+      the bad value and the known workloads), or names one twice (its records would repeat).
   """
   names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
   if not names:
@@ -146,6 +150,10 @@ def parse_workloads(config) -> list[str]:
   unknown = [n for n in names if n not in WORKLOADS]
   if unknown:
     raise ValueError(f'unknown workload(s) {unknown} in config.workloads; known: {WORKLOADS}')
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f'config.workloads names {repeated} more than once: {config.workloads!r} '
+                     f'(config.repeats measures a workload again)')
   return names
 
 

@@ -65,11 +65,14 @@ def _override(engines, override: str, parser) -> None:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--batch', type=int, default=4)
-  parser.add_argument('--workload', default='code', choices=['json', 'code', 'retrieval'])
-  parser.add_argument('--passes', type=int, default=6)
-  parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput')
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument('--batch', type=int, default=4, help='engine slots B')
+  parser.add_argument('--workload', default='code', choices=['json', 'code', 'retrieval'],
+                      help='held-out prompts of this workload')
+  parser.add_argument('--passes', type=int, default=6, help='timed passes over the prompts')
+  parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput',
+                      help="the study's settings string; the first is the ratios' base")
   parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
                       help='override an engine attribute, e.g. goodput.policy.spec_margin=0.1')
   args = parser.parse_args()
@@ -77,7 +80,10 @@ def main():
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
   config = batching_config.get_config()
   config.batch_size, config.settings = args.batch, args.settings
-  settings = batching.parse_settings(config.settings)
+  try:
+    settings = batching.parse_settings(config.settings)
+  except ValueError as error:
+    parser.error(f'--settings: {error}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
   prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, n, config.prompt_len,

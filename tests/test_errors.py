@@ -113,6 +113,9 @@ def test_model_config_rejects_non_positive_floats(field, value):
      "FATAL: settings 'k2=k:2' have no K = 0 baseline"),
     (['--config=configs/batching.py:smoke', '--config.min_requests=-1'],
      'FATAL: config.min_requests must be >= 0, got -1'),
+    (['--config=configs/batching.py:smok'],
+     "FATAL flags: flag --config=configs/batching.py:smok: Error whilst parsing config file: "
+     "ValueError: unknown variant 'smok'"),
 ])
 def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],

@@ -30,7 +30,8 @@ def test_parse_workloads_keeps_order_and_drops_blanks():
 
 
 @pytest.mark.parametrize('text, match', [(' , ', 'names no workload'),
-                                         ('json,nosuch', "unknown workload.*'nosuch'")])
+                                         ('json,nosuch', "unknown workload.*'nosuch'"),
+                                         ('json,code, json', r"\['json'\] more than once")])
 def test_parse_workloads_rejects_bad_names(text, match):
   with pytest.raises(ValueError, match=match):
     parse_workloads(ml_collections.ConfigDict({'workloads': text}))
