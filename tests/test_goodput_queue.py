@@ -375,12 +375,15 @@ def test_one_slot_scores_the_decoding_request_alone():
   the score is the decoding request's per round, its own α deciding, not the queue's global one
   (`rounds_with_queue` would price the queued rounds at the K chosen now)."""
   costs = {0: 1.0, 1: 1.5, 2: 1.9}
-  policy = GoodputK(tracker=AlphaTracker(prior=0.3, prior_trials=4.0), costs=costs,
+  policy = GoodputK(tracker=AlphaTracker(prior=0.3, prior_trials=4.0, decay=0.99), costs=costs,
                     spec_margin=0.0, cold_rounds=0)
   policy.setup(2)
   for _ in range(20):                          # request 'a' accepts every proposal
     policy.observe('a', 2, 2, 0.0, 1.0)
-  policy.tracker._global = [0.0, 0.0, 0.0, 0.0]  # the global α stays at the prior 0.3
+  for _ in range(200):                         # one finished before rejected every first one
+    policy.observe('b', 2, 0, 0.0, 1.0)
+  policy.forget('b')
+  assert policy.tracker.global_alpha < 0.15 and policy.tracker.alpha('a') > 0.8
   policy.rooms, policy.split_s, policy.slots = [30], 0.0, 1
   alone = policy._scores(*policy._alphas(['a']))          # nothing queued: per round
   assert max(alone, key=alone.get) == 2
