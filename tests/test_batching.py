@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import types
 
 import pytest
 
@@ -238,6 +239,31 @@ def test_measure_shuffles_the_step_order_every_round_reproducibly(tiny):
   again, same = run(0)
   other, results_other = run(1)
   assert again == steps and other != steps and same == results == results_other
+
+
+def test_run_gives_each_repeat_and_workload_its_own_step_order(monkeypatch):
+  """`run` seeds `measure`'s per-round shuffles per (repeat, workload), so the passes of a sweep
+  do not all replay one sequence of orders (with the model, engines and runs stubbed out)."""
+  from configs import batching as batching_config
+  config = batching_config.get_config('smoke')
+  config.workloads, config.repeats, config.cost_rounds = 'json,code', 2, 0
+  engine = types.SimpleNamespace(step_costs={})
+  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
+                                                        types.SimpleNamespace(eos_ids=())))
+  monkeypatch.setattr(batching, 'make_prompts', lambda *a, **k: [
+      types.SimpleNamespace(tokens=[1, 2, 3])])
+  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
+      n: (engine, None) for n in settings})
+  seeds = []
+
+  def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
+    if max_tokens == int(config.max_tokens):        # a timed pass, not the warm-up
+      seeds.append(seed)
+    return {n: dict(tokens_per_s=1.0, decode_tokens_per_s=1.0, round_s=1.0) for n in engines}
+  monkeypatch.setattr(batching, 'measure', measure)
+  written = []
+  batching.run(config, types.SimpleNamespace(write=written.append))
+  assert seeds == [0, 1, 2, 3] and len(written) == 4 * 2          # 2 repeats x 2 workloads
 
 
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
