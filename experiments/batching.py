@@ -306,19 +306,20 @@ def load_study(config) -> tuple:
   Raises:
     ValueError: an unknown workload or setting, or a pair that does not load.
   """
-  workloads = parse_workloads(config)
-  pair = load_pair(config)
-  engines = build_engines(config, parse_settings(config.settings), *pair[:4])
+  workloads, settings = parse_workloads(config), parse_settings(config.settings)
+  pair = load_pair(config)                # after the checks: a bad name fails before loading
+  engines = build_engines(config, settings, *pair[:4])
   return workloads, pair, engines
 
 
 def decode_alone(engine: Engine, config, tokenizer, workload: str, requests: int) -> tuple:
   """(prompts, outputs): the study's first `requests` held-out prompts of `workload`
-  (`make_prompts`, test split, seed 0, `config.prompt_len` tokens) run through `engine` to the
-  end (`config.max_tokens`, stop at the tokenizer's EOS); outputs[i] is prompts[i]'s
+  (`make_prompts`, test split, `config.seed`, `config.prompt_len` tokens) run through `engine`
+  to the end (`config.max_tokens`, stop at the tokenizer's EOS); outputs[i] is prompts[i]'s
   `RequestOutput`. The study scripts' one-engine runs (scripts/acceptance_by_position.py,
   scripts/replay_k_policy.py)."""
-  prompts = make_prompts(workload, tokenizer, requests, config.prompt_len, split='test', seed=0)
+  prompts = make_prompts(workload, tokenizer, requests, config.prompt_len, split='test',
+                         seed=int(config.seed))
   ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
                             stop_tokens=tokenizer.eos_ids) for p in prompts]
   done = engine.run()

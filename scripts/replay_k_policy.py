@@ -91,7 +91,7 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
     admitted] per prefill call, seconds: the decode rounds' and prefill calls' table seconds).
   """
   buckets = device.decode_buckets(slots, None)
-  prefill_buckets = sorted({1 << b for b in range(slots.bit_length())} | {slots})
+  prefill_buckets = device.prefill_buckets(slots)
   pos, emitted = [0] * len(sequences), [0] * len(sequences)
   total = [len(seq) + 1 for seq in sequences]
   waiting, held, decoding = list(range(len(sequences))), [], []

@@ -45,6 +45,13 @@ def idle_rows(rows: int, pages_per_seq: int):
   return (np.full((rows, pages_per_seq), NULL_PAGE, np.int32), np.zeros((rows,), np.int32))
 
 
+def prefill_buckets(prefill_rows: int) -> tuple:
+  """The sorted row counts a prefill call is compiled for (`Engine(prefill_rows=...)`): the powers
+  of two below prefill_rows, and prefill_rows (>= 1, checked by the caller)."""
+  return tuple(sorted({1 << i for i in range(prefill_rows.bit_length()) if 1 << i < prefill_rows}
+                      | {prefill_rows}))
+
+
 def decode_buckets(num_slots: int, buckets) -> tuple:
   """The sorted row counts a decode round is compiled for (`Engine(decode_buckets=...)`):
   `buckets` checked (ints in [1, num_slots], num_slots among them), or by default num_slots // 4^i

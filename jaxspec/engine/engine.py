@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
-from jaxspec.cache import host as host_lib
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import admission, device, draft_sync, speculation, timing
@@ -138,9 +137,7 @@ class Engine:
     self.draft, self.draft_params, self.k = draft, draft_params, k
     self.sampling = sampling
     self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
-    # Row counts a prefill call is compiled for: powers of two below prefill_rows, and it.
-    self.prefill_buckets = tuple(sorted({1 << i for i in range(prefill_rows.bit_length())
-                                         if 1 << i < prefill_rows} | {prefill_rows}))
+    self.prefill_buckets = device.prefill_buckets(prefill_rows)
     self.decode_buckets = device.decode_buckets(num_slots, decode_buckets)
     self.max_stop_tokens = max_stop_tokens
     self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
@@ -263,18 +260,7 @@ class Engine:
     Args:
       cost_repeats: timed calls per (rows, K) and per prefill bucket (>= 1).
     """
-    if self.prefix.host is not None:
-      self.caches = host_lib.warm_up_copies(self.caches, self.pages_per_seq)
-    # Timed only for a policy that prices lock-step admissions (`speculation.split_cost`).
-    priced = self.policy is not None and self.policy.needs_costs
-    costs = timing.prefill_costs(self, cost_repeats if priced else None)
-    if priced:
-      self.prefill_costs = costs
-    if self.draft_sync is not None:     # the prefill that fills the draft too (`eager`)
-      self.draft_sync.eager = True
-      timing.prefill_costs(self, None)
-      self.draft_sync.eager = False
-    self.measure_costs(cost_repeats)
+    timing.warm_up(self, cost_repeats)
 
   @property
   def step_costs(self) -> dict:

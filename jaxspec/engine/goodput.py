@@ -22,8 +22,7 @@ def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> floa
   """E[tokens emitted by one round] = 1 + α Σ_{j<K} β^j, α the first proposal's acceptance and
   β each later one's (`later`; None: β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al.
   2023, Eq. 1; K + 1 at α = 1)."""
-  later = alpha if later is None else later
-  return 1.0 + alpha * sum(later ** j for j in range(k)) if k >= 1 else 1.0
+  return round_tokens([alpha], [alpha if later is None else later], None, k)[k]
 
 
 def round_tokens(alphas: Sequence[float], later: Sequence[float], rooms: Optional[Sequence[int]],
@@ -31,8 +30,10 @@ def round_tokens(alphas: Sequence[float], later: Sequence[float], rooms: Optiona
   """[k_max + 1] floats: Σ_i E[tokens request i emits in one round at K], K = 0..k_max, with
   first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`), each request's
   proposals capped at room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap
-  without rooms): the cumulative sums of P(T > j) = α_i β_i^(j-1), j < room_i. Plain Python (n
-  is small where it is used, and a numpy call costs more than the sums)."""
+  without rooms): the cumulative sums of P(T > j) = α_i β_i^(j-1), j < room_i (Leviathan et al.
+  2023, Eq. 1, with a later-proposal β). Plain Python (n is small where it is used, and a numpy
+  call costs more than the sums). alphas, later and rooms are aligned (not checked: the callers
+  build them together)."""
   totals = [0.0] * (k_max + 1)
   for i, (a, b) in enumerate(zip(alphas, later)):
     last = k_max if rooms is None else min(k_max, rooms[i] - 1)

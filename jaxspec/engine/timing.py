@@ -1,5 +1,5 @@
 """Timing device calls for the engine's cost tables (`Engine.step_costs`, the lazy draft's
-catch-up costs): host side, wall clock."""
+catch-up costs) and compiling them first (`Engine.warm_up`): host side, wall clock."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxspec.cache import host as host_lib
 from jaxspec.engine import device
 from jaxspec.engine import rows as rows_lib
 
@@ -35,6 +36,24 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int) -> dic
       if r:
         times[key].append(time.perf_counter() - start)
   return {key: min(t) for key, t in times.items()}
+
+
+def warm_up(engine, cost_repeats: int) -> None:
+  """`Engine.warm_up`: compile the host-tier copies (when there is a host tier) and every
+  prefill row bucket (timed into `engine.prefill_costs` only for a policy that prices lock-step
+  admissions, `speculation.split_cost`), with a lazy draft cache also the prefill that fills
+  the draft too (`DraftSync.eager`), then time the decode rounds (`measure_costs`)."""
+  if engine.prefix.host is not None:
+    engine.caches = host_lib.warm_up_copies(engine.caches, engine.pages_per_seq)
+  priced = engine.policy is not None and engine.policy.needs_costs
+  costs = prefill_costs(engine, cost_repeats if priced else None)
+  if priced:
+    engine.prefill_costs = costs
+  if engine.draft_sync is not None:
+    engine.draft_sync.eager = True
+    prefill_costs(engine, None)
+    engine.draft_sync.eager = False
+  engine.measure_costs(cost_repeats)
 
 
 def prefill_costs(engine, repeats: Optional[int]) -> dict:
