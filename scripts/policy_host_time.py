@@ -4,7 +4,7 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
     PYTHONPATH=$PWD python scripts/policy_host_time.py [--batch 4] [--workload code]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
-        [--set 'goodput.draft_sync.probe_every=None' ...]
+        [--set 'goodput.draft_sync.probe_every=None' ...] [--per-pass]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
@@ -12,9 +12,11 @@ each, greedy), then stepped in turn (`experiments.batching.measure`, the order s
 round) for --passes passes. --set overrides an attribute of a built engine before the runs
 (SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
 settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
-overhead into probes and the rest. Per setting it prints tokens/s as a ratio to the first setting
-(mean over passes), decode rounds per pass, the mean microseconds per round of each part, the rounds
-per K, and for a lazy draft cache its catch-up calls and milliseconds per pass. The times are the
+overhead into probes and the rest. --per-pass also prints each pass (what one stretch at K >= 1
+costs: prefill calls, catch-ups, rounds with an idle row). Per setting it prints tokens/s as a
+ratio to the first setting (mean over passes), decode rounds per pass, the mean microseconds per
+round of each part, the rounds per K, and for a lazy draft cache its catch-up calls and
+milliseconds per pass. The times are the
 wall clock around each call, so the parts include the Python that runs right after a device call
 (slower than the same code in a tight loop: the step has pushed the interpreter's data out of the
 caches).
@@ -64,6 +66,23 @@ def _override(engines, override: str, parser) -> None:
   setattr(owner, path[-1], value)
 
 
+def _sync_s(engine) -> float:
+  """Seconds the engine's lazy draft cache has spent catching up (0 without one)."""
+  return engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
+
+
+def _print_pass(p, runs, base, engines, totals, marks) -> None:
+  """One line per setting of pass p (`--per-pass`): tokens/s against `base`, engine ms,
+  prefill calls, rounds at K >= 1, catch-up ms and rounds with an idle row in this pass."""
+  for name, run in runs.items():
+    spec = sum(n for k, n in run['rounds_by_k'].items() if int(k) >= 1)
+    part = totals[name]['part_rounds'] - marks[name][0]['part_rounds']
+    sync_ms = (_sync_s(engines[name][0]) - marks[name][1]) * 1e3
+    print(f'pass {p} {name:>10}: {run["tokens_per_s"] / runs[base]["tokens_per_s"]:.3f}x, '
+          f'{run["engine_s"] * 1e3:.0f} ms, {run["prefill_steps"]} prefill calls, {spec} rounds '
+          f'at K >= 1, catch-ups {sync_ms:.1f} ms, {part} rounds with an idle row')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -73,6 +92,10 @@ def main():
   parser.add_argument('--passes', type=int, default=6, help='timed passes over the prompts')
   parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput',
                       help="the study's settings string; the first is the ratios' base")
+  parser.add_argument('--per-pass', action='store_true',
+                      help='also print each pass: every setting against the first, its engine '
+                           'ms, prefill calls, rounds at K >= 1, catch-up ms, and decode rounds '
+                           'with fewer requests than slots')
   parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
                       help='override an engine attribute, e.g. goodput.policy.spec_margin=0.1')
   args = parser.parse_args()
@@ -106,6 +129,12 @@ def main():
   before = {}
   for name, (engine, _) in engines.items():
     engine._call_decode = _timed(totals[name], 'device', engine._call_decode)
+    layout = engine._decode_layout
+
+    def counted(decodes, layout=layout, engine=engine, t=totals[name]):
+      t['part_rounds'] += len(decodes) < engine.num_slots    # a round with an idle row
+      return layout(decodes)
+    engine._decode_layout = counted
     step = engine.step
 
     def stepped(step=step, name=name):
@@ -116,14 +145,17 @@ def main():
     before[name] = (dict(engine.k_rounds), sync.num_calls if sync else 0,
                     sync.seconds if sync else 0.0)
   speeds = collections.defaultdict(list)
+  base = next(iter(engines))
   try:
     for p in range(args.passes):
+      marks = {n: (collections.Counter(totals[n]), _sync_s(e)) for n, (e, _) in engines.items()}
       runs = batching.measure(engines, prompts, max_tokens=32, stop_tokens=stop, seed=p)
       for name, run in runs.items():
         speeds[name].append(run['tokens_per_s'])
+      if args.per_pass:
+        _print_pass(p, runs, base, engines, totals, marks)
   finally:
     speculation.choose, speculation.horizon = choose, horizon
-  base = next(iter(engines))
   print(f'B = {args.batch}, {args.workload}, {args.passes} passes; tokens/s against {base}')
   for name, (engine, _) in engines.items():
     ks, calls, seconds = before[name]

@@ -17,7 +17,7 @@ to K >= 1 more readily); the engine probes only now and then, here every K = 0 r
 policy a one-token probe observation; and a round cut by the output's end is observed only up
 to it (the engine sees what the draft did past a stop token). Prints, per workload, each
 policy's speedup over K = 0 (table seconds), its fraction of the best static K and its rounds
-per K.
+per K (with --batch > 1, the requests each prefill call admitted).
 
     PYTHONPATH=$PWD python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
@@ -243,7 +243,7 @@ def main():
     prompts, outputs = batching.decode_alone(alone, config, tokenizer, workload, requests)
     sequences = [acceptance_sequence(draft, draft_params, p.tokens, out.tokens)
                  for p, out in zip(prompts, outputs)]
-    seconds, by_k = {}, {}
+    seconds, by_k, calls = {}, {}, {}
     for name, (make, k) in _policies(static, args.k_max).items():
       policy = make()
       policy.setup(k)
@@ -251,15 +251,16 @@ def main():
         policy.set_costs({c: full[c] for c in policy.candidates},
                          by_rows={rows: {c: t[c] for c in policy.candidates}
                                   for rows, t in costs.items()})
-      rounds, _, seconds[name] = replay(policy, sequences, costs, config.max_tokens,
-                                        args.batch, prefill_costs)
+      rounds, calls[name], seconds[name] = replay(policy, sequences, costs, config.max_tokens,
+                                                  args.batch, prefill_costs)
       by_k[name] = collections.Counter(k for k, _, _ in rounds)
     best = min(t for n, t in seconds.items() if n[1:].isdigit())
     print(f'{workload} ({sum(map(len, sequences))} drafted positions, the draft\'s greedy token '
           f'is the target\'s at {np.mean([s for q in sequences for s in q]):.2f} of them):')
     for name, t in seconds.items():
       print(f'  {name:>9}: {seconds["k0"] / t:.3f}x over K = 0, {best / t:.3f} of the best static; '
-            f'rounds by K {dict(sorted(by_k[name].items()))}')
+            f'rounds by K {dict(sorted(by_k[name].items()))}' +
+            (f'; requests per prefill call {calls[name]}' if args.batch > 1 else ''))
 
 
 if __name__ == '__main__':
