@@ -131,6 +131,24 @@ def test_worth_probing_only_near_the_threshold_or_while_alpha_is_loose():
     GoodputK(probe_margin=1.5)
 
 
+def test_worth_probing_raises_the_queued_requests_estimates_too():
+  """While requests wait, the horizon prices them at the global α and β: a probe's question
+  (would higher estimates choose K >= 1?) raises those too, not just the running requests'.
+  Priced at the loose global α 0.3, a queue that holds most of the horizon's tokens kept K = 0
+  and no probe ever came to show the workload's real α."""
+  costs = {0: 1.0, 1: 1.3, 2: 1.5}
+  policy = GoodputK(tracker=AlphaTracker(prior=0.3, prior_trials=10.0), costs=costs,
+                    spec_margin=0.0)
+  policy.setup(2)
+  policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [2, 2], 6, [30, 30], 2
+  assert policy.choose(['a', 'b'])[0] == 0
+  up = policy.probe_margin + 2 * np.sqrt(0.3 * 0.7 / 10.0)
+  raised = np.full(2, 0.3 + up)
+  assert policy._pick(policy._scored(raised, raised)) == 0        # the queue at 0.3: K = 0
+  assert policy._pick(policy._scored(raised, raised, raise_by=up)) >= 1
+  assert policy.worth_probing(['a', 'b'])
+
+
 def test_goodput_stays_speculating_unless_k0_wins_by_the_stay_margin():
   """After a round at K >= 1 (the draft in sync) K = 0 must win by more than stay_margin;
   from K = 0 the plain argmax decides."""
