@@ -1,7 +1,8 @@
 """How often the draft's j-th proposal of a round is accepted given that the ones before it were,
 per workload, at one fixed K: P(n >= j | n >= j - 1) from the accepted counts n of every decode
 round. An i.i.d. acceptance gives the same value at every j; the (α, β) model of the goodput
-policy (`jaxspec.engine.acceptance`) one value at j = 1 and one for every later j.
+policy (`jaxspec.engine.acceptance`) one value at j = 1, one per request for the later j, and a
+global profile over the later j (`AlphaTracker.profile`).
 
     PYTHONPATH=$PWD python scripts/acceptance_by_position.py [--k 8] [--requests 8]
         [--workloads json,code,retrieval]

@@ -1,7 +1,8 @@
 """Acceptance estimates for adaptive K (host side): `AlphaTracker`, per-request and global
-exponential moving estimates of the first proposal's acceptance α and each later one's β, and
-`round_observation`, which splits a speculative round into those two kinds of trial. The
-goodput policy (`jaxspec.engine.goodput`) scores K from them.
+exponential moving estimates of the first proposal's acceptance α and each later one's β, a
+global profile of how acceptance moves between the later positions j = 2, 3, ... (`profile`),
+and `round_observation`, which splits a speculative round into the first and the later kinds
+of trial. The goodput policy (`jaxspec.engine.goodput`) scores K from them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class AlphaTracker:
   K = 8's tokens/s); fading, β drifts back to its prior (the global β, whose own prior is the
   global α) until a K >= 2 round measures it again.
 
+  The later positions are not alike either (`scripts/acceptance_by_position.py`): a global
+  profile (`observe_depth`, `profile`) keeps each position's acceptance relative to their mean,
+  so a request's β at position j is β times the profile's j-th value; its sums fade like β's.
+
   Args:
     decay: in [0, 1), weight of the past per observed round (0.8: about the last 5 rounds).
     prior: α before any observation at all, in [0, 1].
@@ -57,6 +62,7 @@ class AlphaTracker:
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
     self._sums: dict = {}                 # {request: [S_α, N_α, S_β, N_β]}
     self._global = [0.0, 0.0, 0.0, 0.0]
+    self._depth: list = []                # [[S_j, N_j]] for proposal j = 2, 3, ... (global)
 
   def _ratio(self, s: float, n: float, prior: float) -> float:
     w = self.prior_trials
@@ -104,6 +110,47 @@ class AlphaTracker:
     span = max(len(self._sums), self.global_span)
     self._global = _decayed(self._global, self.decay ** (1.0 / span), successes,
                             trials, later_successes, later_trials)
+
+  def observe_depth(self, cap: int, accepted: int) -> None:
+    """Decay the global position sums (`profile`) as the global ones decay per observed round,
+    and add one round's trials at each proposal position j >= 2: a round at cap K that
+    accepted n proposals tried position j iff the ones before it were accepted (j <= n + 1,
+    j <= K) and accepted it iff j <= n (none at K <= 1: those rounds, and K = 0 probes, only
+    fade the sums, as `observe` fades β, so a position measured low does not keep K low for
+    good)."""
+    n = max(0, min(int(accepted), int(cap)))
+    last = min(n + 1, int(cap))
+    while len(self._depth) < last - 1:
+      self._depth.append([0.0, 0.0])
+    decay = self.decay ** (1.0 / max(len(self._sums), self.global_span))
+    for j, sums in enumerate(self._depth, start=2):
+      sums[0] *= decay
+      sums[1] *= decay
+      if j <= last:
+        sums[0] += float(j <= n)
+        sums[1] += 1.0
+
+  def profile(self, k_max: int) -> list:
+    """[k_max] floats: for proposal j = 2..k_max + 1, the global acceptance at position j
+    (given the ones before it accepted) over the mean over positions of the same sums, each
+    with `prior_trials` pseudo-trials of that mean (1 where nothing was observed, or nothing
+    accepted). A request's β at position j is its β times this (capped at
+    1): the profile moves acceptance between positions and leaves its level to β. Measured
+    pairs do not accept every later position alike (the shipped pair at K = 8: retrieval 0.41
+    at j = 2 and ~0.7 past it, code 0.53 then 0.50, json 0.71 then ~0.8,
+    `scripts/acceptance_by_position.py`), and one β priced K = 2 on retrieval and K >= 3 on
+    code too high."""
+    w = self.prior_trials
+    total_s = sum(s for s, _ in self._depth)
+    total_n = sum(n for _, n in self._depth)
+    if total_s <= 0.0 or total_n <= 0.0:
+      return [1.0] * k_max
+    mean = total_s / total_n
+    out = []
+    for j in range(k_max):
+      s, n = self._depth[j] if j < len(self._depth) else (0.0, 0.0)
+      out.append((s + w * mean) / (n + w) / mean if n + w > 0 else 1.0)
+    return out
 
   def forget(self, request_id) -> None:
     """Drop a finished request's sums (the global estimate keeps its observations)."""

@@ -25,32 +25,37 @@ def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> floa
   return round_tokens([alpha], [alpha if later is None else later], None, k)[k]
 
 
-def round_tokens(alphas: Sequence[float], later: Sequence[float], rooms: Optional[Sequence[int]],
+def round_tokens(alphas: Sequence[float], later: Sequence, rooms: Optional[Sequence[int]],
                  k_max: int) -> list:
   """[k_max + 1] floats: Σ_i E[tokens request i emits in one round at K], K = 0..k_max, with
-  first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`), each request's
-  proposals capped at room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap
-  without rooms): the cumulative sums of P(T > j) = α_i β_i^(j-1), j < room_i (Leviathan et al.
-  2023, Eq. 1, with a later-proposal β). Plain Python (n is small where it is used, and a numpy
-  call costs more than the sums). alphas, later and rooms are aligned (not checked: the callers
-  build them together)."""
+  first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`; later[i] one β
+  or a sequence of >= k_max, proposal j = 2, 3, ...'s), each request's proposals capped at
+  room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap without rooms): the
+  cumulative sums of P(T > j) = α_i Π_{m=2..j} β_im, j < room_i (Leviathan et al. 2023, Eq. 1,
+  with later-proposal β). Plain Python (n is small where it is used, and a numpy call costs
+  more than the sums). alphas, later and rooms are aligned (not checked: the callers build
+  them together)."""
   totals = [0.0] * (k_max + 1)
   for i, (a, b) in enumerate(zip(alphas, later)):
     last = k_max if rooms is None else min(k_max, rooms[i] - 1)
     if last < 0:
       continue       # no room: emits nothing
+    per_position = isinstance(b, (list, tuple))
     s, e = a, 1.0
     for j in range(k_max + 1):
       totals[j] += e
       if j < last:
-        e, s = e + s, s * b
+        e, s = e + s, s * (b[j] if per_position else b)
   return totals
 
 
 class GoodputK(KPolicy):
   """K = argmax_K Σ_i E[tokens_i | α_i, β_i, K] / t(K) over `candidates` (SmartSpec, Liu et al.
   2024; TurboSpec), every row capped at K; α_i, β_i the request's first- and later-proposal
-  acceptance estimates (`AlphaTracker`).
+  acceptance estimates (`AlphaTracker`), β_i spread over the positions j = 2..K_max + 1 by
+  the global `AlphaTracker.profile` (retrieval accepts the second proposal far less often than
+  the ones past it, code the ones past the second less often: one β misprices K = 2 against
+  K = 1 on the first and K >= 3 on the second).
 
   t(K) = d(K) + h(K), plus at K >= 1 two one-time costs spread over the rounds they serve (see
   `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
@@ -248,9 +253,10 @@ class GoodputK(KPolicy):
       # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
       # per wave.
       t = self.tracker
+      queue_later = np.minimum(t.global_later * np.array(t.profile(self.k_max)) + raise_by, 1.0)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
-                                          min(t.global_alpha + raise_by, 1.0),
-                                          min(t.global_later + raise_by, 1.0), self.slots)
+                                          min(t.global_alpha + raise_by, 1.0), queue_later,
+                                          self.slots)
       table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
       # Waves admitted after the horizon's (`later_waves` of them, each like the listed one:
@@ -281,12 +287,14 @@ class GoodputK(KPolicy):
     return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
 
   def _alphas(self, request_ids) -> tuple:
-    """(α [n], β [n]) of the requests (the global ones when there are none)."""
+    """(α [n], β [n, K_max]) of the requests (the global ones when there are none): β_ij the
+    request's β times the global profile of proposal j = 2..K_max + 1 (`AlphaTracker.profile`),
+    at most 1."""
     t = self.tracker
-    if not request_ids:
-      return np.array([t.global_alpha]), np.array([t.global_later])
-    return (np.array([t.alpha(r) for r in request_ids]),
-            np.array([t.later(r) for r in request_ids]))
+    ids = request_ids or [None]
+    alphas = np.array([t.global_alpha if r is None else t.alpha(r) for r in ids])
+    later = np.array([t.global_later if r is None else t.later(r) for r in ids])
+    return alphas, np.minimum(later[:, None] * np.array(t.profile(self.k_max))[None], 1.0)
 
   def choose(self, request_ids):
     if not self.live.idle:
@@ -440,6 +448,7 @@ class GoodputK(KPolicy):
       self.tracker.observe(request_id, *round_observation(k, accepted))
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
       self.tracker.observe(request_id, successes, trials)
+    self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)
 
   def forget(self, request_id):
     self.tracker.forget(request_id)

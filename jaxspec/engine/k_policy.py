@@ -12,9 +12,10 @@ K proposals a row may accept; after the round it reports each row's outcome. Pol
   with prompt lookup a row that found fewer than K_i proposals counts as not all accepted).
 - `GoodputK` (`jaxspec.engine.goodput`): SmartSpec (Liu et al. 2024, "Optimizing Speculative
   Decoding for Serving Large Language Models Using Goodput") / TurboSpec: K = argmax_K
-  Σ_i E[tokens_i | α_i, β_i, K] / t(K), with E = 1 + α Σ_{j<K} β^j (Leviathan et al. 2023,
-  Eq. 1, with the first proposal's acceptance α apart from the later ones' β), α_i, β_i each
-  request's estimates (`AlphaTracker`) and t(K) the seconds of one decode round at K (the
+  Σ_i E[tokens_i | α_i, β_i, K] / t(K), with E = 1 + α Σ_{j<K} Π_{m=2..j+1} β_m (Leviathan
+  et al. 2023, Eq. 1, with the first proposal's acceptance α apart from the later ones' β,
+  β_m = β times the global profile of position m), α_i, β_i each request's estimates
+  (`AlphaTracker`) and t(K) the seconds of one decode round at K (the
   device step measured at start-up plus the host work per round measured online).
 
 Acceptance observations (`observe`): (successes, trials) of one round for one row, so α is the

@@ -26,26 +26,44 @@ import statistics
 import numpy as np
 
 
+def later_matrix(alphas, k_max: int, later=None) -> np.ndarray:
+  """[n, k_max] float64: each request's acceptance of proposal j = 2..k_max + 1 given the ones
+  before it were accepted, from `later`: None (β = α, the constant-α model of Leviathan et al.
+  2023), [n] (one β for every later proposal) or [n, J >= k_max] (per position, e.g. β times
+  `AlphaTracker.profile`).
+
+  Raises:
+    ValueError: later of another shape.
+  """
+  alphas = np.asarray(alphas, np.float64)
+  if later is None:
+    return np.repeat(alphas[:, None], k_max, axis=1)
+  later = np.asarray(later, np.float64)
+  if later.ndim == 1 and later.shape == alphas.shape:
+    return np.repeat(later[:, None], k_max, axis=1)
+  if later.ndim == 2 and later.shape[0] == alphas.shape[0] and later.shape[1] >= k_max:
+    return later[:, :k_max]
+  raise ValueError(f'need one later acceptance (or one per position 2..{k_max + 1}) per α, got '
+                   f'{later.shape} for {alphas.shape}')
+
+
 def survival(alphas, k_max: int, later=None) -> np.ndarray:
   """[n, k_max + 2] float64: s_j = P(a round accepts at least j proposals) for j = 0..k_max + 1
-  with no cap, s_0 = 1 and s_j = α_i β_i^{j-1}: α_i the acceptance of the first proposal, β_i
-  that of each later one given the ones before were accepted (`later`; None: β = α, the
-  constant-α model of Leviathan et al. 2023). Measured pairs accept the first proposal more
-  often than the later ones (e.g. 0.75 against ~0.65), so one α fitted to either end misprices
-  K.
+  with no cap, s_0 = 1 and s_j = α_i Π_{m=2..j} β_im: α_i the acceptance of the first proposal,
+  β_im that of proposal m given the ones before it were accepted (`later_matrix`: one β_i for
+  every m, or one per position; None: β = α, the constant-α model of Leviathan et al. 2023).
+  Measured pairs accept the first proposal more often than the later ones (e.g. 0.75 against
+  ~0.65), so one α fitted to either end misprices K.
 
   Args:
-    alphas, later: [n] float64 in [0, 1].
+    alphas: [n] float64 in [0, 1]; later: None, [n] or [n, >= k_max] in [0, 1].
   Raises:
-    ValueError: later not of alphas' shape.
+    ValueError: later of another shape (`later_matrix`).
   """
-  alphas = np.asarray(alphas, np.float64)[:, None]
-  if later is not None and np.shape(later) != alphas.shape[:1]:
-    raise ValueError(f'need one later acceptance per α, got {np.shape(later)} for '
-                     f'{alphas.shape[:1]}')
-  later = alphas if later is None else np.asarray(later, np.float64)[:, None]
-  j = np.arange(k_max + 2)
-  return np.where(j == 0, 1.0, alphas * later ** np.maximum(j - 1, 0))
+  alphas = np.asarray(alphas, np.float64)
+  later = later_matrix(alphas, k_max, later)
+  chain = np.cumprod(np.concatenate([alphas[:, None], later], axis=1), axis=1)
+  return np.concatenate([np.ones((alphas.size, 1)), chain], axis=1)
 
 
 def token_moments(alphas: np.ndarray, k_max: int, later=None, rooms=None) -> tuple:
@@ -53,7 +71,7 @@ def token_moments(alphas: np.ndarray, k_max: int, later=None, rooms=None) -> tup
   K = 0..k_max (K = 0: exactly 1, variance 0), its proposals accepted as in `survival`.
 
   Args:
-    alphas, later: [n] float64 in [0, 1] (`survival`).
+    alphas: [n] float64 in [0, 1]; later: None, [n] or [n, >= k_max] (`survival`).
     rooms: [n] tokens each may still emit (>= 1), capping its tokens per round (None: no cap).
   """
   s = survival(alphas, k_max, later)[:, :-1]         # P(T > j), j = 0..k_max
@@ -113,7 +131,8 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
     alphas, later: [n] first and later acceptance estimates of the running requests (`survival`;
       later None: β = α); rooms: [n] tokens each may still emit (>= 1).
     queue_rooms: [m] decode tokens each queued request will emit after its prefill's token
-      (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones).
+      (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones; queue_later
+      one β or [>= k_max] per position, `later_matrix`).
     slots: the engine's batch slots (>= n).
   Raises:
     ValueError: lengths that differ, no running request, more running requests than slots, a
@@ -121,11 +140,9 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   queue = np.asarray(queue_rooms, np.float64)
-  later = alphas if later is None else np.asarray(later, np.float64)
-  if alphas.shape != rooms.shape or alphas.shape != later.shape or alphas.ndim != 1 or \
-      not alphas.size:
-    raise ValueError(f'need one room and one β per α, got {alphas.shape} α, {later.shape} β '
-                     f'and {rooms.shape} rooms')
+  if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
+    raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
+  later = later_matrix(alphas, k_max, later)
   if queue.ndim != 1:
     raise ValueError(f'queue_rooms must be a list of rooms, got shape {queue.shape}')
   if (rooms < 1).any() or (queue < 1).any():
@@ -134,8 +151,11 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
     raise ValueError(f'{alphas.size} running requests do not fit {slots} slots')
   n, m, eps = alphas.size, queue.size, 1e-9
   # One pass over the running requests and the queued ones (the global acceptance).
+  queue_later = np.asarray(queue_later, np.float64)
+  queue_later = np.full((m, k_max), float(queue_later)) if queue_later.ndim == 0 else \
+      np.broadcast_to(queue_later[:k_max], (m, k_max))
   mean, var = token_moments(np.concatenate([alphas, np.full(m, queue_alpha)]), k_max,
-                            np.concatenate([later, np.full(m, queue_later)]),
+                            np.concatenate([later, queue_later]),
                             np.concatenate([rooms, queue]))
   tokens = np.concatenate([rooms, queue])[:, None]
   rounds, spreads = tokens / mean, tokens * var / mean ** 3
