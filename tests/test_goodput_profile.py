@@ -68,6 +68,8 @@ def test_per_position_later_acceptance_matches_enumeration():
     makespan.survival(alphas, 4, np.array([[0.5, 0.5], [0.5, 0.5]]))     # 2 < K_max columns
   with pytest.raises(ValueError, match='per position'):
     makespan.rounds_with_queue(alphas, [9, 9], 4, np.array([0.5]), [9], 0.5, 0.5, 2)
+  with pytest.raises(ValueError, match='queue_later'):
+    makespan.rounds_with_queue(alphas, [9, 9], 4, None, [9], 0.5, [0.5, 0.5], 2)
 
 
 def test_a_low_second_position_makes_k1_beat_k2():

@@ -40,7 +40,7 @@ def round_tokens(alphas: Sequence[float], later: Sequence, rooms: Optional[Seque
     last = k_max if rooms is None else min(k_max, rooms[i] - 1)
     if last < 0:
       continue       # no room: emits nothing
-    per_position = isinstance(b, (list, tuple))
+    per_position = not isinstance(b, numbers.Real)     # a sequence of >= k_max β
     s, e = a, 1.0
     for j in range(k_max + 1):
       totals[j] += e

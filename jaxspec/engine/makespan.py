@@ -152,6 +152,9 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   n, m, eps = alphas.size, queue.size, 1e-9
   # One pass over the running requests and the queued ones (the global acceptance).
   queue_later = np.asarray(queue_later, np.float64)
+  if queue_later.ndim > 1 or (queue_later.ndim == 1 and queue_later.size < k_max):
+    raise ValueError(f'queue_later must be one β or one per position 2..{k_max + 1}, got shape '
+                     f'{queue_later.shape}')
   queue_later = np.full((m, k_max), float(queue_later)) if queue_later.ndim == 0 else \
       np.broadcast_to(queue_later[:k_max], (m, k_max))
   mean, var = token_moments(np.concatenate([alphas, np.full(m, queue_alpha)]), k_max,
