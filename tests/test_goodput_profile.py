@@ -33,7 +33,8 @@ def test_profile_moves_acceptance_between_positions_not_its_level():
   mean = (s2 + s3) / (n2 + n3)
   assert f2 * mean == pytest.approx(0.4, abs=0.01) and f3 * mean == pytest.approx(1.0, abs=0.03)
   assert f4 == 1.0                                              # never reached: the mean
-  # Weighted by trials, the profile averages to 1: the level stays the request's β.
+  # Weighted by trials (exactly: by trials + prior_trials), the profile averages to ~1: the
+  # level stays the request's β.
   assert (f2 * n2 + f3 * n3) / (n2 + n3) == pytest.approx(1.0, abs=0.03)
 
 
@@ -92,3 +93,28 @@ def test_a_low_second_position_makes_k1_beat_k2():
 
   assert policy_after_rounds(pooled=True).choose(['a'])[0] == 2
   assert policy_after_rounds(pooled=False).choose(['a'])[0] == 1
+
+
+def test_a_request_measured_at_one_position_is_not_shaped_twice():
+  """β of a request that ran K = 2 is its position-2 rate already: multiplied by position 2's
+  profile value again (0.4 over a mean of ~0.75) it would be priced near 0.2. Its `shape`
+  (the profile's mean over the positions behind its β) divides that back out."""
+  policy = GoodputK(tracker=AlphaTracker(prior_trials=4.0, decay=0.9), costs={0: 1.0, 1: 1.5,
+                    2: 1.9, 3: 2.3, 4: 2.7}, spec_margin=0.0)
+  policy.setup(4)
+  for i in range(300):                 # another request's K = 4 rounds shape the profile
+    n = 4 if i % 5 < 2 else 1          # position 2: 0.4; positions 3 and 4: 1.0
+    policy._alphas(['x'])
+    policy.observe('x', 4, n, float(n), float(n + (n < 4)))
+  f2 = policy.tracker.profile(4)[0]
+  assert f2 < 0.7
+  for i in range(100):                 # 'a' ran K = 2 only: its β is position 2's 0.4
+    n = 2 if i % 5 < 2 else 1
+    policy._alphas(['a'])
+    policy.observe('a', 2, n, float(n), float(n + (n < 2)))
+  raw = policy.tracker.later('a')
+  assert raw == pytest.approx(0.4, abs=0.1)
+  _, later = policy._alphas(['a'])
+  assert later[0, 0] == pytest.approx(raw, abs=0.03)      # not raw x f2 (~0.24)
+  assert f2 < policy.tracker.shape('a') < 1.0     # its trials at f2, its prior's at 1
+  assert policy.tracker.shape('new') == 1.0

@@ -8,6 +8,7 @@ of trial. The goodput policy (`jaxspec.engine.goodput`) scores K from them.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from jaxspec.engine.k_policy import checked_real
 
@@ -63,6 +64,7 @@ class AlphaTracker:
     self._sums: dict = {}                 # {request: [S_α, N_α, S_β, N_β]}
     self._global = [0.0, 0.0, 0.0, 0.0]
     self._depth: list = []                # [[S_j, N_j]] for proposal j = 2, 3, ... (global)
+    self._shape: dict = {}                # {request: [Σ profile of its later trials, N_β]}
 
   def _ratio(self, s: float, n: float, prior: float) -> float:
     w = self.prior_trials
@@ -97,16 +99,21 @@ class AlphaTracker:
     return self.global_later if s is None else self._ratio(s[2], s[3], self.global_later)
 
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
-              later_trials: float = 0.0) -> None:
+              later_trials: float = 0.0, later_weight: Optional[float] = None) -> None:
     """Add one round's first-proposal (successes, trials) of a request and its later-proposal
     ones; nothing when both trial counts are <= 0. Decays the request's sums by `decay` and the
     global ones by decay^(1/max(n, global_span)) first (n requests tracked): the first
-    proposal's when observed, the later ones' always."""
+    proposal's when observed, the later ones' always. `later_weight`: the sum of `profile`'s
+    values at the positions of the later trials (None: 1 each), kept alike for `shape`."""
     if trials <= 0 and later_trials <= 0:
       return
     old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])
     self._sums[request_id] = _decayed(old, self.decay, successes, trials, later_successes,
                                       later_trials)
+    weight, n = self._shape.get(request_id, (0.0, 0.0))
+    self._shape[request_id] = [
+        self.decay * weight + (later_trials if later_weight is None else later_weight),
+        self.decay * n + later_trials]
     span = max(len(self._sums), self.global_span)
     self._global = _decayed(self._global, self.decay ** (1.0 / span), successes,
                             trials, later_successes, later_trials)
@@ -152,9 +159,20 @@ class AlphaTracker:
       out.append((s + w * mean) / (n + w) / mean if n + w > 0 else 1.0)
     return out
 
+  def shape(self, request_id) -> float:
+    """The mean `profile` value over the positions behind the request's β (its decayed later
+    trials, with `prior_trials` pseudo-trials at 1, the global β's mix): a request's β at
+    position j is β / shape times the profile's j-th value. A request that ran K = 2 has a β of
+    position 2 alone, and multiplying it by position 2's profile value again would count the
+    profile twice."""
+    weight, n = self._shape.get(request_id, (0.0, 0.0))
+    w = self.prior_trials
+    return (weight + w) / (n + w) if n + w > 0 else 1.0
+
   def forget(self, request_id) -> None:
     """Drop a finished request's sums (the global estimate keeps its observations)."""
     self._sums.pop(request_id, None)
+    self._shape.pop(request_id, None)
 
 
 def _decayed(sums, decay: float, s1: float, n1: float, s2: float, n2: float) -> list:

@@ -18,10 +18,10 @@ from jaxspec.engine.k_policy import KPolicy, checked_real
 from jaxspec.engine.live_costs import HostSeconds, LiveCosts
 
 
-def expected_tokens(alpha: float, k: int, later: Optional[float] = None) -> float:
+def expected_tokens(alpha: float, k: int, later=None) -> float:
   """E[tokens emitted by one round] = 1 + α Σ_{j<K} β^j, α the first proposal's acceptance and
-  β each later one's (`later`; None: β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al.
-  2023, Eq. 1; K + 1 at α = 1)."""
+  β each later one's (`later`: one β, or a sequence of >= K, proposal j = 2, 3, ...'s; None:
+  β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al. 2023, Eq. 1; K + 1 at α = 1)."""
   return round_tokens([alpha], [alpha if later is None else later], None, k)[k]
 
 
@@ -151,6 +151,7 @@ class GoodputK(KPolicy):
     self._held = None                       # the `holds.Hold` of a K = 0 choice still valid
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
+    self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = checked_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
@@ -206,7 +207,7 @@ class GoodputK(KPolicy):
 
   def goodput(self, alphas: Sequence[float], k: int,
               rooms: Optional[Sequence[int]] = None,
-              later: Optional[Sequence[float]] = None) -> float:
+              later: Optional[Sequence] = None) -> float:
     """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
     per second: E_i = E[tokens | α_i, β_i, min(K, room_i - 1)] (`expected_tokens`; a round emits
     at most room_i tokens, none at room 0; uncapped without rooms), R = max(1, Σ_i room_i /
@@ -234,7 +235,7 @@ class GoodputK(KPolicy):
 
   def _scores(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
-    later [n] (each later one); the queued requests are priced at the global estimates plus
+    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests are priced at the global estimates plus
     `raise_by` (capped at 1), as `worth_probing` raises the running ones'."""
     rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
         else None
@@ -288,13 +289,14 @@ class GoodputK(KPolicy):
 
   def _alphas(self, request_ids) -> tuple:
     """(α [n], β [n, K_max]) of the requests (the global ones when there are none): β_ij the
-    request's β times the global profile of proposal j = 2..K_max + 1 (`AlphaTracker.profile`),
-    at most 1."""
+    request's β over its `AlphaTracker.shape` times the global profile of proposal j (column
+    j - 2; `AlphaTracker.profile`), at most 1. Keeps the profile for `observe`."""
     t = self.tracker
     ids = request_ids or [None]
     alphas = np.array([t.global_alpha if r is None else t.alpha(r) for r in ids])
-    later = np.array([t.global_later if r is None else t.later(r) for r in ids])
-    return alphas, np.minimum(later[:, None] * np.array(t.profile(self.k_max))[None], 1.0)
+    later = np.array([t.global_later if r is None else t.later(r) / t.shape(r) for r in ids])
+    self._profile = t.profile(self.k_max)
+    return alphas, np.minimum(later[:, None] * np.array(self._profile)[None], 1.0)
 
   def choose(self, request_ids):
     if not self.live.idle:
@@ -445,7 +447,11 @@ class GoodputK(KPolicy):
       return
     self._version += 1
     if k >= 1:       # a speculative round: the first proposal and the later ones apart
-      self.tracker.observe(request_id, *round_observation(k, accepted))
+      # The later trials sit at positions 2..min(n + 1, K): their profile values weigh the
+      # request's `shape` (the profile of its last choice: one per round, not per row).
+      n = max(0, min(int(accepted), int(k)))
+      weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
+      self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight)
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
       self.tracker.observe(request_id, successes, trials)
     self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)

@@ -30,7 +30,8 @@ def later_matrix(alphas, k_max: int, later=None) -> np.ndarray:
   """[n, k_max] float64: each request's acceptance of proposal j = 2..k_max + 1 given the ones
   before it were accepted, from `later`: None (β = α, the constant-α model of Leviathan et al.
   2023), [n] (one β for every later proposal) or [n, J >= k_max] (per position, e.g. β times
-  `AlphaTracker.profile`).
+  `AlphaTracker.profile`). The last column (j = k_max + 1) is never drafted at K <= k_max: it
+  only completes `survival`'s last column, which `token_moments` drops.
 
   Raises:
     ValueError: later of another shape.
@@ -113,7 +114,7 @@ def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
 
 
 def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha: float,
-                      queue_later: float, slots: int) -> np.ndarray:
+                      queue_later, slots: int) -> np.ndarray:
   """[k_max + 1] float64: the expected decode rounds until the running requests and the queued
   ones (in admission order, each taking the slot that frees first) have all finished, running K
   every round.
@@ -128,8 +129,8 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
   free at round 0.
 
   Args:
-    alphas, later: [n] first and later acceptance estimates of the running requests (`survival`;
-      later None: β = α); rooms: [n] tokens each may still emit (>= 1).
+    alphas, later: [n] first and [n] or [n, >= k_max] later acceptance estimates of the running
+      requests (`survival`; later None: β = α); rooms: [n] tokens each may still emit (>= 1).
     queue_rooms: [m] decode tokens each queued request will emit after its prefill's token
       (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones; queue_later
       one β or [>= k_max] per position, `later_matrix`).
