@@ -14,39 +14,9 @@ import numpy as np
 
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
+from jaxspec.engine.makespan import expected_tokens, round_tokens  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
 from jaxspec.engine.live_costs import HostSeconds, LiveCosts
-
-
-def expected_tokens(alpha: float, k: int, later=None) -> float:
-  """E[tokens emitted by one round] = 1 + α Σ_{j<K} β^j, α the first proposal's acceptance and
-  β each later one's (`later`: one β, or a sequence of >= K, proposal j = 2, 3, ...'s; None:
-  β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al. 2023, Eq. 1; K + 1 at α = 1)."""
-  return round_tokens([alpha], [alpha if later is None else later], None, k)[k]
-
-
-def round_tokens(alphas: Sequence[float], later: Sequence, rooms: Optional[Sequence[int]],
-                 k_max: int) -> list:
-  """[k_max + 1] floats: Σ_i E[tokens request i emits in one round at K], K = 0..k_max, with
-  first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`; later[i] one β
-  or a sequence of >= k_max, proposal j = 2, 3, ...'s), each request's proposals capped at
-  room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap without rooms): the
-  cumulative sums of P(T > j) = α_i Π_{m=2..j} β_im, j < room_i (Leviathan et al. 2023, Eq. 1,
-  with later-proposal β). Plain Python (n is small where it is used, and a numpy call costs
-  more than the sums). alphas, later and rooms are aligned (not checked: the callers build
-  them together)."""
-  totals = [0.0] * (k_max + 1)
-  for i, (a, b) in enumerate(zip(alphas, later)):
-    last = k_max if rooms is None else min(k_max, rooms[i] - 1)
-    if last < 0:
-      continue       # no room: emits nothing
-    per_position = not isinstance(b, numbers.Real)     # a sequence of >= k_max β
-    s, e = a, 1.0
-    for j in range(k_max + 1):
-      totals[j] += e
-      if j < last:
-        e, s = e + s, s * (b[j] if per_position else b)
-  return totals
 
 
 class GoodputK(KPolicy):
@@ -254,7 +224,8 @@ class GoodputK(KPolicy):
       # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
       # per wave.
       t = self.tracker
-      queue_later = np.minimum(t.global_later * np.array(t.profile(self.k_max)) + raise_by, 1.0)
+      profile = self._profile if self._profile is not None else t.profile(self.k_max)
+      queue_later = np.minimum(t.global_later * np.array(profile) + raise_by, 1.0)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           min(t.global_alpha + raise_by, 1.0), queue_later,
                                           self.slots)

@@ -1,5 +1,6 @@
 """How many decode rounds a batch needs until its last request has finished, per K (host side,
-numpy): the horizon an adaptive K policy scores.
+numpy): the horizon an adaptive K policy scores; and what one round emits (`round_tokens`,
+`expected_tokens`, `token_moments`).
 
 The batch's remaining time is set by its slowest slot: at K = 0 every request emits one token
 per round, so requests with equal room finish together, while at K >= 1 each accepts a random
@@ -21,9 +22,43 @@ g(n) the expected maximum of n standard normals (Blom's approximation).
 from __future__ import annotations
 
 import functools
+import numbers
 import statistics
 
+from typing import Optional, Sequence
+
 import numpy as np
+
+
+def expected_tokens(alpha: float, k: int, later=None) -> float:
+  """E[tokens emitted by one round] = 1 + α Σ_{j<K} β^j, α the first proposal's acceptance and
+  β each later one's (`later`: one β, or a sequence of >= K, proposal j = 2, 3, ...'s; None:
+  β = α, giving (1 - α^{K+1}) / (1 - α), Leviathan et al. 2023, Eq. 1; K + 1 at α = 1)."""
+  return round_tokens([alpha], [alpha if later is None else later], None, k)[k]
+
+
+def round_tokens(alphas: Sequence[float], later: Sequence, rooms: Optional[Sequence[int]],
+                 k_max: int) -> list:
+  """[k_max + 1] floats: Σ_i E[tokens request i emits in one round at K], K = 0..k_max, with
+  first- and later-proposal acceptance alphas[i], later[i] (`expected_tokens`; later[i] one β
+  or a sequence of >= k_max, proposal j = 2, 3, ...'s), each request's proposals capped at
+  room_i - 1 (a round emits at most room_i tokens; none at room 0; no cap without rooms): the
+  cumulative sums of P(T > j) = α_i Π_{m=2..j} β_im, j < room_i (Leviathan et al. 2023, Eq. 1,
+  with later-proposal β). Plain Python (n is small where it is used, and a numpy call costs
+  more than the sums). alphas, later and rooms are aligned (not checked: the callers build
+  them together)."""
+  totals = [0.0] * (k_max + 1)
+  for i, (a, b) in enumerate(zip(alphas, later)):
+    last = k_max if rooms is None else min(k_max, rooms[i] - 1)
+    if last < 0:
+      continue       # no room: emits nothing
+    per_position = not isinstance(b, numbers.Real)     # a sequence of >= k_max β
+    s, e = a, 1.0
+    for j in range(k_max + 1):
+      totals[j] += e
+      if j < last:
+        e, s = e + s, s * (b[j] if per_position else b)
+  return totals
 
 
 def later_matrix(alphas, k_max: int, later=None) -> np.ndarray:
