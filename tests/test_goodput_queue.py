@@ -86,8 +86,7 @@ def test_goodput_scores_the_queue_and_its_idle_rounds():
   policy.rooms, policy.queued = [12] * 8, 8
   assert policy.choose(ids)[0] == 2
   policy.queue_rooms, policy.slots, policy.split_s = [12] * 8, 8, 2.0
-  rounds = makespan.rounds_with_queue([0.7] * 8, [12] * 8, 2, None, [12] * 8, 0.7, 0.7, 8,
-                                      policy.dispersion.value)
+  rounds = makespan.rounds_with_queue([0.7] * 8, [12] * 8, 2, None, [12] * 8, 0.7, 0.7, 8)
   scores = policy._scores(*policy._alphas(ids))
   for k in range(3):
     assert scores[k] == pytest.approx(192 / (rounds[k] * costs[k] + (2.0 if k else 0.0)))
@@ -109,8 +108,7 @@ def test_waves_after_the_horizon_pay_the_split_again():
   policy.queue_rooms, policy.slots, policy.split_s = [12] * 8, 8, 4.0
   assert policy.choose(ids)[0] == 2
   policy.queued = 32
-  rounds = makespan.rounds_with_queue([0.95] * 8, [12] * 8, 2, None, [12] * 8, 0.95, 0.95, 8,
-                                      policy.dispersion.value)
+  rounds = makespan.rounds_with_queue([0.95] * 8, [12] * 8, 2, None, [12] * 8, 0.95, 0.95, 8)
   scores = policy._scores(*policy._alphas(ids))
   for k in range(3):
     seconds, split = rounds[k] * costs[k], 4.0 if k else 0.0

@@ -1,21 +1,16 @@
 """Acceptance estimates for adaptive K (host side): `AlphaTracker`, per-request and global
 exponential moving estimates of the first proposal's acceptance α and each later one's β, a
 global profile of how acceptance moves between the later positions j = 2, 3, ... (`profile`),
-`round_observation`, which splits a speculative round into the first and the later kinds of
-trial, and `Dispersion`, how much more requests' accepted tokens spread than independent rounds
-at those estimates would. The goodput policy (`jaxspec.engine.goodput`) scores K from them.
+and `round_observation`, which splits a speculative round into the first and the later kinds
+of trial. The goodput policy (`jaxspec.engine.goodput`) scores K from them.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Optional, Sequence
-
-import numpy as np
+from typing import Optional
 
 from jaxspec.engine.k_policy import checked_real
-from jaxspec.engine.makespan import token_moments
 
 
 class AlphaTracker:
@@ -200,85 +195,3 @@ def round_observation(cap: int, accepted: int) -> tuple:
   if n == 0:
     return 0.0, 1.0, 0.0, 0.0
   return 1.0, 1.0, float(n - 1), float(n - 1 + (n < cap))
-
-
-class Dispersion:
-  """φ, the variance of a request's accepted tokens over its life against independent rounds at
-  the global acceptance estimates (the makespan model's, `jaxspec.engine.makespan`): the spread
-  that decides how far apart requests of a batch finish at K >= 1.
-
-  Each finished request i gives z_i = (A_i - M_i) / sqrt(V_i): A_i the proposals it accepted
-  (and the first-proposal successes of its K = 0 probes), M_i and V_i their mean and variance
-  were every round independent at the global α and per-position β when it finishes (its rounds
-  counted per K). φ is the variance of the last `window` z's around their mean (a common shift,
-  e.g. after a workload switch, is not spread), with `prior_requests` pseudo-requests at
-  `prior`.
-  Requests are not alike (a retrieval request copies for a while, another has every other
-  proposal rejected; a code request repeats an identifier or does not): on the shipped pair
-  at B = 4, K = 2-4, φ measured 2-2.5 on json and 4-5 on code and retrieval, and pricing the
-  finishes at φ = 1 made K >= 2 look ~15-25 % faster at B = 4 than it ran. The prior is 2,
-  not 1: a policy that runs K = 0 observes only probes, whose first-proposal trials show little
-  of the spread (φ stayed near 1 at B = 4 while it ran K = 0, and a K = 2 stretch its
-  i.i.d. tail priced at +7 % then ran at 0.87 of K = 0).
-
-  Args:
-    window: finished requests kept (>= 2); prior: φ before any request (> 0); prior_requests:
-      its pseudo-requests (>= 0).
-  Raises:
-    ValueError: a value out of range.
-  """
-
-  def __init__(self, window: int = 16, prior: float = 2.0, prior_requests: float = 4.0):
-    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-      raise ValueError(f'window must be an int >= 2, got {window!r}')
-    self.prior = checked_real('prior', prior, 0.0, math.inf, high_open=True)
-    if self.prior <= 0:
-      raise ValueError(f'prior must be > 0, got {prior!r}')
-    self.prior_requests = checked_real('prior_requests', prior_requests, 0.0, math.inf,
-                                       high_open=True)
-    self._z = collections.deque(maxlen=window)
-    self._life: dict = {}      # {request: [accepted, probe trials, {K: rounds}]}
-
-  def round(self, request_id, k: int, accepted: int) -> None:
-    """One round of the request at cap k >= 1 that accepted `accepted` proposals."""
-    life = self._life.setdefault(request_id, [0.0, 0.0, {}])
-    life[0] += max(0, min(int(accepted), int(k)))
-    life[2][k] = life[2].get(k, 0) + 1
-
-  def probe(self, request_id, successes: float, trials: float) -> None:
-    """A K = 0 round's probe of the request: first-proposal (successes, trials)."""
-    if trials > 0:
-      life = self._life.setdefault(request_id, [0.0, 0.0, {}])
-      life[0] += successes
-      life[1] += trials
-
-  def finish(self, request_id, alpha: float, later: Sequence[float]) -> None:
-    """The request finished: its z against the global α and per-position β `later` (proposal
-    j = 2, 3, ..., at least its largest K - 1 of them) joins the window; nothing without
-    rounds or probes."""
-    life = self._life.pop(request_id, None)
-    if life is None:
-      return
-    accepted, probes, rounds = life
-    mean, var = probes * alpha, probes * alpha * (1.0 - alpha)
-    if rounds:
-      top = max(rounds)
-      m, v = token_moments(np.array([alpha]), top, np.array([list(later)[:top] + [1.0]]))
-      for k, n in rounds.items():
-        mean += n * (m[0, k] - 1.0)
-        var += n * v[0, k]
-    if var > 1e-9:
-      self._z.append((accepted - mean) / math.sqrt(var))
-
-  def forget(self, request_id) -> None:
-    """Drop the request without a z (e.g. aborted)."""
-    self._life.pop(request_id, None)
-
-  @property
-  def value(self) -> float:
-    """φ (> 0; at least 1e-6): `prior` before two requests have finished."""
-    z, w = self._z, self.prior_requests
-    if len(z) < 2:
-      return self.prior
-    mean = sum(z) / len(z)
-    return max(1e-6, (sum((x - mean) ** 2 for x in z) + w * self.prior) / (len(z) - 1 + w))

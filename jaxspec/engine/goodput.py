@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 
 from jaxspec.engine import holds, makespan
-from jaxspec.engine.acceptance import AlphaTracker, Dispersion, round_observation  # noqa: F401
+from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.makespan import expected_tokens, round_tokens  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy, checked_real
 from jaxspec.engine.live_costs import HostSeconds, LiveCosts
@@ -44,9 +44,7 @@ class GoodputK(KPolicy):
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
   Σ_i room_i / (rounds(K) t(K) + [K >= 1] sync_s), rounds(K) the expected rounds until every
-  request has finished (`jaxspec.engine.makespan.rounds_to_finish`; the requests' spread in
-  rounds is independent rounds' times φ, `dispersion`, measured on the finished requests by
-  `jaxspec.engine.acceptance.Dispersion`). While requests wait and
+  request has finished (`jaxspec.engine.makespan.rounds_to_finish`). While requests wait and
   the engine gives their decode tokens (`KPolicy.queue_rooms`, `KPolicy.slots`), the horizon
   takes them in too: (Σ_i room_i + Σ_q room_q) / (rounds(K) t(K) + [K >= 1] (sync_s +
   split_s)), rounds(K) from `makespan.rounds_with_queue` (a freed slot idles one round per
@@ -124,7 +122,6 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self.dispersion = Dispersion()          # φ, the requests' spread (`makespan`)
     self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = checked_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
@@ -214,8 +211,7 @@ class GoodputK(KPolicy):
         else None
     if rooms is not None and self.queued == 0:
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
-      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later,
-                                         self.dispersion.value)
+      rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
       table = self.live.table(self.rows)
       return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) +
                                (self.sync_s if k else 0.0))
@@ -232,7 +228,7 @@ class GoodputK(KPolicy):
       queue_later = np.minimum(t.global_later * np.array(profile) + raise_by, 1.0)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
                                           min(t.global_alpha + raise_by, 1.0), queue_later,
-                                          self.slots, self.dispersion.value)
+                                          self.slots)
       table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
       # Waves admitted after the horizon's (`later_waves` of them, each like the listed one:
@@ -428,18 +424,12 @@ class GoodputK(KPolicy):
       n = max(0, min(int(accepted), int(k)))
       weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
       self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight)
-      self.dispersion.round(request_id, k, accepted)
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
       self.tracker.observe(request_id, successes, trials)
-      self.dispersion.probe(request_id, successes, trials)
     self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)
 
   def forget(self, request_id):
-    t = self.tracker
-    profile = t.profile(self.k_max)
-    self.dispersion.finish(request_id, t.global_alpha,
-                           [min(1.0, t.global_later * p) for p in profile])
-    t.forget(request_id)
+    self.tracker.forget(request_id)
 
   def round_timing(self, k, device_s, host_s):
     """`KPolicy.round_timing`: counted by `LiveCosts.add` (the first `cold_rounds` of each kind

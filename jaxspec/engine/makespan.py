@@ -16,11 +16,7 @@ proposals accepted, P(at least j accepted) = s_j (`survival`: α^j for one accep
 Leviathan et al. 2023): mean E = Σ_{j<=min(K, r-1)} s_j and variance V. Emitting r tokens
 takes about r / E rounds with standard deviation sqrt(r V / E^3) (renewal-reward central
 limit), and the expected maximum over n requests is taken as max_i mean_i + g(n) max_i sd_i,
-g(n) the expected maximum of n standard normals (Blom's approximation). Measured requests spread
-far more than independent rounds at one acceptance rate would (one retrieval request copies for
-a while, another has every other proposal rejected: on the shipped pair at B = 4 the variance of
-a request's rounds was 2-2.5x the model's on json and 4-5x on code and retrieval), so a
-`dispersion` factor (`jaxspec.engine.acceptance.Dispersion`) multiplies every variance.
+g(n) the expected maximum of n standard normals (Blom's approximation).
 """
 
 from __future__ import annotations
@@ -132,32 +128,28 @@ def expected_max_normal(n: int) -> float:
   return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def rounds_to_finish(alphas, rooms, k_max: int, later=None,
-                     dispersion: float = 1.0) -> np.ndarray:
+def rounds_to_finish(alphas, rooms, k_max: int, later=None) -> np.ndarray:
   """[k_max + 1] float64: the expected decode rounds until every request has emitted its room,
   running K every round (K = 0: max_i room_i; a round emits at most a request's room, so a
   request with room 1 takes one round at every K).
 
   Args:
     alphas: [n] acceptance estimates in [0, 1] (later: of the later proposals, `survival`);
-      rooms: [n] tokens each may still emit (>= 1); dispersion: > 0, the factor on every
-      request's variance of rounds (1: independent rounds at its estimates).
+      rooms: [n] tokens each may still emit (>= 1).
   Raises:
-    ValueError: alphas and rooms (or later) of different lengths, or none; dispersion not a
-      finite number > 0.
+    ValueError: alphas and rooms (or later) of different lengths, or none.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   if alphas.shape != rooms.shape or alphas.ndim != 1 or not alphas.size:
     raise ValueError(f'need one room per α, got {alphas.shape} α and {rooms.shape} rooms')
-  _check_dispersion(dispersion)
   mean, var = token_moments(alphas, k_max, later, rooms)
   rounds = rooms[:, None] / mean
-  sd = np.sqrt(dispersion * rooms[:, None] * var / mean ** 3)
+  sd = np.sqrt(rooms[:, None] * var / mean ** 3)
   return rounds.max(axis=0) + expected_max_normal(len(alphas)) * sd.max(axis=0)
 
 
 def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha: float,
-                      queue_later, slots: int, dispersion: float = 1.0) -> np.ndarray:
+                      queue_later, slots: int) -> np.ndarray:
   """[k_max + 1] float64: the expected decode rounds until the running requests and the queued
   ones (in admission order, each taking the slot that frees first) have all finished, running K
   every round.
@@ -178,10 +170,9 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
       (>= 1); queue_alpha, queue_later: their acceptance estimates (the global ones; queue_later
       one β or [>= k_max] per position, `later_matrix`).
     slots: the engine's batch slots (>= n).
-    dispersion: > 0, the factor on every request's variance of rounds (`rounds_to_finish`).
   Raises:
     ValueError: lengths that differ, no running request, more running requests than slots, a
-      room below 1, dispersion not a finite number > 0.
+      room below 1.
   """
   alphas, rooms = np.asarray(alphas, np.float64), np.asarray(rooms, np.float64)
   queue = np.asarray(queue_rooms, np.float64)
@@ -194,7 +185,6 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
     raise ValueError(f'rooms must be >= 1, got {rooms.tolist()} and queue {queue.tolist()}')
   if slots < alphas.size:
     raise ValueError(f'{alphas.size} running requests do not fit {slots} slots')
-  _check_dispersion(dispersion)
   n, m, eps = alphas.size, queue.size, 1e-9
   # One pass over the running requests and the queued ones (the global acceptance).
   queue_later = np.asarray(queue_later, np.float64)
@@ -207,7 +197,7 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
                             np.concatenate([later, queue_later]),
                             np.concatenate([rooms, queue]))
   tokens = np.concatenate([rooms, queue])[:, None]
-  rounds, spreads = tokens / mean, dispersion * tokens * var / mean ** 3
+  rounds, spreads = tokens / mean, tokens * var / mean ** 3
   finish = np.zeros((slots, k_max + 1))
   spread = np.zeros((slots, k_max + 1))
   admitted = np.full((slots, k_max + 1), -1.0)      # when each slot's request was admitted
@@ -224,9 +214,3 @@ def rounds_with_queue(alphas, rooms, k_max: int, later, queue_rooms, queue_alpha
     spread[slot, columns] += spreads[n + j]
   busy = min(slots, n + m)
   return finish.max(axis=0) + expected_max_normal(busy) * np.sqrt(spread.max(axis=0))
-
-
-def _check_dispersion(dispersion) -> None:
-  if isinstance(dispersion, bool) or not isinstance(dispersion, numbers.Real) or \
-      not 0 < dispersion < float('inf'):
-    raise ValueError(f'dispersion must be a finite number > 0, got {dispersion!r}')
