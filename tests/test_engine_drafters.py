@@ -342,9 +342,8 @@ def test_goodput_follows_alpha_and_the_cost_table():
   assert policy.costs[1] > 15 and policy.choose(['a'])[0] == 0
   # Live / start-up ratios: live K = 0 rounds at twice the start-up time make every K twice as
   # dear until K >= 1 rounds have run; then all K >= 1 follow their group's median ratio, K = 0's
-  # filling in for the first SPEC_PRIOR_ROUNDS = 8, so a few slow rounds at K >= 1 (the first
-  # call of a run is ~2x; a stretch's first rounds now and then) do not price K >= 1 out (a K
-  # not chosen would never be measured again).
+  # filling in for the first PRIOR_ROUNDS = 3, so one slow round at K >= 1 (the first call of a
+  # run is ~2x) does not price K >= 1 out (a K not chosen would never be measured again).
   policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0}, cold_rounds=0)
   policy.setup(2)
   policy.round_timing(0, 3.0, 0.0)                  # one slow K = 0 round: ratio 3, [3, 1, 1]
@@ -352,11 +351,9 @@ def test_goodput_follows_alpha_and_the_cost_table():
   for _ in range(4):
     policy.round_timing(0, 2.0, 0.0)
   assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
-  half = policy.SPEC_PRIOR_ROUNDS // 2
-  for _ in range(half):                             # ratio 3 for K >= 1: [3] * 4 + [2] * 4
-    policy.round_timing(2, 6.0, 0.0)
-  assert policy.costs == pytest.approx({0: 2.0, 1: 3.75, 2: 5.0})
-  policy.round_timing(2, 6.0, 0.0)                  # [3] * 5 + [2] * 3
+  policy.round_timing(2, 6.0, 0.0)                  # ratio 3 for K >= 1: [3, 2, 2]
+  assert policy.costs == pytest.approx({0: 2.0, 1: 3.0, 2: 4.0})
+  policy.round_timing(2, 6.0, 0.0)                  # [3, 3, 2]
   assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
   # K >= 1 ratios left unrefreshed for STALE_ROUNDS rounds at K = 0 are dropped; K = 0's ratio
   # times the square root of their quotient to it (3 / 2) stands in.
@@ -369,8 +366,8 @@ def test_goodput_follows_alpha_and_the_cost_table():
   for _ in range(3 * policy.STALE_ROUNDS):          # no K >= 1 round: nothing more to drop
     policy.round_timing(0, 2.0, 0.0)
   assert policy.costs == pytest.approx({0: 2.0, 1: 3.0 * q, 2: 4.0 * q})
-  for _ in range(half + 1):
-    policy.round_timing(2, 6.0, 0.0)
+  policy.round_timing(2, 6.0, 0.0)
+  policy.round_timing(2, 6.0, 0.0)
   policy.round_timing(1, 15.0, 0.0)                                 # one slow round: ratio 10
   assert policy.costs == pytest.approx({0: 2.0, 1: 4.5, 2: 6.0})
   # A measured dip (noise) is pooled away: t(K) is made non-decreasing before the argmax.

@@ -106,7 +106,7 @@ def test_k0_hold_breaks_when_the_fitted_cost_ratio_moves():
   but doubles K = 0's fitted cost, so the held K = 0 must be scored again (K = 1 now wins)."""
   policy = GoodputK(costs={0: 1.0, 1: 1.2}, spec_margin=0.0, cold_rounds=0)
   policy.setup(1)
-  for _ in range(policy.SPEC_PRIOR_ROUNDS):
+  for _ in range(3):
     policy.round_timing(1, 1.2, 0.0)           # K >= 1 live ratio 1
   policy.round_timing(0, 2.0, 0.0)             # one slow K = 0 round: padded median still 1
   policy.rooms, policy.queued = [100], 1

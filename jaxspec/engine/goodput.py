@@ -393,7 +393,6 @@ class GoodputK(KPolicy):
   ONE_SLOT_HOLD_ROUNDS = 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
-  SPEC_PRIOR_ROUNDS = LiveCosts.SPEC_PRIOR_ROUNDS
   STALE_ROUNDS = LiveCosts.STALE_ROUNDS
 
   def worth_probing(self, request_ids) -> bool:

@@ -109,12 +109,8 @@ class LiveCosts:
   skip (a draft model's extra step after a fully accepted round) and the machine's speed
   drifts; one ratio shared by every K >= 1 keeps the table's ratios among them, and a median
   keeps one slow round from pricing a K out for good (a K not chosen is never measured again).
-  Until a group has `PRIOR_ROUNDS` live rounds (`SPEC_PRIOR_ROUNDS` for K >= 1; at most
-  `window`), pseudo-rounds fill in: ratio 1 for K = 0, K = 0's ratio times the carried quotient
-  for K >= 1. K >= 1 takes more: at B = 2 a short excursion from K = 0 (its first rounds run
-  slow now and then, 1.2-1.6x the start-up time) set the median of 3, and the carry past
-  `STALE_ROUNDS` then priced K >= 1 ~12 % above what its live rounds cost for the rest of the
-  run, which stayed at K = 0 (t(1) / t(0) 1.71 against the static K = 1's 1.51-1.55). h(K) is `host`
+  Until a group has `PRIOR_ROUNDS` live rounds (at most `window`), pseudo-rounds fill in: ratio
+  1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is `host`
   (`HostSeconds`).
 
   The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
@@ -136,7 +132,6 @@ class LiveCosts:
   """
 
   PRIOR_ROUNDS = 3
-  SPEC_PRIOR_ROUNDS = 8
   STALE_ROUNDS = 16
 
   def __init__(self, window: int, cold_rounds: int):
@@ -173,13 +168,11 @@ class LiveCosts:
 
   def group_ratios(self) -> tuple:
     """(K = 0's, K >= 1's) live / start-up ratio: each group's median, padded with
-    pseudo-rounds up to PRIOR_ROUNDS (K >= 1: SPEC_PRIOR_ROUNDS; at most `window`: a group
-    never holds more)."""
+    pseudo-rounds up to PRIOR_ROUNDS (at most `window`: a group never holds more)."""
     if self._group is None:
       rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
       zero = padded_median(self._ratios[0], 1.0, rounds)
-      spec = min(self.SPEC_PRIOR_ROUNDS, self._ratios[1].maxlen)
-      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, spec)
+      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
     return self._group
 
   def unit_s(self) -> float:
