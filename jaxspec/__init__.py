@@ -1,1 +1,2 @@
-"""jaxspec: speculative decoding, paged KV caches and eviction for memory-bound LLM inference in JAX."""
+"""jaxspec: speculative decoding, paged KV caches and eviction for memory-bound LLM inference in
+JAX."""

@@ -1,5 +1,5 @@
-"""The paged KV cache as a pytree, with pure write / read / rollback functions (vLLM's PagedAttention
-layout, Kwon et al. 2023).
+"""The paged KV cache as a pytree, with pure write / read / rollback functions (vLLM's
+PagedAttention layout, Kwon et al. 2023).
 
 Token at slot s of sequence b lives at page `page_table[b, s // L]`, offset `s % L`. Page 0 is the
 null page: padded tokens write there and no sequence's page table points at it for a live slot.
@@ -17,7 +17,8 @@ NULL_PAGE = 0
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
-  """Pages that hold `num_tokens` tokens: ceil(num_tokens / page_size) (floor is the classic bug)."""
+  """Pages that hold `num_tokens` tokens: ceil(num_tokens / page_size) (floor is the classic
+  bug)."""
   if page_size < 1:
     raise ValueError(f'page_size must be >= 1, got {page_size}')
   return math.ceil(num_tokens / page_size)

@@ -11,7 +11,6 @@ from jaxspec.data.corpus import (Document, code_files, documents, json_files, re
 from jaxspec.data.tokenizer import Tokenizer
 from jaxspec.data.workloads import WORKLOADS, Prompt, make_prompts
 
-__all__ = [
-    'Conversation', 'Document', 'Prompt', 'Tokenizer', 'WORKLOADS', 'code_files', 'documents', 'json_files',
-    'make_conversations', 'make_prompts', 'random_windows', 'read_text', 'split_of', 'token_stream', 'train_mixture', 'turn_prompt',
-]
+__all__ = ['Conversation', 'Document', 'Prompt', 'Tokenizer', 'WORKLOADS', 'code_files',
+           'documents', 'json_files', 'make_conversations', 'make_prompts', 'random_windows',
+           'read_text', 'split_of', 'token_stream', 'train_mixture', 'turn_prompt']

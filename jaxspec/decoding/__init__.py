@@ -15,11 +15,11 @@ from jaxspec.decoding.sampling import (RowSampling, SamplingParams, nucleus_mask
 from jaxspec.decoding.speculative import (SpecStats, decode_speculative, draft_tokens,
                                          speculative_round, verify)
 
-__all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint', 'constrained_generate',
-           'GenerationResult', 'Output', 'PrefixCachedGenerator', 'RowSampling', 'SamplingParams', 'SpecStats',
-           'commit', 'cut_lengths',
+__all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint',
+           'constrained_generate', 'GenerationResult', 'Output', 'PrefixCachedGenerator',
+           'RowSampling', 'SamplingParams', 'SpecStats', 'commit', 'cut_lengths',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',
-           'generate', 'nucleus_mask', 'prefill', 'prefill_logits', 'probabilities', 'rejection_sample', 'sample',
-           'speculative_round', 'verify',
+           'generate', 'nucleus_mask', 'prefill', 'prefill_logits', 'probabilities',
+           'rejection_sample', 'sample', 'speculative_round', 'verify',
            'decode_autoregressive_evicting', 'decode_speculative_evicting', 'decode_step_evicting',
            'prefill_evicting', 'score_tokens']

@@ -138,5 +138,6 @@ class TokenConstraint:
     extra = min(num_tokens, self._eos_consumed)
     self._eos_consumed -= extra
     if num_tokens - extra and not self._m.rollback(num_tokens - extra):
-      raise ConstraintError(f'cannot roll back {num_tokens} tokens: {_first_line(self._m.get_error())}')
+      raise ConstraintError(f'cannot roll back {num_tokens} tokens: '
+                            f'{_first_line(self._m.get_error())}')
 

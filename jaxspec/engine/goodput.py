@@ -205,8 +205,9 @@ class GoodputK(KPolicy):
 
   def _scores(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
-    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests are priced at the global estimates plus
-    `raise_by` (capped at 1), as `worth_probing` raises the running ones'."""
+    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests are priced at the
+    global estimates plus `raise_by` (capped at 1), as `worth_probing` raises the running
+    ones'."""
     rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
         else None
     if rooms is not None and self.queued == 0:

@@ -8,8 +8,9 @@ from jaxspec.models.config import PRESETS, ModelConfig
 from jaxspec.models.hf import is_pretrained, load_pretrained, save_pretrained, truncate_vocab
 from jaxspec.models.llama import Transformer, apply_rope, matmul_rows
 
-__all__ = ['CheckpointError', 'load_model', 'param_shapes', 'save_model', 'shipped', 'ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for',
-           'is_pretrained', 'load_pretrained', 'save_pretrained', 'truncate_vocab']
+__all__ = ['CheckpointError', 'load_model', 'param_shapes', 'save_model', 'shipped', 'ModelConfig',
+           'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for', 'is_pretrained',
+           'load_pretrained', 'save_pretrained', 'truncate_vocab']
 
 
 def cache_for(config: ModelConfig, page_table, num_pages: int, page_size: int):

@@ -1,4 +1,5 @@
-"""Model hyper-parameters: a frozen dataclass with named presets (gpt-fast's `ModelArgs.from_name`)."""
+"""Model hyper-parameters: a frozen dataclass with named presets (gpt-fast's
+`ModelArgs.from_name`)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class ModelConfig:
         raise ValueError(f'ModelConfig.{name} must be a positive int, got {value!r}')
     for name in ('rope_theta', 'norm_eps'):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float('inf'):
+      if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+          not 0 < value < float('inf'):
         raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
     object.__setattr__(self, 'rope_scaling', rope.normalize_scaling(self.rope_scaling))
     if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
@@ -72,7 +74,8 @@ class ModelConfig:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
     if self.dtype not in ('float32', 'bfloat16', 'float16'):
-      raise ValueError(f'ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}')
+      raise ValueError(f'ModelConfig.dtype must be float32, bfloat16 or float16, '
+                       f'got {self.dtype!r}')
 
   @property
   def group_size(self) -> int:

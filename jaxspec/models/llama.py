@@ -177,7 +177,8 @@ class MLP(nn.Module):
     c = self.config
     gate = Linear(c.d_ff, dtype=c.dtype, exact=c.exact_verify, name='gate')(x)
     up = Linear(c.d_ff, dtype=c.dtype, exact=c.exact_verify, name='up')(x)
-    return Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='down')(jax.nn.silu(gate) * up)
+    down = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='down')
+    return down(jax.nn.silu(gate) * up)
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ from jaxspec.parallel.placement import place_pair
 from jaxspec.parallel.specs import CACHE_SPEC, DRAFT_CACHE_SPEC, PARAM_RULES, param_specs
 from jaxspec.parallel.steps import ShardedSteps, put, shard_params
 
-__all__ = ['CACHE_SPEC', 'DATA', 'DRAFT_CACHE_SPEC', 'DistributedSettings', 'MODEL',
-           'PARAM_RULES', 'ShardedSteps', 'check_batch_fits', 'check_model_fits', 'initialize',
-           'is_primary', 'load_sharded', 'make_mesh', 'param_specs', 'place_pair', 'put', 'settings',
+__all__ = ['CACHE_SPEC', 'DATA', 'DRAFT_CACHE_SPEC', 'DistributedSettings', 'MODEL', 'PARAM_RULES',
+           'ShardedSteps', 'check_batch_fits', 'check_model_fits', 'initialize', 'is_primary',
+           'load_sharded', 'make_mesh', 'param_specs', 'place_pair', 'put', 'settings',
            'shard_params']
