@@ -170,7 +170,8 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
     the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
     (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)], 'adaptive': [row per (B, workload,
-    non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included)]}.
+    non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included), and
+    the same pass by pass with its standard error (`_per_pass`)]}.
     α* is math.inf where no K pays.
   """
   costs = cost_table(records, source)
@@ -187,7 +188,8 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
       row.update({f'cost_other_k{k}': c for k, c in sorted(other[b].items()) if k})
     thresholds.append(row)
   rows = []
-  for (b, workload, setting), rs in _by_setting(records).items():
+  groups = _by_setting(records)
+  for (b, workload, setting), rs in groups.items():
     row = dict(batch_size=b, workload=workload, setting=setting, k=rs[0].get('k'),
                drafter=rs[0].get('drafter'), k_policy=rs[0].get('k_policy'), repeats=len(rs))
     for f in ('tokens_per_s', 'speedup', 'decode_speedup', 'round_cost', 'acceptance_rate',
@@ -213,9 +215,28 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
       top = max(static, key=lambda s: s['tokens_per_s'])
       adaptive.append(dict(batch_size=row['batch_size'], workload=row['workload'],
                            setting=row['setting'], best_static=top['setting'],
-                           fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s']))
+                           fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s'],
+                           **_per_pass(groups[(row['batch_size'], row['workload'],
+                                               row['setting'])],
+                                       groups[(top['batch_size'], top['workload'],
+                                               top['setting'])])))
   return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
               adaptive=adaptive, validation=validation(rows))
+
+
+def _per_pass(adaptive: list[dict], best: list[dict]) -> dict:
+  """The adaptive setting's tokens/s over the best static's pass by pass (records paired by
+  `repeat`: in one pass the settings' engines step in turn, so a drift in the machine's speed
+  hits both): {'per_pass': [fraction per repeat, in repeat order], 'per_pass_se': the standard
+  error of their mean (None with fewer than two)}. How far a cell's mean fraction can be
+  trusted: B <= 4 passes last ~0.3-1 s each on the development CPU, and one pass's ratio moves
+  by several percent."""
+  rate = {r.get('repeat', 0): r.get('tokens_per_s') for r in best}
+  fractions = [r['tokens_per_s'] / rate[r.get('repeat', 0)]
+               for r in sorted(adaptive, key=lambda r: r.get('repeat', 0))
+               if r.get('tokens_per_s') is not None and rate.get(r.get('repeat', 0))]
+  se = statistics.stdev(fractions) / math.sqrt(len(fractions)) if len(fractions) > 1 else None
+  return dict(per_pass=fractions, per_pass_se=se)
 
 
 def validation(rows: list[dict]) -> dict:
@@ -295,10 +316,13 @@ def markdown(result: dict) -> str:
     lines += ['', f'Measured decode-only speedup ÷ predicted {what}: median {v["median"]:.2f}, '
               f'range {v["min"]:.2f}–{v["max"]:.2f} over {v["rows"]} (B, workload, K) rows.']
   if result['adaptive']:
-    lines += ['', '## Adaptive policies: tokens/s ÷ best static setting (K = 0 included)', '']
-    lines += _table(['B', 'workload', 'setting', 'fraction', 'best static'],
+    lines += ['', '## Adaptive policies: tokens/s ÷ best static setting (K = 0 included)', '',
+              'fraction: mean tokens/s ÷ the best static mean; per pass: the same ratio in each '
+              'pass (repeat), ± the standard error of their mean.', '']
+    lines += _table(['B', 'workload', 'setting', 'fraction', 'best static', 'per pass', '± se'],
                     [[a['batch_size'], a['workload'], a['setting'], a['fraction_of_best_static'],
-                      a['best_static']] for a in result['adaptive']])
+                      a['best_static'], ' '.join(_fmt(f) for f in a.get('per_pass', [])),
+                      a.get('per_pass_se')] for a in result['adaptive']])
   return '\n'.join(lines) + '\n'
 
 

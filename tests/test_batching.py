@@ -146,6 +146,24 @@ def test_analyze_recovers_costs_thresholds_predictions_and_adaptive_fraction():
   assert [a['fraction_of_best_static'] for a in result['adaptive']] == [pytest.approx(0.9)] * 4
   best = {(a['batch_size'], a['workload']): a['best_static'] for a in result['adaptive']}
   assert best[(1, 'retrieval')] == 'k2' and best[(8, 'json')] == 'k0'
+  assert all(a['per_pass'] == [pytest.approx(0.9)] * 2 for a in result['adaptive'])
+  assert all(a['per_pass_se'] == pytest.approx(0.0, abs=1e-12) for a in result['adaptive'])
+
+
+def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
+  # Pass 1 ran 20 % slower for every setting (the machine's load): the paired ratios see
+  # goodput at 0.8 and 1.0 of k0 in its two passes, whatever each pass's speed.
+  records = [_record(4, 'json', 'k0', 0, 1, 100.0, 0.01),
+             _record(4, 'json', 'k0', 0, 0, 125.0, 0.01),
+             _record(4, 'json', 'goodput', 8, 0, 100.0, 0.01, 0.5, policy='goodput'),
+             _record(4, 'json', 'goodput', 8, 1, 100.0, 0.01, 0.5, policy='goodput')]
+  [a] = br.analyze(records)['adaptive']
+  assert a['best_static'] == 'k0' and a['fraction_of_best_static'] == pytest.approx(200 / 225)
+  assert a['per_pass'] == [pytest.approx(0.8), pytest.approx(1.0)]
+  assert a['per_pass_se'] == pytest.approx(0.1)                # sd 0.1414 / sqrt(2)
+  assert '| 0.80 1.00 | 0.10 |' in br.markdown(br.analyze(records))
+  [one] = br.analyze(records[1:3])['adaptive']                # one pass each: no spread
+  assert one['per_pass'] == [pytest.approx(0.8)] and one['per_pass_se'] is None
 
 
 def test_records_without_a_fixed_k_say_why_there_is_no_threshold():
