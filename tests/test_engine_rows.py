@@ -9,6 +9,7 @@ import pytest
 
 from jaxspec.decoding import generate
 from jaxspec.engine import Engine
+from jaxspec.engine.live_costs import line_through
 from test_engine import alone                # noqa: F401 (a fixture: greedy output alone)
 from test_engine_drafters import Scripted   # K from a cycle, K = 0 included
 
@@ -71,6 +72,29 @@ def test_cost_tables_per_bucket(tiny, tiny_draft):
   assert set(engine.prefill_costs) == set(engine.prefill_buckets)   # goodput prices admissions
   with pytest.raises(ValueError, match='decode buckets'):
     engine.measure_costs(1, widths=(2,))
+
+
+def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft):
+  """`row_costs` keeps what was timed; the policy gets each row's K >= 1 entries on their
+  Theil-Sen line (`live_costs.line_through`), K = 0 as timed."""
+  config, params = tiny
+  engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
+                  k=3, k_policy='goodput')
+  engine.warm_up(cost_repeats=1)
+  idle = engine.policy.live.idle
+  assert idle[None] == pytest.approx(line_through(engine.step_costs))
+  for rows, table in engine.row_costs.items():
+    assert idle[rows] == pytest.approx(line_through(table))
+    assert idle[rows][0] == table[0]
+
+
+def test_line_through_ignores_one_entry_off():
+  line = {0: 1.0, 1: 1.5, 2: 1.75, 3: 2.0, 4: 2.25, 5: 2.5}
+  off = {**line, 2: 1.1}                                 # K = 2 timed far too fast
+  assert line_through(off) == pytest.approx(line)
+  assert line_through({0: 1.0, 1: 1.5, 2: 1.9}) == {0: 1.0, 1: 1.5, 2: 1.9}   # two points
+  assert line_through({0: 1.0, 4: 2.0}) == {0: 1.0, 4: 2.0}                   # one: as is
+  assert line_through({0: 1.0, 1: 2.0, 2: 1.5, 3: 1.0}) == {0: 1.0, 1: 1.5, 2: 1.5, 3: 1.5}
 
 
 @pytest.mark.parametrize('buckets', [(0, 4), (2,), (4, 5), ('a', 4), 4, (True, 4)])

@@ -1,8 +1,9 @@
 """What the goodput K policy (`jaxspec.engine.goodput`) measures while the engine runs, host
 side: a decode round's cost t(K) = d(K) + h(K) kept up to date from live rounds (`LiveCosts`),
 the host seconds per round of each kind of round (`HostSeconds`), medians over a window of
-recent rounds, padded with a prior while there are few of them (`padded_median`), and the
-least-squares non-decreasing fit of a cost table (`nondecreasing`)."""
+recent rounds, padded with a prior while there are few of them (`padded_median`), the
+least-squares non-decreasing fit of a cost table (`nondecreasing`) and the line through a
+measured table's K >= 1 entries (`line_through`)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,26 @@ def nondecreasing(values: Sequence[float]) -> list:
       blocks[-1][0] += s
       blocks[-1][1] += n
   return [s / n for s, n in blocks for _ in range(n)]
+
+
+def line_through(table: dict) -> dict:
+  """A cost table {K: seconds} with its K >= 1 entries replaced by the Theil-Sen line through
+  them (slope: the median of the pairwise slopes, at least 0; intercept: the median of
+  seconds - slope x K); K = 0 and a table with fewer than two K >= 1 entries are kept as they
+  are. A round at K runs K draft steps and one verify of K + 1 tokens per row, so its cost is
+  close to a + b K; each timed entry carries its own noise (the fastest of a few calls on a
+  shared machine), and one entry off made the policy run the K it priced too low (B = 4 on the
+  development CPU: one warm-up's table put K = 2 barely above K = 1, t(2) / t(0) 1.38 against
+  1.34, where six others timed them 1.71-1.87x and 1.39-1.55x K = 0's, and the goodput policy
+  ran K = 2 for whole passes at 0.8-0.9 of K = 0's tokens/s).
+  A median line ignores one such entry."""
+  ks = sorted(k for k in table if k >= 1)
+  if len(ks) < 2:
+    return dict(table)
+  slopes = [(table[b] - table[a]) / (b - a) for i, a in enumerate(ks) for b in ks[i + 1:]]
+  slope = max(0.0, statistics.median(slopes))
+  intercept = statistics.median(table[k] - slope * k for k in ks)
+  return {k: (intercept + slope * k if k >= 1 else t) for k, t in table.items()}
 
 
 class HostSeconds:
@@ -104,7 +125,7 @@ class LiveCosts:
   the engine runs (host side).
 
   d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
-  `warm_up`) times the median live / start-up ratio of the last `window` live rounds of its
+  `warm_up`, its K >= 1 entries on their `line_through` line) times the median live / start-up ratio of the last `window` live rounds of its
   group, K = 0 or K >= 1, made non-decreasing in K (`table`). Live rounds pay what idle ones
   skip (a draft model's extra step after a fully accepted round) and the machine's speed
   drifts; one ratio shared by every K >= 1 keeps the table's ratios among them, and a median

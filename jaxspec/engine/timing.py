@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxspec.cache import host as host_lib
 from jaxspec.engine import device
+from jaxspec.engine.live_costs import line_through
 from jaxspec.engine import rows as rows_lib
 
 
@@ -92,7 +93,8 @@ def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
 def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict:
   """`Engine.measure_costs`: time the decode rounds of `widths` (default every decode bucket)
   into `engine.row_costs` {rows: {K: seconds}}, a lazy draft's catch-up calls, and hand a
-  policy that needs costs its table once the full batch's row is timed.
+  policy that needs costs its table once the full batch's row is timed (each row's K >= 1
+  entries on their `live_costs.line_through` line; `row_costs` keeps the timed values).
 
   Returns:
     `engine.step_costs` (the full batch's row; {} until it is timed).
@@ -114,6 +116,9 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict
     engine.draft_sync.measure(repeats)
   # The policy's table is the full batch's row: until that row is timed (widths without
   # num_slots) the policy still needs costs, and the next round measures every bucket.
+  # It is given the line through each row's K >= 1 entries (`live_costs.line_through`): a
+  # timed entry off by its noise would be chosen (or never) for that alone.
   if engine.policy is not None and engine.policy.needs_costs and engine.step_costs:
-    engine.policy.set_costs(engine.step_costs, by_rows=engine.row_costs)
+    lines = {rows: line_through(table) for rows, table in engine.row_costs.items()}
+    engine.policy.set_costs(line_through(engine.step_costs), by_rows=lines)
   return engine.step_costs
