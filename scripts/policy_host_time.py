@@ -4,7 +4,7 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
     PYTHONPATH=$PWD python scripts/policy_host_time.py [--batch 4] [--workload code]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
-        [--set 'goodput.draft_sync.probe_every=None' ...] [--per-pass]
+        [--set 'goodput.draft_sync.probe_every=None' ...] [--per-pass] [--costs]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
@@ -16,7 +16,11 @@ overhead into probes and the rest. --per-pass also prints each pass (what one st
 costs: prefill calls, catch-ups, rounds with an idle row). Per setting it prints tokens/s as a
 ratio to the first setting (mean over passes), decode rounds per pass, the mean microseconds per
 round of each part, the rounds per K, and for a lazy draft cache its catch-up calls and
-milliseconds per pass. The times are the
+milliseconds per pass. --costs also prints, per setting, the median seconds of its decode
+calls of the full batch's row bucket (B rows computed) at each K it ran, and for a policy that
+prices rounds (goodput) the warm-up table and the table it priced with at the start (K >= 1 on
+the Theil-Sen line, `live_costs.line_through`), all in units of the first K = 0 setting's
+warm-up K = 0 round: whether the live rounds cost what the policy was told. The times are the
 wall clock around each call, so the parts include the Python that runs right after a device call
 (slower than the same code in a tight loop: the step has pushed the interpreter's data out of the
 caches).
@@ -71,6 +75,32 @@ def _sync_s(engine) -> float:
   return engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
 
 
+def _timed_by_k(calls: dict, engine, function):
+  """`function` (the engine's decode call) wrapped to add its wall seconds to calls[K] when
+  the call computes the full batch's row bucket (K its `k` keyword)."""
+  def call(*args, **kwargs):
+    start = time.perf_counter()
+    try:
+      return function(*args, **kwargs)
+    finally:
+      if len(args[0]) == engine.num_slots:            # the page table: one row per row
+        calls[kwargs.get('k', 0)].append(time.perf_counter() - start)
+  return call
+
+
+def _print_costs(name, engine, calls, priced, unit) -> None:
+  """`--costs`: the setting's live decode calls of the full row bucket per K (median, and how
+  many), and a pricing policy's warm-up and priced tables, each over `unit` seconds (a warm-up
+  K = 0 round)."""
+  line = f'{name:>10} costs: live ' + ', '.join(
+      f'K={k} {statistics.median(t) / unit:.2f} ({len(t)})' for k, t in sorted(calls.items()))
+  if priced is not None:
+    line += ('; warm-up ' + ' '.join(f'{engine.step_costs[k] / unit:.2f}'
+                                     for k in sorted(engine.step_costs)) +
+             '; priced ' + ' '.join(f'{priced[k] / unit:.2f}' for k in sorted(priced)))
+  print(line)
+
+
 def _print_pass(p, runs, base, engines, totals, marks) -> None:
   """One line per setting of pass p (`--per-pass`): tokens/s against `base`, engine ms,
   prefill calls, rounds at K >= 1, catch-up ms and rounds with an idle row in this pass."""
@@ -96,6 +126,9 @@ def main():
                       help='also print each pass: every setting against the first, its engine '
                            'ms, prefill calls, rounds at K >= 1, catch-up ms, and decode rounds '
                            'with fewer requests than slots')
+  parser.add_argument('--costs', action='store_true',
+                      help='also print each setting\'s live decode calls per K and a pricing '
+                           'policy\'s warm-up and priced cost tables, in warm-up K = 0 rounds')
   parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
                       help='override an engine attribute, e.g. goodput.policy.spec_margin=0.1')
   args = parser.parse_args()
@@ -127,8 +160,12 @@ def main():
   speculation.choose = lambda *a, **k: _timed(totals[current[0]], 'choose', choose)(*a, **k)
   speculation.horizon = lambda *a, **k: _timed(totals[current[0]], 'horizon', horizon)(*a, **k)
   before = {}
+  by_k = {name: collections.defaultdict(list) for name in engines}
+  priced = {name: dict(e.policy.live.idle[None]) if getattr(e.policy, 'live', None) else None
+            for name, (e, _) in engines.items()}
   for name, (engine, _) in engines.items():
-    engine._call_decode = _timed(totals[name], 'device', engine._call_decode)
+    engine._call_decode = _timed(totals[name], 'device',
+                                 _timed_by_k(by_k[name], engine, engine._call_decode))
     layout = engine._decode_layout
 
     def counted(decodes, layout=layout, engine=engine, t=totals[name]):
@@ -159,18 +196,28 @@ def main():
   print(f'B = {args.batch}, {args.workload}, {args.passes} passes; tokens/s against {base}')
   for name, (engine, _) in engines.items():
     ks, calls, seconds = before[name]
-    by_k = {k: n - ks.get(k, 0) for k, n in sorted(engine.k_rounds.items()) if n > ks.get(k, 0)}
-    rounds = sum(by_k.values())
+    rounds_by_k = {k: n - ks.get(k, 0) for k, n in sorted(engine.k_rounds.items())
+                   if n > ks.get(k, 0)}
+    rounds = sum(rounds_by_k.values())
     t = totals[name]
     ratio = statistics.mean(a / b for a, b in zip(speeds[name], speeds[base]))
     line = (f'{name:>10}: {ratio:.3f}x, {rounds / args.passes:.0f} rounds/pass, per round: '
             f'device {t["device"] / rounds * 1e6:.0f} us, choose {t["choose"] / rounds * 1e6:.0f}'
-            f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; rounds by K {by_k}')
+            f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; rounds by K {rounds_by_k}')
     sync = engine.draft_sync
     if sync is not None:
       line += (f'; catch-ups {(sync.num_calls - calls) / args.passes:.1f}/pass, '
                f'{(sync.seconds - seconds) / args.passes * 1e3:.1f} ms/pass')
     print(line)
+  if args.costs:        # one scale: the first warm-up K = 0 round of any setting
+    unit_of = next((n for n, (e, _) in engines.items() if 0 in e.step_costs), None)
+    if unit_of is None:
+      print('--costs: no setting timed a K = 0 round at warm-up (add k0=k:0)')
+      return
+    unit = engines[unit_of][0].step_costs[0]
+    print(f'costs in warm-up K = 0 rounds of {unit_of} ({unit * 1e3:.2f} ms):')
+    for name, (engine, _) in engines.items():
+      _print_costs(name, engine, by_k[name], priced[name], unit)
 
 
 if __name__ == '__main__':
