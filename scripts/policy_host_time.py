@@ -83,7 +83,7 @@ def _timed_by_k(calls: dict, engine, function):
     try:
       return function(*args, **kwargs)
     finally:
-      if len(args[0]) == engine.num_slots:            # the page table: one row per row
+      if len(args[0]) == engine.num_slots:            # args[0]: the call's page table
         calls[kwargs.get('k', 0)].append(time.perf_counter() - start)
   return call
 
