@@ -225,16 +225,21 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
 
 
 def _per_pass(adaptive: list[dict], best: list[dict]) -> dict:
-  """The adaptive setting's tokens/s over the best static's pass by pass (records paired by
-  `repeat`: in one pass the settings' engines step in turn, so a drift in the machine's speed
-  hits both): {'per_pass': [fraction per repeat, in repeat order], 'per_pass_se': the standard
-  error of their mean (None with fewer than two)}. How far a cell's mean fraction can be
-  trusted: B <= 4 passes last ~0.3-1 s each on the development CPU, and one pass's ratio moves
-  by several percent."""
-  rate = {r.get('repeat', 0): r.get('tokens_per_s') for r in best}
-  fractions = [r['tokens_per_s'] / rate[r.get('repeat', 0)]
-               for r in sorted(adaptive, key=lambda r: r.get('repeat', 0))
-               if r.get('tokens_per_s') is not None and rate.get(r.get('repeat', 0))]
+  """The adaptive setting's tokens/s over the best static's pass by pass: {'per_pass':
+  [fraction per pass, in record order], 'per_pass_se': the standard error of their mean (None
+  with fewer than two)}. Records pair by (case_id, repeat): in one pass the settings' engines
+  step in turn, so a drift in the machine's speed hits both. A pass without exactly one record
+  of the best static is left out (records without a repeat, or appended twice, cannot be
+  paired). What it measures is the spread between the passes of one run, which share their
+  engines' warm-up tables; whole runs move more (B <= 4 passes last ~0.3-1 s each on the
+  development CPU)."""
+  def key(r):
+    return r.get('case_id'), r.get('repeat')
+  counts = collections.Counter(key(r) for r in best)
+  rate = {key(r): r.get('tokens_per_s') for r in best if counts[key(r)] == 1}
+  fractions = [r['tokens_per_s'] / rate[key(r)] for r in adaptive
+               if r.get('repeat') is not None and r.get('tokens_per_s') is not None
+               and rate.get(key(r))]
   se = statistics.stdev(fractions) / math.sqrt(len(fractions)) if len(fractions) > 1 else None
   return dict(per_pass=fractions, per_pass_se=se)
 

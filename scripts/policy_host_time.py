@@ -161,7 +161,8 @@ def main():
   speculation.horizon = lambda *a, **k: _timed(totals[current[0]], 'horizon', horizon)(*a, **k)
   before = {}
   by_k = {name: collections.defaultdict(list) for name in engines}
-  priced = {name: dict(e.policy.live.idle[None]) if getattr(e.policy, 'live', None) else None
+  priced = {name: dict(e.policy.live.idle.get(None) or {})
+            if getattr(e.policy, 'live', None) is not None else None
             for name, (e, _) in engines.items()}
   for name, (engine, _) in engines.items():
     engine._call_decode = _timed(totals[name], 'device',

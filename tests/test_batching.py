@@ -164,6 +164,11 @@ def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
   assert '| 0.80 1.00 | 0.10 |' in br.markdown(br.analyze(records))
   [one] = br.analyze(records[1:3])['adaptive']                # one pass each: no spread
   assert one['per_pass'] == [pytest.approx(0.8)] and one['per_pass_se'] is None
+  # A pass the best static ran twice (records appended again) or without a repeat: unpaired.
+  again = records + [_record(4, 'json', 'k0', 0, 1, 90.0, 0.01)]
+  assert br.analyze(again)['adaptive'][0]['per_pass'] == [pytest.approx(0.8)]
+  bare = [{k: v for k, v in r.items() if k != 'repeat'} for r in records[1:3]]
+  assert br.analyze(bare)['adaptive'][0]['per_pass'] == []
 
 
 def test_records_without_a_fixed_k_say_why_there_is_no_threshold():

@@ -92,9 +92,21 @@ def test_line_through_ignores_one_entry_off():
   line = {0: 1.0, 1: 1.5, 2: 1.75, 3: 2.0, 4: 2.25, 5: 2.5}
   off = {**line, 2: 1.1}                                 # K = 2 timed far too fast
   assert line_through(off) == pytest.approx(line)
-  assert line_through({0: 1.0, 1: 1.5, 2: 1.9}) == {0: 1.0, 1: 1.5, 2: 1.9}   # two points
-  assert line_through({0: 1.0, 4: 2.0}) == {0: 1.0, 4: 2.0}                   # one: as is
-  assert line_through({0: 1.0, 1: 2.0, 2: 1.5, 3: 1.0}) == {0: 1.0, 1: 1.5, 2: 1.5, 3: 1.5}
+  assert line_through({**line, 5: 12.5}) == pytest.approx(line)     # an end entry far off
+  assert line_through({**line, 1: 0.2}) == pytest.approx(line)
+  # Fewer than LINE_POINTS K >= 1 entries: as timed (one end entry would tilt the line).
+  few = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 100.0}
+  assert line_through(few) == few
+  assert line_through({0: 1.0, 4: 2.0}) == {0: 1.0, 4: 2.0}
+  # Flat, then steep (a round memory-bound up to some K): far from any line, kept as timed.
+  bent = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 3.0, 6: 5.0, 7: 7.0, 8: 9.0}
+  assert line_through(bent) == bent
+  # Nearly flat: where the line would price a K >= 1 round at or below K = 0's, the timed
+  # value stays.
+  flat = {0: 1.0, 1: 1.02, 2: 1.03, 3: 1.05, 4: 1.08, 5: 1.12, 6: 1.2, 7: 1.3, 8: 1.45}
+  fitted = line_through(flat)
+  assert fitted[1] == 1.02 and fitted[8] == pytest.approx(0.91 + 8 * 0.0517, abs=0.01)
+  assert all(fitted[k] > 1.0 for k in fitted if k)
 
 
 @pytest.mark.parametrize('buckets', [(0, 4), (2,), (4, 5), ('a', 4), 4, (True, 4)])

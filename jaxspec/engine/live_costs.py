@@ -31,24 +31,37 @@ def nondecreasing(values: Sequence[float]) -> list:
   return [s / n for s, n in blocks for _ in range(n)]
 
 
+LINE_POINTS = 5   # K >= 1 entries `line_through` needs to fit a line (fewer: kept as timed)
+LINE_FIT = 0.1    # the median relative distance of the entries from it, at most
+
+
 def line_through(table: dict) -> dict:
   """A cost table {K: seconds} with its K >= 1 entries replaced by the Theil-Sen line through
   them (slope: the median of the pairwise slopes, at least 0; intercept: the median of
-  seconds - slope x K); K = 0 and a table with fewer than two K >= 1 entries are kept as they
-  are. A round at K runs K draft steps and one verify of K + 1 tokens per row, so its cost is
-  close to a + b K; each timed entry carries its own noise (the fastest of a few calls on a
-  shared machine), and one entry off made the policy run the K it priced too low (B = 4 on the
-  development CPU: one warm-up's table put K = 2 barely above K = 1, t(2) / t(0) 1.38 against
-  1.34, where six others timed them 1.71-1.87x and 1.39-1.55x K = 0's, and the goodput policy
-  ran K = 2 for whole passes at 0.8-0.9 of K = 0's tokens/s).
-  A median line ignores one such entry."""
+  seconds - slope x K). K = 0 is kept; so is a table with fewer than `LINE_POINTS` K >= 1
+  entries (with four, one entry far off at an end tilts the median line) or whose entries are
+  not close to a line (their median relative distance from it above `LINE_FIT`: a device whose
+  rounds stay memory-bound up to some K, flat and then rising, is better priced as timed), and
+  so is any entry whose line value would not exceed K = 0's time (a K >= 1 round does all a
+  K = 0 round does and more) or 0. A round at K runs K draft steps and one verify of K + 1 tokens per row, so its
+  cost is close to a + b K; each timed entry carries its own noise (the fastest of a few calls
+  on a shared machine), and one entry timed too fast made the goodput policy run that K (B = 2
+  on the development CPU: one warm-up timed K = 2 at 1.56x and K = 5 at 2.13x K = 0's where
+  K = 3 took 1.88x and K = 6 2.72x, and the policy ran K = 2 and K = 5 for whole passes; B = 4:
+  one put K = 2 at 1.38x, barely above K = 1's 1.34x, where six others timed 1.71-1.87x and
+  1.39-1.55x, and the policy ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores
+  one such entry among five or more."""
   ks = sorted(k for k in table if k >= 1)
-  if len(ks) < 2:
+  if len(ks) < LINE_POINTS:
     return dict(table)
   slopes = [(table[b] - table[a]) / (b - a) for i, a in enumerate(ks) for b in ks[i + 1:]]
   slope = max(0.0, statistics.median(slopes))
   intercept = statistics.median(table[k] - slope * k for k in ks)
-  return {k: (intercept + slope * k if k >= 1 else t) for k, t in table.items()}
+  if statistics.median(abs(table[k] - intercept - slope * k) / table[k] for k in ks) > LINE_FIT:
+    return dict(table)
+  floor = max(table.get(0, 0.0), 0.0)
+  return {k: (intercept + slope * k if k >= 1 and intercept + slope * k > floor else t)
+          for k, t in table.items()}
 
 
 class HostSeconds:
