@@ -75,16 +75,20 @@ def _sync_s(engine) -> float:
   return engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
 
 
-def _timed_by_k(calls: dict, engine, function):
-  """`function` (the engine's decode call) wrapped to add its wall seconds to calls[K] when
-  the call computes the full batch's row bucket (K its `k` keyword)."""
+def _timed_decode(totals: collections.Counter, calls: dict, engine):
+  """The engine's decode call wrapped to add its wall seconds to totals['device'] and, when it
+  computes the full batch's row bucket, to calls[K] (K its `k` keyword)."""
+  function = engine._call_decode
+
   def call(*args, **kwargs):
     start = time.perf_counter()
     try:
       return function(*args, **kwargs)
     finally:
+      seconds = time.perf_counter() - start
+      totals['device'] += seconds
       if len(args[0]) == engine.num_slots:            # args[0]: the call's page table
-        calls[kwargs.get('k', 0)].append(time.perf_counter() - start)
+        calls[kwargs.get('k', 0)].append(seconds)
   return call
 
 
@@ -165,8 +169,7 @@ def main():
             if getattr(e.policy, 'live', None) is not None else None
             for name, (e, _) in engines.items()}
   for name, (engine, _) in engines.items():
-    engine._call_decode = _timed(totals[name], 'device',
-                                 _timed_by_k(by_k[name], engine, engine._call_decode))
+    engine._call_decode = _timed_decode(totals[name], by_k[name], engine)
     layout = engine._decode_layout
 
     def counted(decodes, layout=layout, engine=engine, t=totals[name]):

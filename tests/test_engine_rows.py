@@ -74,18 +74,26 @@ def test_cost_tables_per_bucket(tiny, tiny_draft):
     engine.measure_costs(1, widths=(2,))
 
 
-def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft):
+def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft, monkeypatch):
   """`row_costs` keeps what was timed; the policy gets each row's K >= 1 entries on their
-  Theil-Sen line (`live_costs.line_through`), K = 0 as timed."""
+  Theil-Sen line (`live_costs.line_through`), K = 0 as timed. The timing is replaced by a table
+  on a line with K = 2 timed far too fast, so the line and the timed values differ."""
+  from jaxspec.engine import timing
+  timed = {0: 1.0, 1: 1.5, 2: 1.1, 3: 2.0, 4: 2.25, 5: 2.5}
+  monkeypatch.setattr(timing, 'decode_costs', lambda engine, repeats, widths: {
+      (rows, k): t * rows for rows in widths for k, t in timed.items()})
   config, params = tiny
   engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
-                  k=3, k_policy='goodput')
+                  k=5, k_policy='goodput')
   engine.warm_up(cost_repeats=1)
   idle = engine.policy.live.idle
-  assert idle[None] == pytest.approx(line_through(engine.step_costs))
-  for rows, table in engine.row_costs.items():
+  assert engine.row_costs and all(table[2] == 1.1 * rows
+                                  for rows, table in engine.row_costs.items())
+  for rows, table in [(None, engine.step_costs), *engine.row_costs.items()]:
+    width = rows or SHAPES['num_slots']
+    assert idle[rows][2] == pytest.approx(1.75 * width)        # on the line, not as timed
+    assert idle[rows][0] == table[0] == width
     assert idle[rows] == pytest.approx(line_through(table))
-    assert idle[rows][0] == table[0]
 
 
 def test_line_through_ignores_one_entry_off():
@@ -97,6 +105,7 @@ def test_line_through_ignores_one_entry_off():
   # Fewer than LINE_POINTS K >= 1 entries: as timed (one end entry would tilt the line).
   few = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 100.0}
   assert line_through(few) == few
+  assert line_through({**line, 3: 0.0}) == {**line, 3: 0.0}       # not a time: set_costs refuses
   assert line_through({0: 1.0, 4: 2.0}) == {0: 1.0, 4: 2.0}
   # Flat, then steep (a round memory-bound up to some K): far from any line, kept as timed.
   bent = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 3.0, 6: 5.0, 7: 7.0, 8: 9.0}

@@ -36,9 +36,10 @@ LINE_FIT = 0.1    # the median relative distance of the entries from it, at most
 
 
 def line_through(table: dict) -> dict:
-  """A cost table {K: seconds} with its K >= 1 entries replaced by the Theil-Sen line through
-  them (slope: the median of the pairwise slopes, at least 0; intercept: the median of
-  seconds - slope x K). K = 0 is kept; so is a table with fewer than `LINE_POINTS` K >= 1
+  """A cost table {K: seconds of one decode round} with its K >= 1 entries replaced by the
+  Theil-Sen line through them (Theil 1950, Sen 1968: slope the median of the pairwise slopes,
+  here at least 0; intercept the median of seconds - slope x K). K = 0 is kept; so is a table
+  with an entry that is not a positive number (left for `GoodputK.set_costs` to refuse); so is a table with fewer than `LINE_POINTS` K >= 1
   entries (with four, one entry far off at an end tilts the median line) or whose entries are
   not close to a line (their median relative distance from it above `LINE_FIT`: a device whose
   rounds stay memory-bound up to some K, flat and then rising, is better priced as timed), and
@@ -52,7 +53,8 @@ def line_through(table: dict) -> dict:
   1.39-1.55x, and the policy ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores
   one such entry among five or more."""
   ks = sorted(k for k in table if k >= 1)
-  if len(ks) < LINE_POINTS:
+  if len(ks) < LINE_POINTS or not all(
+      isinstance(table[k], (int, float)) and table[k] > 0 for k in ks):
     return dict(table)
   slopes = [(table[b] - table[a]) / (b - a) for i, a in enumerate(ks) for b in ks[i + 1:]]
   slope = max(0.0, statistics.median(slopes))
