@@ -39,19 +39,20 @@ def line_through(table: dict) -> dict:
   """A cost table {K: seconds of one decode round} with its K >= 1 entries replaced by the
   Theil-Sen line through them (Theil 1950, Sen 1968: slope the median of the pairwise slopes,
   here at least 0; intercept the median of seconds - slope x K). K = 0 is kept; so is a table
-  with an entry that is not a positive number (left for `GoodputK.set_costs` to refuse); so is a table with fewer than `LINE_POINTS` K >= 1
-  entries (with four, one entry far off at an end tilts the median line) or whose entries are
-  not close to a line (their median relative distance from it above `LINE_FIT`: a device whose
-  rounds stay memory-bound up to some K, flat and then rising, is better priced as timed), and
-  so is any entry whose line value would not exceed K = 0's time (a K >= 1 round does all a
-  K = 0 round does and more) or 0. A round at K runs K draft steps and one verify of K + 1 tokens per row, so its
-  cost is close to a + b K; each timed entry carries its own noise (the fastest of a few calls
-  on a shared machine), and one entry timed too fast made the goodput policy run that K (B = 2
-  on the development CPU: one warm-up timed K = 2 at 1.56x and K = 5 at 2.13x K = 0's where
-  K = 3 took 1.88x and K = 6 2.72x, and the policy ran K = 2 and K = 5 for whole passes; B = 4:
-  one put K = 2 at 1.38x, barely above K = 1's 1.34x, where six others timed 1.71-1.87x and
-  1.39-1.55x, and the policy ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores
-  one such entry among five or more."""
+  with an entry that is not a positive number (left for `GoodputK.set_costs` to refuse); so is a
+  table with fewer than `LINE_POINTS` K >= 1 entries (with four, one entry far off at an end
+  tilts the median line) or whose entries are not close to a line (their median relative
+  distance from it above `LINE_FIT`: a device whose rounds stay memory-bound up to some K, flat
+  and then rising, is better priced as timed), and so is any entry whose line value would not
+  exceed K = 0's time (a K >= 1 round does all a K = 0 round does and more) or 0. A round at K
+  runs K draft steps and one verify of K + 1 tokens per row, so its cost is close to a + b K;
+  each timed entry carries its own noise (the fastest of a few calls on a shared machine), and
+  one entry timed too fast made the goodput policy run that K (B = 2 on the development CPU: one
+  warm-up timed K = 2 at 1.56x and K = 5 at 2.13x K = 0's where K = 3 took 1.88x and K = 6
+  2.72x, and the policy ran K = 2 and K = 5 for whole passes; B = 4: one put K = 2 at 1.38x,
+  barely above K = 1's 1.34x, where six others timed 1.71-1.87x and 1.39-1.55x, and the policy
+  ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores one such entry among five
+  or more."""
   ks = sorted(k for k in table if k >= 1)
   if len(ks) < LINE_POINTS or not all(
       isinstance(table[k], (int, float)) and table[k] > 0 for k in ks):
