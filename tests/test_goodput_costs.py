@@ -102,30 +102,37 @@ def test_an_engines_first_round_of_each_kind_is_not_timed():
 
 
 def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
-  """A held K >= 1 choice is repeated without gathering the horizon while the batch, its rows
-  and the queue's length are unchanged, every room stays >= K + 2 and, with requests waiting, no
-  two rooms are equal (a split admission may cost again), for SPEC_HOLD_ROUNDS."""
+  """A held K >= 1 choice is repeated without gathering the horizon for SPEC_HOLD_ROUNDS while
+  its row bucket is unchanged, the batch changed only by finishes and by admissions of requests
+  that were queued at the choice, some room stays >= K + 2 and, with requests waiting, no two
+  rooms are equal unless the choice priced a split."""
   policy = _policy(0.9, {0: 1.0, 1: 1.2})
-  policy.rooms, policy.queued = [20, 21], 0
+  policy.rooms, policy.queued, policy.slots = [20, 21], 0, 2
   assert policy.choose(IDS)[0] == 1
   rows = policy.rows
   assert policy.repeat(IDS, rows, 0, [20, 21]) == (1, [1, 1])
-  assert policy.repeat(['a', 'c'], rows, 0, [20, 21]) is None       # another batch
-  assert policy.repeat(IDS, rows, 1, [20, 21]) is None              # the queue moved
-  assert policy.repeat(IDS, rows, 0, [20, 2]) is None               # a room below K + 2
+  assert policy.repeat(['a', 'c'], rows, 0, [20, 21]) is None       # 'c' was not queued
+  assert policy.repeat(IDS, rows, 1, [20, 21]) is None              # an arrival
+  assert policy.repeat(IDS, rows, 0, [2, 2]) is None                # every room below K + 2
   assert policy.repeat(IDS, rows, 0, None) is None                  # rooms not known
+  assert policy.repeat(IDS, rows, 0, [20, 2]) == (1, [1, 1])        # one row still uses K
   assert policy.repeat(IDS, rows, 0, [9, 9]) == (1, [1, 1])         # nothing waits: no split
-  for _ in range(GoodputK.SPEC_HOLD_ROUNDS - 3):
+  for _ in range(GoodputK.SPEC_HOLD_ROUNDS - 4):
     assert policy.repeat(IDS, rows, 0, [20, 21]) == (1, [1, 1])
   assert policy.repeat(IDS, rows, 0, [20, 21]) is None              # the hold is used up
-  policy.rooms = [20, 2]                                            # chosen with a short room
-  assert policy.choose(['c', 'd'])[0] == 1
-  assert policy.repeat(['c', 'd'], rows, 0, [20, 21]) is None
   policy.rooms, policy.queued = [10, 12], 4                         # requests wait
   assert policy.choose(['e', 'f'])[0] == 1
   assert policy.repeat(['e', 'f'], rows, 4, [9, 11]) == (1, [1, 1])
   assert policy.repeat(['e', 'f'], rows, 4, [9, 9]) is None         # equal rooms: rescored
-
+  assert policy.repeat(['f'], rows, 4, [8]) == (1, [1])             # 'e' done, 'g' prefilling
+  assert policy.repeat(['f', 'g'], rows, 3, [7, 30]) == (1, [1, 1])   # 'g' came from the queue
+  assert policy.repeat(['g', 'h'], rows, 3, [29, 30]) is None       # 'h' too, queue still 3
+  policy.split_s, policy.queued = 0.01, 4                           # a choice that priced a split
+  assert policy.choose(['p', 'q'])[0] == 1
+  assert policy.repeat(['p', 'q'], rows, 4, [9, 9]) == (1, [1, 1])
+  policy.split_s, policy.slots = 0.0, 1                             # one slot: its own K each
+  assert policy.choose(['r'])[0] == 1
+  assert policy.repeat(['s'], rows, 3, [20]) is None
 
 
 def test_k0_host_seconds_never_exceed_k1s():

@@ -63,8 +63,10 @@ class GoodputK(KPolicy):
   cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
   time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
   (`ONE_SLOT_HOLD_ROUNDS` with one slot, whose per-round score takes a few µs) of the same
-  batch, queue and costs while no room falls below K + 2. A scoring over the horizon costs
-  0.1-0.3 ms of host time on the development CPU, 5-8 % of a round at B = 2-4.
+  batch, queue and costs while no room falls below K + 2; `repeat` also keeps it through
+  finishes, admissions from the queue and rooms falling below K + 2 as long as one stays
+  above (`_repeat_spec`). A scoring over the horizon costs 0.3-0.6 ms of host time on the
+  development CPU, 5-8 % of a round at B = 2-4.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -345,25 +347,28 @@ class GoodputK(KPolicy):
     return 0, [0] * len(request_ids)
 
   def _repeat_spec(self, request_ids, rows, queued, rooms):
-    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`) and the batch, its row
-    bucket, the queue's length and the cost tables are unchanged, every room was and still is at
-    least K + 2 (`_spec_key`), no two rooms are equal while requests wait, and, checked every
-    `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would also check
-    cannot move against the held K: the draft is in sync after a round at K >= 1 (a catch-up
-    before the choice is paid, so its seconds fall to 0), the queue's rooms do not move while
-    its length does not (an abort and an arrival in one step aside), and the split can cost
-    again only when two decoding requests have equal rooms (`speculation.split_cost`). At B = 1
-    the policy speculates in most rounds, and gathering the horizon for each was a sizeable part
-    of its host work (`scripts/policy_host_time.py` prints it per round)."""
+    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`), the row bucket and
+    the cost tables are unchanged, the batch changed only by finishes and by admissions of
+    requests that were queued at the choice (`_admitted_only`: the horizon priced them, at the
+    global estimates; with one slot, where each request gets its own K, the same batch and
+  queue), some room is at least K + 2 (a row can still use all K proposals), no
+    two rooms are equal while requests wait unless the choice priced a split, and, checked
+    every `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would
+    also check cannot move against the held K: the draft is in sync after a round at K >= 1 (a
+    catch-up before the choice is paid, so its seconds fall to 0), and the split can cost anew
+    only when two decoding requests' rooms become equal (`speculation.split_cost`). Rescoring
+    at every admission and near every request's end scored about half the rounds at B = 2, at
+    0.3-0.6 ms each on the development CPU, ~5 % of a round (`scripts/policy_host_time.py`)."""
     spec = self._spec_held
     key = spec.key
-    chosen = key.rooms
-    if spec.rounds >= spec.limit or key.request_ids != tuple(request_ids) or \
-        key.rows != rows or key.queue[0] != queued or key.tables != self.live.tables or \
-        not rooms or not chosen or min(chosen) < spec.k + 2 or min(rooms) < spec.k + 2:
+    if spec.rounds >= spec.limit or key.rows != rows or key.tables != self.live.tables or \
+        not rooms or max(rooms) < spec.k + 2 or \
+        not (key.request_ids == tuple(request_ids) and key.queue[0] == queued or
+             (self.slots or 0) > 1 and
+             _admitted_only(key.request_ids, key.queue[0], request_ids, queued)):
       return None
-    if queued and len(set(rooms)) < len(rooms):
-      return None      # equal rooms with requests waiting: a split may cost again (`choose`)
+    if queued and not key.split_s and len(set(rooms)) < len(rooms):
+      return None      # equal rooms with requests waiting: a split may cost (`choose`) anew
     if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self.live.group_ratios()):
       return None
     self.rows, self.queued = rows, queued
@@ -439,3 +444,13 @@ class GoodputK(KPolicy):
       ValueError: a time that is not a finite number >= 0.
     """
     self.live.add(k, self.rows, device_s, host_s)
+
+
+def _admitted_only(held_ids, held_queued, request_ids, queued) -> bool:
+  """Whether the batch `request_ids` differs from `held_ids` only by finishes and by admissions
+  from the queue: the requests new to it are as many as the queue shrank by since (`queued`,
+  `held_queued`: requests waiting or prefilling; an arrival or an unknown queue: False)."""
+  if held_queued is None or queued is None:
+    return False
+  new = len(set(request_ids).difference(held_ids)) if tuple(request_ids) != held_ids else 0
+  return held_queued - queued == new

@@ -153,6 +153,10 @@ class FixedK(KPolicy):
   def choose(self, request_ids):
     return self.k_max, [self.k_max] * len(request_ids)
 
+  def repeat(self, request_ids, rows, queued, rooms=None):
+    """Always the same choice: the engine need not gather the horizon for it."""
+    return self.choose(request_ids)
+
 
 class ScheduleK(KPolicy):
   """Per request K_i: start at `initial` (default K_max), +2 after a round that accepted all K_i,
