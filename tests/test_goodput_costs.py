@@ -101,7 +101,7 @@ def test_an_engines_first_round_of_each_kind_is_not_timed():
     GoodputK(cold_rounds=-1)
 
 
-def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
+def test_repeated_k1_hold_rides_out_finishes_and_admissions_from_the_queue():
   """A held K >= 1 choice is repeated without gathering the horizon for SPEC_HOLD_ROUNDS while
   its row bucket is unchanged, the batch changed only by finishes and by admissions of requests
   that were queued at the choice, some room stays >= K + 2 and, with requests waiting, no two
@@ -115,9 +115,10 @@ def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
   assert policy.repeat(IDS, rows, 1, [20, 21]) is None              # an arrival
   assert policy.repeat(IDS, rows, 0, [2, 2]) is None                # every room below K + 2
   assert policy.repeat(IDS, rows, 0, None) is None                  # rooms not known
-  assert policy.repeat(IDS, rows, 0, [20, 2]) == (1, [1, 1])        # one row still uses K
+  assert policy.repeat(IDS, 4, 0, [20, 21]) is None                 # another row bucket
+  assert policy.repeat(IDS, rows, 0, [20, 2]) == (1, [1, 1])        # one room leaves K + 1 free
   assert policy.repeat(IDS, rows, 0, [9, 9]) == (1, [1, 1])         # nothing waits: no split
-  for _ in range(GoodputK.SPEC_HOLD_ROUNDS - 4):
+  for _ in range(GoodputK.SPEC_HOLD_ROUNDS - 4):        # (refused repeats do not count)
     assert policy.repeat(IDS, rows, 0, [20, 21]) == (1, [1, 1])
   assert policy.repeat(IDS, rows, 0, [20, 21]) is None              # the hold is used up
   policy.rooms, policy.queued = [10, 12], 4                         # requests wait
@@ -133,6 +134,10 @@ def test_repeated_k1_hold_needs_the_same_batch_and_roomy_requests():
   policy.split_s, policy.slots = 0.0, 1                             # one slot: its own K each
   assert policy.choose(['r'])[0] == 1
   assert policy.repeat(['s'], rows, 3, [20]) is None
+  policy.slots, policy.queued = 2, None                             # queue unknown: the same
+  assert policy.choose(['t', 'u'])[0] == 1                          # batch only
+  assert policy.repeat(['t', 'u'], rows, None, [20, 21]) == (1, [1, 1])
+  assert policy.repeat(['u'], rows, None, [20]) is None
 
 
 def test_k0_host_seconds_never_exceed_k1s():

@@ -11,6 +11,7 @@ import pytest
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.draft_sync import DraftSync
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.k_policy import FixedK
 from jaxspec.engine.speculation import choose, horizon
 
 
@@ -370,17 +371,20 @@ def test_a_held_k0_round_skips_gathering_the_horizon():
   assert len(gathered) == 5
 
 
-
 def test_a_fixed_k_round_skips_gathering_the_horizon():
   """A static K never reads the queue, split and catch-up inputs: `FixedK.repeat` returns its
-  choice, so `speculation.choose` does not gather them (at B = 2 ~20 µs a round)."""
-  from jaxspec.engine.k_policy import FixedK
+  choice, so `speculation.choose` does not gather them."""
   policy = FixedK()
   policy.setup(3)
   gathered = []
+
+  def gather():
+    gathered.append(1)
+    return (0.0, 0), 1, [20], 2
   decodes = [types.SimpleNamespace(id='a', room=30), types.SimpleNamespace(id='b', room=2)]
-  got = choose(policy, decodes, 2, 3, queued=1, horizon=lambda: gathered.append(1))
-  assert got == (3, [3, 3]) and not gathered
+  assert choose(policy, decodes, 2, 3, queued=1, horizon=gather) == (3, [3, 3])
+  assert not gathered
+
 
 def test_one_slot_scores_the_decoding_request_alone():
   """With one slot nothing couples the requests: each queued one gets its own K when it runs, so

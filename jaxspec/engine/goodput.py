@@ -63,10 +63,12 @@ class GoodputK(KPolicy):
   cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
   time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
   (`ONE_SLOT_HOLD_ROUNDS` with one slot, whose per-round score takes a few µs) of the same
-  batch, queue and costs while no room falls below K + 2; `repeat` also keeps it through
-  finishes, admissions from the queue and rooms falling below K + 2 as long as one stays
-  above (`_repeat_spec`). A scoring over the horizon costs 0.3-0.6 ms of host time on the
-  development CPU, 5-8 % of a round at B = 2-4.
+  batch, queue and costs while no room falls below K + 2; `repeat`, which the engine asks
+  first, also keeps it through finishes, with more than one slot through admissions from the
+  queue, through rooms falling below K + 2 as long as one stays above, and through equal rooms
+  when the choice priced a split (`_repeat_spec`). A scoring costs 0.1-0.6 ms of host time on
+  the development CPU right after a device call (the horizon's numpy work at K_max = 8 the
+  dear end), 3-15 % of a 4-8 ms round at B = 1-4 if it ran every round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -296,7 +298,7 @@ class GoodputK(KPolicy):
       # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
       # that would change what K and K + 1 gain; one above it only lowers what larger K gain):
       # the estimates move by one round's observations, and a scoring over the horizon costs
-      # ~0.1-0.3 ms of host time, 5-8 % of a round at B = 2-4 on the development CPU.
+      # 0.1-0.6 ms of host time, 3-15 % of a round at B = 1-4 on the development CPU.
       spec.rounds += 1
       return spec.k, [spec.k] * len(request_ids)
     inputs = holds.Key(tuple(request_ids), queue, self.rows, version=self._version)
@@ -331,7 +333,7 @@ class GoodputK(KPolicy):
     stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
     the hold (recomputing their medians each round was ~1 % of a K = 0 round at B = 2).
 
-    A held K >= 1 choice is kept alike (`_repeat_spec`)."""
+    A held K >= 1 choice is kept under its own rules (`_repeat_spec`)."""
     if self._spec_held is not None:
       return self._repeat_spec(request_ids, rows, queued, rooms)
     held = self._held
@@ -348,24 +350,25 @@ class GoodputK(KPolicy):
 
   def _repeat_spec(self, request_ids, rows, queued, rooms):
     """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`), the row bucket and
-    the cost tables are unchanged, the batch changed only by finishes and by admissions of
-    requests that were queued at the choice (`_admitted_only`: the horizon priced them, at the
-    global estimates; with one slot, where each request gets its own K, the same batch and
-  queue), some room is at least K + 2 (a row can still use all K proposals), no
-    two rooms are equal while requests wait unless the choice priced a split, and, checked
-    every `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would
-    also check cannot move against the held K: the draft is in sync after a round at K >= 1 (a
+    the cost tables are unchanged, the batch changed only by finishes and by admissions from
+    the queue (`_admitted_only`: the horizon priced the queued requests, at the global
+    estimates; with one slot, where each request gets its own K, or slots unknown: the same
+    batch and queue), some room is at least K + 2 (K and K + 1 not capped by it), no two rooms
+    are equal while requests wait unless the choice priced a split, and, checked every
+    `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would also
+    check cannot move against the held K: the draft is in sync after a round at K >= 1 (a
     catch-up before the choice is paid, so its seconds fall to 0), and the split can cost anew
     only when two decoding requests' rooms become equal (`speculation.split_cost`). Rescoring
     at every admission and near every request's end scored about half the rounds at B = 2, at
-    0.3-0.6 ms each on the development CPU, ~5 % of a round (`scripts/policy_host_time.py`)."""
+    0.3-0.6 ms each on the development CPU: ~5 % of the rounds' time on average
+    (`scripts/policy_host_time.py`)."""
     spec = self._spec_held
     key = spec.key
+    same = key.request_ids == tuple(request_ids) and key.queue[0] == queued
     if spec.rounds >= spec.limit or key.rows != rows or key.tables != self.live.tables or \
         not rooms or max(rooms) < spec.k + 2 or \
-        not (key.request_ids == tuple(request_ids) and key.queue[0] == queued or
-             (self.slots or 0) > 1 and
-             _admitted_only(key.request_ids, key.queue[0], request_ids, queued)):
+        not (same or ((self.slots or 0) > 1 and
+                      _admitted_only(key.request_ids, key.queue[0], request_ids, queued))):
       return None
     if queued and not key.split_s and len(set(rooms)) < len(rooms):
       return None      # equal rooms with requests waiting: a split may cost (`choose`) anew
@@ -447,10 +450,11 @@ class GoodputK(KPolicy):
 
 
 def _admitted_only(held_ids, held_queued, request_ids, queued) -> bool:
-  """Whether the batch `request_ids` differs from `held_ids` only by finishes and by admissions
-  from the queue: the requests new to it are as many as the queue shrank by since (`queued`,
-  `held_queued`: requests waiting or prefilling; an arrival or an unknown queue: False)."""
+  """Whether the batch `request_ids` can differ from `held_ids` by finishes and by admissions
+  from the queue alone, by count: the requests new to it are as many as the queue (`queued`,
+  `held_queued`: requests waiting or prefilling) shrank by since. An arrival makes the count
+  differ (False), unless a request left the queue unadmitted (an abort) in the same span; an
+  unknown queue: False."""
   if held_queued is None or queued is None:
     return False
-  new = len(set(request_ids).difference(held_ids)) if tuple(request_ids) != held_ids else 0
-  return held_queued - queued == new
+  return held_queued - queued == len(set(request_ids).difference(held_ids))
