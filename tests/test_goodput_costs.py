@@ -4,6 +4,7 @@ repeated K = 0 hold checks them. Host-side, no model."""
 
 import pytest
 
+from jaxspec.engine import holds
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
 
 IDS = ['a', 'b']
@@ -159,3 +160,11 @@ def test_round_times_must_be_finite_and_non_negative(device_s, host_s):
   with pytest.raises(ValueError, match='round times must be finite seconds >= 0'):
     policy.round_timing(0, device_s, host_s)
   assert policy.host.median(0) is None           # nothing recorded
+
+
+def test_admitted_only_counts_new_requests_against_the_queue_shrinking():
+  assert holds.admitted_only(('a', 'b'), 3, ['b', 'c'], 2)           # 'a' done, 'c' admitted
+  assert holds.admitted_only(('a', 'b'), 3, ['b'], 3)                # 'a' done, 'c' prefilling
+  assert not holds.admitted_only(('a', 'b'), 3, ['b', 'c'], 3)       # 'c' came from nowhere
+  assert not holds.admitted_only(('a', 'b'), 3, ['a', 'b'], 4)       # an arrival
+  assert not holds.admitted_only(('a', 'b'), None, ['a', 'b'], None)  # queue unknown

@@ -349,29 +349,18 @@ class GoodputK(KPolicy):
     return 0, [0] * len(request_ids)
 
   def _repeat_spec(self, request_ids, rows, queued, rooms):
-    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`), the row bucket and
-    the cost tables are unchanged, the batch changed only by finishes and by admissions from
-    the queue (`_admitted_only`: the horizon priced the queued requests, at the global
-    estimates; with one slot, where each request gets its own K, or slots unknown: the same
-    batch and queue), some room is at least K + 2 (K and K + 1 not capped by it), no two rooms
-    are equal while requests wait unless the choice priced a split, and, checked every
-    `CHECK_EVERY` rounds, the cost ratios held steady; else None. What `choose` would also
-    check cannot move against the held K: the draft is in sync after a round at K >= 1 (a
-    catch-up before the choice is paid, so its seconds fall to 0), and the split can cost anew
-    only when two decoding requests' rooms become equal (`speculation.split_cost`). Rescoring
-    at every admission and near every request's end scored about half the rounds at B = 2, at
-    0.3-0.6 ms each on the development CPU: ~5 % of the rounds' time on average
-    (`scripts/policy_host_time.py`)."""
+    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`), its batch and
+    rooms still allow it (`holds.Hold.spec_stands`) and, checked every `CHECK_EVERY` rounds, the
+    cost ratios held steady; else None. What `choose` would also check cannot move against the
+    held K: the draft is in sync after a round at K >= 1 (a catch-up before the choice is paid,
+    so its seconds fall to 0), and the split can cost anew only when two decoding requests'
+    rooms become equal (`speculation.split_cost`). Rescoring at every admission and near every
+    request's end scored about half the rounds at B = 2, at 0.3-0.6 ms each on the development
+    CPU (`scripts/policy_host_time.py`)."""
     spec = self._spec_held
-    key = spec.key
-    same = key.request_ids == tuple(request_ids) and key.queue[0] == queued
-    if spec.rounds >= spec.limit or key.rows != rows or key.tables != self.live.tables or \
-        not rooms or max(rooms) < spec.k + 2 or \
-        not (same or ((self.slots or 0) > 1 and
-                      _admitted_only(key.request_ids, key.queue[0], request_ids, queued))):
+    if spec.rounds >= spec.limit or spec.key.tables != self.live.tables or \
+        not spec.spec_stands(request_ids, rows, queued, rooms, self.slots):
       return None
-    if queued and not key.split_s and len(set(rooms)) < len(rooms):
-      return None      # equal rooms with requests waiting: a split may cost (`choose`) anew
     if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self.live.group_ratios()):
       return None
     self.rows, self.queued = rows, queued
@@ -447,14 +436,3 @@ class GoodputK(KPolicy):
       ValueError: a time that is not a finite number >= 0.
     """
     self.live.add(k, self.rows, device_s, host_s)
-
-
-def _admitted_only(held_ids, held_queued, request_ids, queued) -> bool:
-  """Whether the batch `request_ids` can differ from `held_ids` by finishes and by admissions
-  from the queue alone, by count: the requests new to it are as many as the queue (`queued`,
-  `held_queued`: requests waiting or prefilling) shrank by since. An arrival makes the count
-  differ (False), unless a request left the queue unadmitted (an abort) in the same span; an
-  unknown queue: False."""
-  if held_queued is None or queued is None:
-    return False
-  return held_queued - queued == len(set(request_ids).difference(held_ids))

@@ -46,3 +46,31 @@ class Hold:
     (zero, spec), (zero0, spec0) = (tuple(max(v, 1e-9) for v in r) for r in (ratios, self.ratios))
     return abs(math.log(spec * zero0 / (zero * spec0))) <= DRIFT and \
         abs(math.log(zero / zero0)) <= LEVEL_DRIFT
+
+  def spec_stands(self, request_ids, rows, queued, rooms, slots) -> bool:
+    """Whether a K >= 1 hold may be repeated for a round of `request_ids` in row bucket `rows`
+    with `queued` requests waiting or prefilling and the decoding requests' `rooms` (tokens),
+    `slots` the engine's batch slots (None: unknown): the same row bucket; the batch changed only
+    by finishes and, with more than one slot, by admissions from the queue (`admitted_only`:
+    the choice priced the queued requests, at the global estimates; with one slot each request
+    gets its own K, so the batch and queue must be unchanged); some room at least K + 2 (K and
+    K + 1 not capped by it); and, while requests wait, no two rooms equal unless the choice
+    priced a split (an admission split apart may cost anew, `speculation.split_cost`)."""
+    key = self.key
+    same = key.request_ids == tuple(request_ids) and key.queue[0] == queued
+    if key.rows != rows or not rooms or max(rooms) < self.k + 2 or \
+        not (same or ((slots or 0) > 1 and
+                      admitted_only(key.request_ids, key.queue[0], request_ids, queued))):
+      return False
+    return not (queued and not key.split_s and len(set(rooms)) < len(rooms))
+
+
+def admitted_only(held_ids, held_queued, request_ids, queued) -> bool:
+  """Whether the batch `request_ids` can differ from `held_ids` by finishes and by admissions
+  from the queue alone, by count: the requests new to it are as many as the queue (`queued`,
+  `held_queued`: requests waiting or prefilling) shrank by since. An arrival makes the count
+  differ (False), unless a request left the queue unadmitted (an abort) in the same span; an
+  unknown queue: False."""
+  if held_queued is None or queued is None:
+    return False
+  return held_queued - queued == len(set(request_ids).difference(held_ids))

@@ -143,10 +143,10 @@ class LiveCosts:
   d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
   `warm_up`, its K >= 1 entries on their `line_through` line) times the median live / start-up
   ratio of the last `window` live rounds of its group, K = 0 or K >= 1, made non-decreasing in
-  K (`table`). Live rounds pay what idle ones
-  skip (a draft model's extra step after a fully accepted round) and the machine's speed
-  drifts; one ratio shared by every K >= 1 keeps the table's ratios among them, and a median
-  keeps one slow round from pricing a K out for good (a K not chosen is never measured again).
+  K (`table`). Live rounds pay what idle ones skip (a draft model's extra step after a fully
+  accepted round) and the machine's speed drifts; one ratio shared by every K >= 1 keeps the
+  table's ratios among them, and a median keeps one slow round from pricing a K out for good
+  (a K not chosen is never measured again).
   Until a group has `PRIOR_ROUNDS` live rounds (at most `window`), pseudo-rounds fill in: ratio
   1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is `host`
   (`HostSeconds`).
