@@ -1,6 +1,6 @@
 """Train a model on the train split of the real-text corpora (stdlib code + botocore JSON).
 
-    python -m experiments.run --config=configs/train.py:target   # the shipped target (~1 h, 2 cores)
+    python -m experiments.run --config=configs/train.py:target   # the shipped target (~1 h)
     python -m experiments.run --config=configs/train.py:draft    # the shipped draft (~10 min)
     python -m experiments.run --config=configs/train.py:smoke
     # then copy WORKDIR/train/RUN_ID/model to jaxspec/assets/{target,draft} (or set --config.out)

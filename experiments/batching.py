@@ -367,7 +367,6 @@ def run(config, results) -> None:
       the Engine refuses.
   """
   settings = parse_settings(config.settings)
-  workloads = parse_workloads(config)
   for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
     if int(config[field]) < 1:
       raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
@@ -376,13 +375,12 @@ def run(config, results) -> None:
   for field in ('cost_rounds', 'min_requests'):
     if int(config[field]) < 0:
       raise ValueError(f'config.{field} must be >= 0, got {config[field]}')
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  workloads, (*_, tokenizer), engines = load_study(config)
   b = int(config.batch_size)
   n = max(int(config.requests_per_slot) * b, int(config.min_requests))
   prompts = {w: [p.tokens for p in make_prompts(w, tokenizer, n, int(config.prompt_len),
                                                 split='test', seed=int(config.seed))]
              for w in workloads}
-  engines = build_engines(config, settings, target, target_params, draft, draft_params)
   stop = tokenizer.eos_ids
   # One untimed pass per engine: short prompts, few tokens (first-call host work, cond branches).
   warm = [list(p[:config.chunk_size]) for p in prompts[workloads[0]][:b]]

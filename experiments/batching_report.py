@@ -166,12 +166,14 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
   Returns:
     {'cost_source': source, 'costs': {B: {K: c}} from it, 'thresholds': [row per B:
     alpha_star, k_at_threshold, best_k_at_α, per-K cost_kK and alpha_to_pay_kK; where the
-    records have the other source too, alpha_star_other and cost_other_kK from it], 'settings': [row per (B, workload, setting): means over repeats of
+    records have the other source too, alpha_star_other and cost_other_kK from it],
+    'settings': [row per (B, workload, setting): means over repeats of
     tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
     the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
-    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)], 'adaptive': [row per (B, workload,
-    non-fixed policy): tokens/s as a fraction of the best static setting (K = 0 included), and
-    the same pass by pass with its standard error (`_per_pass`)]}.
+    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)],
+    'adaptive': [row per (B, workload, non-fixed policy): tokens/s as a fraction of the best
+    static setting (K = 0 included), and the same pass by pass with its standard error
+    (`_per_pass`)]}.
     α* is math.inf where no K pays.
   """
   costs = cost_table(records, source)
@@ -354,7 +356,8 @@ def write_summary(records: list[dict], out_dir) -> list[pathlib.Path]:
 def plot_batching(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
   """speedup_vs_batch.png (a column per workload; rows: end-to-end and decode-only speedup; a
   line per setting) and alpha_threshold_vs_batch.png (α* and each K's α-to-pay vs B, with each
-  workload's i.i.d.-equivalent α, mean over the fixed K). Returns the PNG paths written (none without batch-size records)."""
+  workload's i.i.d.-equivalent α, mean over the fixed K). Returns the PNG paths written (none
+  without batch-size records)."""
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  (report sets Agg)
   result = analyze(records)
   rows = [r for r in result['settings'] if r['speedup'] is not None

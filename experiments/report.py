@@ -25,7 +25,8 @@ matplotlib.use('Agg')
 import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from experiments.batching_report import plot_batching, write_summary as summarize_batching  # pylint: disable=g-import-not-at-top
+# pylint: disable-next=g-import-not-at-top
+from experiments.batching_report import plot_batching, write_summary as summarize_batching
 from experiments.eviction_report import plot_eviction  # pylint: disable=g-import-not-at-top
 
 

@@ -17,7 +17,8 @@ from ml_collections import config_flags
 
 import shutil
 
-from experiments.common import DiscardedResults, Results, exit_unknown_field, new_run_dir, parse_flags
+from experiments.common import (DiscardedResults, Results, exit_unknown_field, new_run_dir,
+                                parse_flags)
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -36,7 +37,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   config = _CONFIG.value
-  distributed.initialize(config.get('distributed'))  # before any device is touched; 1 process: no-op
+  # Before any device is touched; with 1 process a no-op.
+  distributed.initialize(config.get('distributed'))
   module = importlib.import_module(f'experiments.{config.experiment}')
   if not distributed.is_primary():
     module.run(config, DiscardedResults())

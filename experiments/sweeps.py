@@ -97,7 +97,8 @@ def _coerce(path: str, value, field_type):
       isinstance(value, field_type) and not is_bool_for_number):
     return value
   try:
-    if isinstance(value, str) and field_type is bool and value.lower() in ('true', 'false', '1', '0'):
+    if isinstance(value, str) and field_type is bool and \
+        value.lower() in ('true', 'false', '1', '0'):
       return value.lower() in ('true', '1')
     if isinstance(value, str) and field_type in (int, float):
       return field_type(value)
@@ -110,7 +111,8 @@ def _coerce(path: str, value, field_type):
   raise ValueError(f'config field {path!r} is {field_type.__name__}; cannot set it to {value!r}')
 
 
-def apply_overrides(config: ml_collections.ConfigDict, overrides: dict) -> ml_collections.ConfigDict:
+def apply_overrides(config: ml_collections.ConfigDict,
+                    overrides: dict) -> ml_collections.ConfigDict:
   """A copy of `config` with `overrides` ({dotted.path: value}) applied; `config` is unchanged.
 
   Values are converted like config_flags would: an int for a float field, 'true' for a bool,

@@ -67,7 +67,8 @@ def main():
       assert constraint.allowed()[t]
       steps.append(time.perf_counter() - start)
       constraint.advance(t)
-    print(f'{call.argument:40s} tokens={len(ids):3d}  compile: llguidance {ll_build * 1e3:6.1f} ms, '
+    print(f'{call.argument:40s} tokens={len(ids):3d}  '
+          f'compile: llguidance {ll_build * 1e3:6.1f} ms, '
           f'outlines-core {oc_build * 1e3:6.1f} ms;  mask (median): llguidance '
           f'{np.median(steps) * 1e6:5.1f} us, outlines-core {oc_step * 1e6:5.1f} us')
 

@@ -4,7 +4,7 @@ Needs torch and transformers (the `hf-reference` extra), which the tests never i
 them beside the project without disturbing its tokenizers / safetensors versions:
 
     python -m venv --system-site-packages /work/venvs/hf
-    /work/venvs/hf/bin/pip install torch==2.13.0 'transformers>=5'   # or: pip install '.[hf-reference]'
+    /work/venvs/hf/bin/pip install torch==2.13.0 'transformers>=5'   # or: '.[hf-reference]'
     PYTHONPATH=$PWD /work/venvs/hf/bin/python scripts/make_hf_fixtures.py
 
 For each family it writes tests/fixtures/hf/<name>/ in the standard layout (config.json,

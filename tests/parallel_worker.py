@@ -20,12 +20,14 @@ import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from jaxspec.cache import PageAllocator, init_eviction, make_policy, pages_needed  # pylint: disable=wrong-import-position
-from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, decode_autoregressive_evicting, generate, prefill_evicting  # pylint: disable=wrong-import-position
-from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes, save_model  # pylint: disable=wrong-import-position
-from jaxspec.parallel import (ShardedSteps, load_sharded, make_mesh,  # pylint: disable=wrong-import-position
-                              shard_params, specs)
-from jaxspec.training import init_params  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from jaxspec.cache import PageAllocator, init_eviction, make_policy, pages_needed
+from jaxspec.decoding import (PrefixCachedGenerator, SamplingParams,
+                              decode_autoregressive_evicting, generate, prefill_evicting)
+from jaxspec.models import ModelConfig, Transformer, cache_for, param_shapes, save_model
+from jaxspec.parallel import ShardedSteps, load_sharded, make_mesh, shard_params, specs
+from jaxspec.training import init_params
+# pylint: enable=wrong-import-position
 
 # 8 query / 4 KV heads so that a model axis of 4 splits them; exact-verify numerics as in the
 # single-device greedy tests; projections scaled 3x so greedy output wanders (tests/conftest.py).
@@ -40,6 +42,10 @@ def error(fn):
   except ValueError as e:
     return str(e)
   return None
+
+
+def _is_spec(x):
+  return isinstance(x, jax.sharding.PartitionSpec)
 
 
 def collective_sizes(hlo_text):
@@ -176,9 +182,8 @@ def main():
       steps.put_replicated(jax.random.PRNGKey(0)), steps.put_replicated(np.zeros(0, np.int32)),
       k=K, sampling=SamplingParams(), max_new_tokens=10).compile().as_text()
   out['collective_sizes'] = collective_sizes(hlo)
-  split = [int(np.prod(x.shape)) for x, s in zip(jax.tree.leaves(sharded),
-                                                  jax.tree.leaves(specs.param_specs(params),
-                                                                  is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+  leaf_specs = jax.tree.leaves(specs.param_specs(params), is_leaf=_is_spec)
+  split = [int(np.prod(x.shape)) for x, s in zip(jax.tree.leaves(sharded), leaf_specs)
            if s != specs.REPLICATED]
   pool = target_cache.k_pages.shape
   out['split_sizes'] = split + [int(np.prod(pool)), int(np.prod(pool[1:]))]

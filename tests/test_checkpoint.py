@@ -67,5 +67,6 @@ def test_wrong_shape_names_the_tensor(saved):
   fields = json.loads((path / 'config.json').read_text())
   fields['d_ff'] = config.d_ff * 2
   (path / 'config.json').write_text(json.dumps(fields))
-  with pytest.raises(CheckpointError, match=r"tensor \['params'\]\['layer_0'\]\['mlp'\].*has shape \(64, 32\)"):
+  with pytest.raises(CheckpointError,
+                     match=r"tensor \['params'\]\['layer_0'\]\['mlp'\].*has shape \(64, 32\)"):
     load_model(path)

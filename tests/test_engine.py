@@ -152,7 +152,8 @@ def test_stop_token_inside_accepted_run_ends_only_that_request(tiny, alone):
   outs = engine.run()
   assert outs[ids[0]].tokens == free[:index + 1] and outs[ids[0]].finish_reason == 'stop'
   for i in (1, 2):
-    assert outs[ids[i]].tokens == alone(prompts[i], M, (63 if stop != 63 else 62,) if i == 2 else ())
+    stops = (63 if stop != 63 else 62,) if i == 2 else ()
+    assert outs[ids[i]].tokens == alone(prompts[i], M, stops)
   m = outs[ids[0]].metrics
   # Metrics count emitted tokens only: the cut round's tokens past the stop are not counted.
   assert m.num_tokens == index + 1 and sum(m.accepted_lengths) == index
@@ -189,7 +190,8 @@ def test_bad_input_fails_that_request_only(tiny, alone):
   engine.step()
   bad = [
       (dict(prompt_tokens=[3 + i % 50 for i in range(250)], max_tokens=10), 'exceeds the context'),
-      (dict(prompt_tokens=good[1], max_tokens=0), 'request 2: max_tokens must be an int >= 1, got 0'),
+      (dict(prompt_tokens=good[1], max_tokens=0),
+       'request 2: max_tokens must be an int >= 1, got 0'),
       (dict(prompt_tokens=good[1], max_tokens=5, stop_tokens=[64]), 'stop token id 64'),
       (dict(prompt_tokens=[], max_tokens=5), 'is empty'),
       (dict(prompt_tokens=[3, 99], max_tokens=5), 'token id 99'),

@@ -46,7 +46,8 @@ def test_empty_cache_gives_each_row_its_own_pages_and_counts_bytes():
   assert cache.k_pages.shape[2] == 3 * 3 + 1                        # pool P = B * pages + 1
   np.testing.assert_array_equal(np.asarray(cache.lengths), [0, 0, 0])
   itemsize = cache.k_pages.dtype.itemsize
-  assert per_seq_bytes == 3 * 8 * 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize
+  per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize   # K and V
+  assert per_seq_bytes == 3 * 8 * per_token
 
 
 @pytest.mark.parametrize('batch, slots, page_size, match', [(2, 16, 0, 'page_size'),

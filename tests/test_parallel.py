@@ -101,7 +101,8 @@ def test_distributed_settings_come_from_config_then_environment():
     (dict(num_processes=2), r'num_processes=2 needs a coordinator_address'),
     (dict(coordinator_address='h:1', num_processes=2, process_id=2),
      r'process_id=2 outside \[0, num_processes=2\)'),
-    (dict(coordinator_address='h:1', num_processes='two'), r"num_processes must be an int, got 'two'"),
+    (dict(coordinator_address='h:1', num_processes='two'),
+     r"num_processes must be an int, got 'two'"),
 ])
 def test_bad_distributed_settings_are_named(config, message):
   with pytest.raises(ValueError, match=message):

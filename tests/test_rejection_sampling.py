@@ -38,7 +38,8 @@ def _pvalue(tokens, probs):
   counts = np.bincount(tokens, minlength=probs.size)
   support = probs > 0
   assert counts[~support].sum() == 0, 'sampled a token the target gives probability 0'
-  return stats.chisquare(counts[support], probs[support] / probs[support].sum() * len(tokens)).pvalue
+  expected = probs[support] / probs[support].sum() * len(tokens)
+  return stats.chisquare(counts[support], expected).pvalue
 
 
 # p and q chosen to disagree: q heavy where p is light, q zero where p is not, and the reverse.

@@ -62,7 +62,8 @@ def train_mixture(tokenizer: Tokenizer, split: str = 'train', max_docs: int | No
   Returns [N] int32. Raises ValueError for an unknown split.
   """
   docs = [d for k in corpus.KINDS for d in corpus.documents(k, split)[:max_docs]]
-  key = lambda d: hashlib.sha256(f'{seed}:{d.kind}:{d.name}'.encode()).digest()  # pylint: disable=unnecessary-lambda-assignment
+  def key(d):
+    return hashlib.sha256(f'{seed}:{d.kind}:{d.name}'.encode()).digest()
   return _stream(sorted(docs, key=key), tokenizer)
 
 

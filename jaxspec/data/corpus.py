@@ -172,8 +172,7 @@ def files_of(kind: str, split: str) -> list[pathlib.Path]:
     root = code_root()
     return [p for p in code_files() if split_of(p, root) == split]
   root = json_root()
-  key = lambda p: root / p.relative_to(root).parts[0]  # pylint: disable=unnecessary-lambda-assignment
-  return [p for p in json_files() if split_of(key(p), root) == split]
+  return [p for p in json_files() if split_of(root / p.relative_to(root).parts[0], root) == split]
 
 
 @functools.lru_cache(maxsize=8)

@@ -1,7 +1,8 @@
 """Structured context hydration: schema-constrained small-model extraction of tool results into a
 validated state, diffs as JSON Patch (RFC 6902), and the big model's context under each strategy.
 
-    from jaxspec.hydration import hydrate, ModelExtractor, OracleExtractor, StateStore, ContextSession
+    from jaxspec.hydration import (ContextSession, ModelExtractor, OracleExtractor, StateStore,
+                                   hydrate)
 """
 
 from jaxspec.hydration.context import ContextSession, TurnCost

@@ -13,7 +13,8 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import ModelConfig, param_shapes
-from jaxspec.models.checkpoint import CheckpointError, _check_tree  # pylint: disable=protected-access
+# pylint: disable-next=protected-access
+from jaxspec.models.checkpoint import CheckpointError, _check_tree
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
