@@ -6,6 +6,7 @@ against the plain engine's outputs on the same requests.
     python -m experiments.run --config=configs/eviction_batching.py
     python -m experiments.run --config=configs/eviction_batching.py --config.budgets=64,128 \
         --config.policies=h2o --config.repeats=3
+    python -m experiments.run --config=configs/eviction_batching.py --config.lookup_k=3
     python -m experiments.run --config=configs/eviction_batching.py:smoke         # < 1 min
     python -m experiments.report runs/eviction_batching/RUN_ID/results.jsonl       # table + plot
 
@@ -15,7 +16,10 @@ can admit at once with prompt pages only, so memory binds, not slots; lazy growt
 do the rest); each evicting setting gets min(num_requests, (num_pages - 1) // pages per request at
 its budget) slots. The control setting (window at a budget of the whole span, so nothing is ever
 evicted) separates the evicting engine's own cost and its floating-point differences from the
-plain engine (the floor of the quality metrics) from what eviction changes.
+plain engine (the floor of the quality metrics) from what eviction changes. lookup_k = K > 0 adds,
+beside every setting, the same engine speculating with prompt lookup at K (drafter 'ngram'; under
+eviction the policy's reuse_delay is K + 1, so its slots, pages per request and slot count may
+differ from the K = 0 twin's): speculation and eviction combined, against each alone.
 """
 
 import ml_collections
@@ -41,6 +45,7 @@ def get_config(arg=None):
   c.prefill_group = 4        # evicting engine: tokens per model call inside a prefill chunk
   c.repeats = 3              # timed runs per setting, interleaved across settings
   c.score_reference = True   # log-prob of the plain engine's outputs under each evicting cache
+  c.lookup_k = 0             # > 0: every setting also with prompt lookup at this K
   c.seed = 0
   if arg == 'smoke':
     c.workloads = 'code'
@@ -53,6 +58,7 @@ def get_config(arg=None):
     c.chunk_size = 16
     c.repeats = 1
     c.control = False
+    c.lookup_k = 2
   elif arg not in (None, ''):
     raise ValueError(f'unknown variant {arg!r} of configs/eviction_batching.py (known: smoke)')
   return c

@@ -24,6 +24,9 @@ process, so each throughput ratio compares runs taken side by side. One record p
   (ref_logprob_full, ref_top1_full; the reference is the full cache's own greedy output, so
   ref_top1_full is 1 up to floating-point near-ties).
 * control: the setting's budget covers a whole request (nothing is ever evicted).
+* k: 0, or the prompt-lookup K of a `+ngramK` setting (config.lookup_k), with proposed /
+  accepted (proposals and accepted tokens over the first repeat's requests) and
+  mean_accepted_length (tokens emitted per decode round of a request, mean over rounds).
 """
 
 from __future__ import annotations
@@ -55,8 +58,8 @@ def memory(config) -> dict:
   """The shared pool and each engine's slot count.
 
   Returns:
-    dict: span (tokens a request spans), num_pages, plain_slots, max_seq_len (span rounded up to
-    a page: both engines' position bound).
+    dict: span (tokens a request spans at K = 0), num_pages, plain_slots, max_seq_len (span +
+    lookup_k rounded up to a page: every engine's position bound).
   Raises:
     ValueError: a size < 1.
   """
@@ -69,31 +72,46 @@ def memory(config) -> dict:
   num_pages = config.memory_requests * per_request + 1
   plain_slots = config.plain_slots or (num_pages - 1) // pages_needed(config.prompt_len + 1,
                                                                       config.page_size)
+  # A prompt-lookup twin's requests also need K slots past the span (`Engine.window`).
+  lookup = max(0, int(config.get('lookup_k', 0)))
   return dict(span=span, num_pages=num_pages,
               plain_slots=max(1, min(config.num_requests, plain_slots)),
-              max_seq_len=per_request * config.page_size)
+              max_seq_len=pages_needed(span + lookup, config.page_size) * config.page_size)
 
 
 def _settings(config, mem, model, params):
-  """[(name, policy or None, engine)] with every engine compiled (`warm_up`)."""
+  """[(name, policy or None, engine)] with every engine compiled (`warm_up`); with lookup_k =
+  K > 0 each is followed by its prompt-lookup twin `NAME+ngramK`.
+
+  Raises:
+    ValueError: lookup_k < 0, a budget needing more pages than the pool.
+  """
+  k = int(config.lookup_k)
+  if k < 0:
+    raise ValueError(f'config.lookup_k must be >= 0, got {config.lookup_k}')
   shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
                 chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
-  plain = Engine(model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared)
-  settings = [('plain', None, plain)]
-  cases = [(k.strip(), b) for k in config.policies.split(',') if k.strip()
+  lookup = dict(k=k, drafter='ngram')
+  settings = [('plain', None, Engine(model, params, num_slots=mem['plain_slots'],
+                                     prefix_caching=False, **shared))]
+  if k:
+    settings.append((f'plain+ngram{k}', None, Engine(
+        model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared, **lookup)))
+  cases = [(kind.strip(), b) for kind in config.policies.split(',') if kind.strip()
            for b in _ints(config.budgets, 'budgets')]
   if config.control:
     cases.append(('window', mem['span']))
   for kind, budget in cases:
-    policy = make_policy(kind, budget)
-    slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
-    if slots < 1:
-      raise ValueError(f'budget {budget} needs more pages than the pool has '
-                       f'({mem["num_pages"] - 1})')
-    engine = EvictingEngine(model, params, policy=policy,
-                            num_slots=min(config.num_requests, slots),
-                            prefill_group=config.prefill_group, **shared)
-    settings.append((f'{kind}@{budget}', policy, engine))
+    for delay, extra, suffix in [(0, {}, '')] + ([(k + 1, lookup, f'+ngram{k}')] if k else []):
+      policy = make_policy(kind, budget, reuse_delay=delay)
+      slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
+      if slots < 1:
+        raise ValueError(f'budget {budget} (+ reuse_delay {delay}) needs more pages than the '
+                         f'pool has ({mem["num_pages"] - 1})')
+      engine = EvictingEngine(model, params, policy=policy,
+                              num_slots=min(config.num_requests, slots),
+                              prefill_group=config.prefill_group, **shared, **extra)
+      settings.append((f'{kind}@{budget}{suffix}', policy, engine))
   for _, _, engine in settings:
     engine.warm_up()
   return settings
@@ -134,7 +152,10 @@ def serve(engine, prompts, max_tokens: int) -> dict:
       decode_tokens_per_s=(float(decoding[decode_only].sum()) / decode_seconds
                            if decode_seconds else float('nan')),
       ttft=[o.metrics.ttft_s for o in outs], tpot=[o.metrics.tpot_s for o in outs],
-      preemptions=sum(o.metrics.preemptions for o in outs))
+      preemptions=sum(o.metrics.preemptions for o in outs),
+      proposed=sum(o.metrics.proposed for o in outs),
+      accepted=sum(o.metrics.accepted for o in outs),
+      accepted_lengths=[e for o in outs for e in o.metrics.accepted_lengths])
 
 
 def match(tokens: list, reference: list) -> tuple[float, float]:
@@ -202,8 +223,9 @@ def run(config, results) -> None:
         setting=name, policy=policy.kind if policy else 'plain',
         control=bool(policy and policy.budget >= mem['span']),
         budget=policy.budget if policy else None, num_slots=engine.num_slots,
-        num_pages=mem['num_pages'], pages_per_request=(engine.request_pages if policy else
-                                                      pages_needed(mem['span'], config.page_size)),
+        num_pages=mem['num_pages'], pages_per_request=(
+            engine.request_pages if policy else
+            pages_needed(mem['span'] + engine.window - 1, config.page_size)),
         num_requests=len(prompts), prompt_len=config.prompt_len, max_tokens=config.max_tokens,
         tokens_per_s=statistics.mean(r['tokens_per_s'] for r in rs),
         throughput_vs_plain=statistics.mean(ratios), throughput_vs_plain_min=min(ratios),
@@ -222,13 +244,21 @@ def run(config, results) -> None:
         preemptions=rs[0]['preemptions'], steps=rs[0]['steps'],
         seconds=statistics.mean(r['seconds'] for r in rs),
         repeats_identical=all(r['tokens'] == rs[0]['tokens'] for r in rs),
-        exact_match=exact, prefix_match=prefix)
+        exact_match=exact, prefix_match=prefix, k=engine.k, proposed=rs[0]['proposed'],
+        accepted=rs[0]['accepted'],
+        mean_accepted_length=(float(np.mean(rs[0]['accepted_lengths']))
+                              if rs[0]['accepted_lengths'] else float('nan')))
     if config.score_reference:
       got = full if policy is None else score_reference(model, params, policy, prompts,
                                                         reference, config.page_size)
       record.update(ref_logprob=got[0], ref_logprob_full=full[0], ref_top1=got[1],
                     ref_top1_full=full[1])
     results.write(record)
+
+
+def _line(record: dict) -> str:
+  """A plot line's label: the policy, with `+ngramK` for a prompt-lookup setting."""
+  return record['policy'] + (f"+ngram{record['k']}" if record.get('k') else '')
 
 
 _PANELS = [('throughput_vs_plain', 'throughput ÷ plain engine (×)'),
@@ -245,16 +275,20 @@ def plot_eviction_batching(records: list[dict], out_dir) -> list:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt   # pylint: disable=g-import-not-at-top
   evicting = [r for r in records if r.get('budget') is not None and r.get('policy')]
-  plain = [r for r in records if r.get('policy') == 'plain']
+  plain = {}                             # the first record of each plain setting, K = 0 first
+  for r in sorted(records, key=lambda r: r.get('k') or 0):
+    if r.get('policy') == 'plain':
+      plain.setdefault(r['setting'], r)
   if not evicting:
     return []
   fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.6 * len(_PANELS), 3.6))
   for ax, (metric, label) in zip(axes, _PANELS):
-    for policy in dict.fromkeys(r['policy'] for r in evicting):
-      pts = sorted((r['budget'], r[metric]) for r in evicting if r['policy'] == policy)
-      ax.plot([b for b, _ in pts], [v for _, v in pts], marker='o', label=policy)
-    if plain:
-      ax.axhline(plain[0][metric], color='gray', linestyle='--', linewidth=0.8, label='plain')
+    for line in dict.fromkeys(_line(r) for r in evicting):
+      pts = sorted((r['budget'], r[metric]) for r in evicting if _line(r) == line)
+      ax.plot([b for b, _ in pts], [v for _, v in pts], marker='o', label=line)
+    for style, record in zip(('--', ':'), plain.values()):
+      ax.axhline(record[metric], color='gray', linestyle=style, linewidth=0.8,
+                 label=record['setting'])
     ax.set_xscale('log', base=2)
     budgets = sorted({r['budget'] for r in evicting})
     ax.set_xticks(budgets, [str(b) for b in budgets])

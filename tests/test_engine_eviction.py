@@ -53,9 +53,9 @@ def alone(tiny):
 
 def _check_fixed_pages(engine):
   """Every admitted request holds min(ceil(span / L), ceil(slots / L)) pages, span = prompt +
-  max_tokens + 1, from admission on: nothing grows."""
+  max_tokens + K + 1 (`Engine.window`), from admission on: nothing grows."""
   for r in engine.scheduler.running:
-    span = len(r.prompt) + r.max_tokens + 1
+    span = len(r.prompt) + r.max_tokens + engine.window
     assert len(r.handle.pages) == min(pages_needed(span, L), engine.request_pages)
 
 
@@ -220,14 +220,14 @@ def test_bad_evicting_engine_arguments(tiny):
   config, params = tiny
   policy = make_policy('h2o', BUDGET)
   bad = [
-      (dict(k=2, draft=config, draft_params=params), 'speculative decoding is not supported.*k=2'),
-      (dict(drafter='ngram'), "not supported.*drafter='ngram'"),
-      (dict(k_policy='goodput'), "not supported.*k_policy='goodput'"),
-      (dict(k_policy='schedule'), "not supported.*k_policy='schedule'"),
-      (dict(k_policy=ScheduleK()), "not supported.*k_policy=<.*ScheduleK.*FixedK"),
-      (dict(k_policy=GoodputK()), "not supported.*k_policy=<.*GoodputK.*FixedK"),
-      (dict(k_policy=FixedK), "not supported.*k_policy=<class .*FixedK'>"),   # the class itself
-      (dict(k_policy='Fixed'), "not supported.*k_policy='Fixed'"),
+      (dict(k=2, draft=config, draft_params=params), 'fixed K only.*k=2, draft=a model'),
+      (dict(drafter='ngram'), 'needs the speculation length k >= 1'),
+      (dict(k_policy='goodput'), "fixed K only.*k_policy='goodput'"),
+      (dict(k_policy='schedule'), "fixed K only.*k_policy='schedule'"),
+      (dict(k_policy=ScheduleK()), 'fixed K only.*k_policy=<.*ScheduleK'),
+      (dict(k_policy=GoodputK()), 'fixed K only.*k_policy=<.*GoodputK'),
+      (dict(k_policy=FixedK), "fixed K only.*k_policy=<class .*FixedK'>"),   # the class itself
+      (dict(k_policy='Fixed'), "fixed K only.*k_policy='Fixed'"),
       (dict(prefix_caching=True), 'prefix_caching=True'),
       (dict(host_pages=4), 'host_pages=4'),
       (dict(prefill_rows=2), 'prefill_rows=2 must equal num_slots=4'),
@@ -251,7 +251,7 @@ def test_bad_evicting_engine_arguments(tiny):
 def test_eviction_batching_metrics_and_memory():
   """The experiment's quality metrics and pool sizing (configs/eviction_batching.py)."""
   from configs.eviction_batching import get_config
-  from experiments.eviction_batching import match, memory
+  from experiments.eviction_batching import _settings, match, memory
   exact, prefix = match([[1, 2, 3, 4], [1, 5, 3, 4], [9, 9, 9, 9]],
                         [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
   assert exact == pytest.approx(1 / 3) and prefix == pytest.approx((1 + 0.25 + 0) / 3)
@@ -263,3 +263,7 @@ def test_eviction_batching_metrics_and_memory():
   config.max_tokens = 0
   with pytest.raises(ValueError, match='config.max_tokens must be >= 1, got 0'):
     memory(config)
+  config = get_config()
+  config.lookup_k = -1
+  with pytest.raises(ValueError, match='config.lookup_k must be >= 0, got -1'):
+    _settings(config, mem, None, None)

@@ -1,5 +1,6 @@
-"""The evicting engine's device steps: `jaxspec.engine.device`'s prefill chunk and decode round
-with the target's cache under an eviction policy (`jaxspec.cache.eviction`).
+"""The evicting engine's device steps: `jaxspec.engine.device`'s prefill chunk and decode round,
+and `spec_steps.lookup_step`'s verification of host proposals (prompt lookup), with the
+target's cache under an eviction policy (`jaxspec.cache.eviction`).
 
 Row b of every call is batch slot b (the evicting engine prefills with rows = slots), so the
 per-slot `EvictionState` ([layers, B, S] arrays) stays on device from step to step and is passed
@@ -20,9 +21,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxspec.cache import EvictionState, last_token
+from jaxspec.cache import EvictionState, after_tokens, last_token
 from jaxspec.decoding.output import cut_lengths
+from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import RowSampling, probabilities, sample
+from jaxspec.engine.spec_steps import host_q
 from jaxspec.models import ModelConfig, Transformer
 
 
@@ -111,6 +114,44 @@ def decode_round_evicting(target: ModelConfig, target_params, target_cache, evic
   return window, emitted, target_cache, last_token(history)
 
 
+@functools.partial(jax.jit, static_argnames=('target',),
+                   donate_argnames=('target_cache', 'eviction'))
+def lookup_round_evicting(target: ModelConfig, target_params, target_cache, eviction, pending,
+                          proposals, num_proposed, room, stop, rng, sampling: RowSampling):
+  """One speculative round under eviction with host proposals (prompt lookup): the target
+  verifies [pending, x_1..x_K] per decoding slot in one call, the eviction steps running token
+  by token inside it, and modified rejection sampling with one-hot q (Leviathan et al. 2023;
+  `spec_steps.lookup_step` without eviction) accepts each row's own n <= num_proposed[b]. Only
+  the eviction state after each row's committed tokens is kept (`after_tokens`: pending and
+  the first emitted - 1 new tokens), so rejected proposals leave no score, eviction or slot
+  behind; this needs the policy's reuse_delay >= K + 1 (checked by the engine), as in
+  `jaxspec.decoding.evicting.decode_speculative_evicting`.
+
+  Args:
+    target_cache: bound cache (donated); row b holds every committed token but `pending[b]`.
+    eviction: EvictionState [layers, B, S] (donated).
+    pending: [B] int32; room: [B] int32 (0: an idle row, positions -1, its eviction row left
+      as it was); stop: [B, S_stop] int32 (-1 padded); sampling: [B] per-row parameters.
+    proposals: [B, K] int32 (any id in [0, V) past num_proposed); num_proposed: [B] int32 in
+      [0, K]. K (static) is proposals.shape[1] >= 1.
+  Returns:
+    (window [B, K+1] int32, num_accepted [B] int32, emitted [B] int32, target_cache, eviction).
+  """
+  k = proposals.shape[1]
+  tokens = jnp.concatenate([pending[:, None], proposals], axis=1)               # [B, K+1]
+  offsets = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+  positions = jnp.where((room > 0)[:, None], target_cache.lengths[:, None] + offsets, -1)
+  logits, target_cache, history = Transformer(target).apply(target_params, tokens, positions,
+                                                            target_cache, eviction)
+  q = host_q(proposals, num_proposed, target.vocab_size)
+  n, next_token = rejection_sample(rng, proposals, q, probabilities(logits, sampling))
+  window = jnp.where(offsets < n[:, None], jnp.pad(proposals, ((0, 0), (0, 1))),
+                     next_token[:, None])
+  emitted, _ = cut_lengths(window, n + 1, stop, room)
+  return window, n, emitted, target_cache, after_tokens(eviction, history, emitted)
+
+
 def compile_counts() -> dict:
   """Compiled variants of each evicting device step in this process (the jit caches' sizes)."""
-  return {f.__name__: f._cache_size() for f in (prefill_chunk_evicting, decode_round_evicting)}
+  return {f.__name__: f._cache_size()
+          for f in (prefill_chunk_evicting, decode_round_evicting, lookup_round_evicting)}

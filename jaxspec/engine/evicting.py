@@ -11,7 +11,8 @@ Policies (`jaxspec.cache.eviction`): sliding window, attention sinks + window (S
 Xiao et al. 2023), heavy hitters (H2O, Zhang et al. 2023; raw or normalised accumulated
 attention), TOVA (Oren et al. 2024).
 
-Pages: a request spanning `span` tokens (prompt + max_tokens + 1) holds
+Pages: a request spanning `span` tokens (prompt + max_tokens + K + 1, K = 0 without speculation)
+holds
 min(ceil(span / L), ceil((budget + reuse_delay) / L)) pages from admission to finish, taken all at
 admission; nothing grows, so the scheduler never preempts for growth and admission needs only that
 fixed count. `max_seq_len` bounds positions (RoPE), not memory.
@@ -21,8 +22,14 @@ Device state: one `EvictionState` row per batch slot lives on device across step
 (`Scheduler.preempt`) still resumes exactly: prefilling prompt + output one token at a time
 retraces the same eviction decisions.
 
-Not supported under eviction (ValueError at construction): speculative decoding (K > 0, a draft),
-prefix caching and the host tier (a request's pages are rewritten in place as slots are reused,
+Speculation: prompt lookup (`drafter='ngram'`, a fixed K >= 1) verifies each slot's proposals in
+one target call under eviction (`device_evicting.lookup_round_evicting`); the policy's
+`reuse_delay` must be >= K + 1 (a slot evicted during a round is not rewritten in it), and the
+greedy output equals the request decoded alone at K = 0 under the same policy.
+
+Not supported under eviction (ValueError at construction): a draft model (its cache would need
+the whole sequence's pages beside the target's budget), an adaptive K policy, prefix caching and
+the host tier (a request's pages are rewritten in place as slots are reused,
 so sharing them would need copy-on-write), prefill_rows other than num_slots, the 'full' policy
 (use `Engine`).
 """
@@ -38,7 +45,7 @@ from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine import device_evicting
-from jaxspec.engine.drafters import Round
+from jaxspec.engine.drafters import NGramDrafter, Round, observation
 from jaxspec.engine.engine import Engine
 from jaxspec.engine.k_policy import FixedK
 from jaxspec.engine.request import Request
@@ -79,7 +86,8 @@ class EvictingScheduler(Scheduler):
 
 
 class EvictingEngine(Engine):
-  """Continuous batching (K = 0) with each request's target cache under `policy`.
+  """Continuous batching with each request's target cache under `policy`, at K = 0 or with
+  prompt lookup at a fixed K.
 
   Args:
     target, target_params: the model.
@@ -93,17 +101,22 @@ class EvictingEngine(Engine):
     prefill_group: tokens per model call inside a prefill chunk (must divide chunk_size; default
       its largest divisor up to 4). Compile time grows with it (the eviction step is unrolled
       over those tokens and the layers), weight reads per chunk shrink; outputs do not change.
-    draft, draft_params, k, drafter, k_policy, prefix_caching, host_pages, prefill_rows:
-      accepted only at their defaults (None, None, 0, None, 'fixed', False, 0, None = num_slots);
-      see the module docstring. k_policy may also be a `FixedK` instance: at K = 0 it means no
-      speculation, as in `Engine` (which leaves it unused and unbound).
+    k, drafter: K = 0 and None (no speculation), or K >= 1 with drafter 'ngram' (or an
+      `NGramDrafter`): prompt lookup verified under eviction, K every round; needs
+      policy.reuse_delay >= K + 1.
+    draft, draft_params, k_policy, prefix_caching, host_pages, prefill_rows: accepted only at
+      their defaults (None, None, 'fixed', False, 0, None = num_slots); see the module docstring.
+      k_policy may also be a `FixedK` instance (at K = 0 it means no speculation, as in `Engine`,
+      which leaves it unused and unbound).
   Attributes:
-    eviction_policy: the `EvictionPolicy` (`policy` is the base class's K policy: None here).
+    eviction_policy: the `EvictionPolicy` (`policy` is the base class's K policy: None at K = 0,
+      a `FixedK` with prompt lookup).
     request_pages: pages a request longer than the budget holds (ceil(policy.slots / L)).
     eviction: the device `EvictionState`, arrays [layers, B, request_pages * L].
   Raises:
-    ValueError: naming the value: a policy that is not an EvictionPolicy or has no budget;
-      speculation, prefix caching, a host tier or prefill_rows != num_slots; a prefill_group
+    ValueError: naming the value: a policy that is not an EvictionPolicy or has no budget; a
+      draft model, a drafter other than prompt lookup, an adaptive K policy, prompt lookup with
+      reuse_delay < K + 1, prefix caching, a host tier or prefill_rows != num_slots; a prefill_group
       that does not divide chunk_size; a budget whose pages exceed the pool; and everything
       `Engine` refuses.
   """
@@ -122,11 +135,19 @@ class EvictingEngine(Engine):
     if policy.slots is None:
       raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
     fixed = isinstance(k_policy, FixedK) or (isinstance(k_policy, str) and k_policy == 'fixed')
-    if draft is not None or draft_params is not None or k != 0 or drafter is not None or \
-        not fixed:
-      raise ValueError(f'speculative decoding is not supported by EvictingEngine, got k={k!r}, '
-                       f'draft={"None" if draft is None else "a model"}, drafter={drafter!r}, '
-                       f"k_policy={k_policy!r} (K = 0 only: k_policy 'fixed' or a FixedK)")
+    lookup = isinstance(drafter, NGramDrafter) or (isinstance(drafter, str) and
+                                                   drafter == 'ngram')
+    if draft is not None or draft_params is not None or not fixed or \
+        not ((drafter is None and k == 0) or lookup):
+      raise ValueError(f'EvictingEngine speculates with prompt lookup at a fixed K only '
+                       f"(drafter='ngram', k >= 1, k_policy 'fixed' or a FixedK; or K = 0), got "
+                       f'k={k!r}, draft={"None" if draft is None else "a model"}, '
+                       f'drafter={drafter!r}, k_policy={k_policy!r}')
+    if lookup and isinstance(k, int) and not isinstance(k, bool) and k >= 1 and \
+        policy.reuse_delay < k + 1:
+      raise ValueError(f'prompt lookup at K = {k} under eviction needs the policy\'s reuse_delay '
+                       f'>= K + 1 = {k + 1} (make_policy(..., reuse_delay={k + 1})), got '
+                       f'{policy.reuse_delay}')
     if prefix_caching:
       raise ValueError('prefix_caching=True is not supported under eviction (pages are '
                        'rewritten in place; sharing them would need copy-on-write)')
@@ -139,7 +160,8 @@ class EvictingEngine(Engine):
     super().__init__(target, target_params, num_slots=num_slots, num_pages=num_pages,
                      page_size=page_size, chunk_size=chunk_size, sampling=sampling,
                      prefix_caching=False, max_stop_tokens=max_stop_tokens,
-                     max_seq_len=max_seq_len, seed=seed)
+                     max_seq_len=max_seq_len, seed=seed, k=k, drafter=drafter,
+                     k_policy=k_policy)
     if prefill_group is None:   # the largest divisor of the chunk up to 4
       prefill_group = next(g for g in range(min(chunk_size, 4), 0, -1) if chunk_size % g == 0)
     if (isinstance(prefill_group, bool) or not isinstance(prefill_group, int) or prefill_group < 1
@@ -187,16 +209,28 @@ class EvictingEngine(Engine):
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
                    contexts=None):
-    """A K = 0 round under eviction (k must be 0; caps and contexts are ignored). Returns a
-    `drafters.Round`."""
-    if k != 0:
-      raise ValueError(f'EvictingEngine decodes at K = 0 only, got k={k!r}')
+    """A decode round under eviction: K = 0, or K = the engine's k with prompt lookup (caps [B]
+    proposals each row may accept, default K; contexts [B] token lists or None for idle rows).
+    Returns a `drafters.Round`."""
+    if k not in (0, self.k):
+      raise ValueError(f'EvictingEngine decodes at K = 0 or its k={self.k}, got k={k!r}')
     cache = device.bind(self.caches, table, lengths)[0]
+    b = self.num_slots
+    if k:
+      caps = np.full((b,), k, np.int32) if caps is None else np.asarray(caps, np.int32)
+      proposals, num = self.drafter.propose([None] * b if contexts is None else contexts, caps, k)
+      window, n, emitted, cache, self.eviction = device_evicting.lookup_round_evicting(
+          self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
+          jnp.asarray(proposals), jnp.asarray(num), jnp.asarray(room, jnp.int32),
+          jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
+      self.caches = [cache]
+      n = np.asarray(n)
+      successes, trials = observation(n, caps, np.asarray(room) > 0)
+      return Round(np.asarray(window), n, np.asarray(emitted), num, successes, trials)
     window, emitted, cache, self.eviction = device_evicting.decode_round_evicting(
         self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
         jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
     self.caches = [cache]
-    b = self.num_slots
     zeros = np.zeros((b,), np.int32)
     return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
                  np.zeros((b,)))
