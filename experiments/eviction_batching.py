@@ -40,6 +40,7 @@ from experiments.common import empty_cache
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding.evicting import score_tokens
+from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine import Engine, EvictingEngine
 from jaxspec.models import load_model, shipped
 
@@ -84,11 +85,11 @@ def _settings(config, mem, model, params):
   K > 0 each is followed by its prompt-lookup twin `NAME+ngramK`.
 
   Raises:
-    ValueError: lookup_k < 0, a budget needing more pages than the pool.
+    ValueError: lookup_k outside [0, MAX_K], a budget needing more pages than the pool.
   """
   k = int(config.lookup_k)
-  if k < 0:
-    raise ValueError(f'config.lookup_k must be >= 0, got {config.lookup_k}')
+  if not 0 <= k <= MAX_K:
+    raise ValueError(f'config.lookup_k must be in [0, {MAX_K}], got {config.lookup_k}')
   shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
                 chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
   lookup = dict(k=k, drafter='ngram')

@@ -264,6 +264,7 @@ def test_eviction_batching_metrics_and_memory():
   with pytest.raises(ValueError, match='config.max_tokens must be >= 1, got 0'):
     memory(config)
   config = get_config()
-  config.lookup_k = -1
-  with pytest.raises(ValueError, match='config.lookup_k must be >= 0, got -1'):
-    _settings(config, mem, None, None)
+  for bad in (-1, 17):
+    config.lookup_k = bad
+    with pytest.raises(ValueError, match=rf'config.lookup_k must be in \[0, 16\], got {bad}'):
+      _settings(config, mem, None, None)

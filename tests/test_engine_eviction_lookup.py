@@ -147,3 +147,8 @@ def test_lookup_under_eviction_refusals(tiny):
                           k=K, drafter='ngram', **SHAPES)
   with pytest.raises(ValueError, match='decodes at K = 0 or its k=3, got k=2'):
     engine._call_decode(None, None, None, None, None, None, k=2)
+  # A prompt past the model's context: the message counts prompt lookup's K + 1 slack.
+  context = config.max_seq_len
+  with pytest.raises(ValueError, match=rf'max_tokens=1 \+ 4 tokens of decoding slack = '
+                                       rf'{context + 1} exceeds the context of {context}'):
+    engine.add_request([5] * (context - 4), max_tokens=1)

@@ -100,13 +100,16 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
 
 def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,
                   draft_params=None, k=None, max_k: int = MAX_K,
-                  max_tokens_name: str = 'max_new_tokens', one_request: bool = False):
+                  max_tokens_name: str = 'max_new_tokens', one_request: bool = False,
+                  min_slack: int = 1):
   """Validate a generation request (shared by `generate`, `PrefixCachedGenerator` and the
-  engine; `max_tokens_name` and `one_request` only word the errors for the caller's API).
+  engine; `max_tokens_name` and `one_request` only word the errors for the caller's API;
+  `min_slack`: the caller's own decoding slack, e.g. K + 1 of prompt lookup, which has no draft
+  model).
 
   Returns:
     (configs: the models involved, slack: tokens of decoding slack past max_new_tokens (1, or
-    K + 1 when speculating), stop: [S] int32 sorted stop ids).
+    K + 1 when speculating; at least min_slack), stop: [S] int32 sorted stop ids).
   Raises:
     ValueError: naming the bad value (see `generate`).
   """
@@ -117,7 +120,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
   if draft is not None and draft_params is None:
     raise ValueError('a draft model needs draft_params, got None')
   configs = [target]
-  slack = 1
+  slack = max(1, min_slack)
   if draft is not None:
     if draft.vocab_size != target.vocab_size:
       raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
@@ -125,7 +128,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     if k is None or not 1 <= k <= max_k:
       raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
     configs.append(draft)
-    slack = k + 1
+    slack = max(slack, k + 1)
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
   if isinstance(stop_tokens, (str, bytes)):
     raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')

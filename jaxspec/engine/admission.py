@@ -49,8 +49,8 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
                                  stop_tokens=stop_tokens, draft=engine.draft,
                                  draft_params=engine.draft_params,
                                  k=engine.k if engine.draft is not None else None,
-                                 max_tokens_name='max_tokens', one_request=True)
-  slack = max(slack, engine.window)
+                                 max_tokens_name='max_tokens', one_request=True,
+                                 min_slack=engine.window)
   stop = tuple(stop.tolist())
   if len(stop) > engine.max_stop_tokens:
     raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={engine.max_stop_tokens}')
