@@ -1,16 +1,24 @@
 """Prompt lookup under eviction in the continuous-batching engine (`EvictingEngine` with
 drafter='ngram' at a fixed K): greedy outputs equal each request decoded alone at K = 0 under the
 same policy, with proposals accepted whole, in part and not at all, stop tokens inside an accepted
-run, staggered arrivals and a forced preemption; the reuse-delay rule and the refusals."""
+run, staggered arrivals and a forced preemption; sampled rounds follow the target's
+distribution; the reuse-delay rule and the refusals."""
 
 import random
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats
 
-from jaxspec.cache import make_policy
+from jaxspec.cache import init_eviction, make_policy, pages_needed
+from jaxspec.decoding import SamplingParams
+from jaxspec.decoding.evicting import prefill_evicting
+from jaxspec.decoding.sampling import RowSampling, probabilities
 from jaxspec.engine import EvictingEngine, NGramDrafter, State
-from jaxspec.engine.device_evicting import compile_counts
+from jaxspec.engine.device_evicting import compile_counts, lookup_round_evicting
+from jaxspec.models import Transformer, cache_for
 from test_engine import _prompts, _run_staggered
 from test_engine_eviction import BUDGET, L, M, SHAPES, _check_fixed_pages, alone  # noqa: F401
 
@@ -152,3 +160,53 @@ def test_lookup_under_eviction_refusals(tiny):
   with pytest.raises(ValueError, match=rf'max_tokens=1 \+ 4 tokens of decoding slack = '
                                        rf'{context + 1} exceeds the context of {context}'):
     engine.add_request([5] * (context - 4), max_tokens=1)
+
+
+def _pvalue(tokens, probs):
+  """Chi-square p-value of sampled token ids against probs [V]; none may fall outside the
+  support."""
+  counts = np.bincount(tokens, minlength=probs.size)
+  support = probs > 0
+  assert counts[~support].sum() == 0
+  return stats.chisquare(counts[support], probs[support] / probs[support].sum() *
+                         len(tokens)).pvalue
+
+
+def test_sampled_lookup_round_under_eviction_follows_the_target(tiny):
+  """Temperature 1, N identical rows whose prompt is past the budget (eviction active), two
+  fixed proposals: the first emitted token follows the target's p after the prompt and, where
+  the first proposal was accepted, the second follows p after it (modified rejection sampling
+  with one-hot q keeps the target's distribution under eviction too)."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET, reuse_delay=K + 1)
+  n = 2048
+  prompt = _prompts([20], seed=6)[0]
+  per = pages_needed(policy.slots, L)
+  cache = cache_for(config, 1 + np.arange(n * per).reshape(n, per), 1 + n * per, L)
+  first, cache, eviction = prefill_evicting(
+      config, params, cache, init_eviction(policy, cache),
+      jnp.asarray(np.tile(prompt, (n, 1)), jnp.int32), jnp.full((n,), len(prompt), jnp.int32),
+      jax.random.PRNGKey(0), sampling=SamplingParams())
+  # The target's distributions at the two verified positions (exact-verify numerics: the same
+  # logits the round computes), taken before the round donates the cache.
+  target = jax.jit(Transformer(config).apply)
+  p0 = np.asarray(probabilities(target(
+      params, first[:, None], cache.lengths[:, None], cache, eviction)[0][0, 0],
+      SamplingParams(1.0)), np.float64)
+  x1 = int(np.argmax(p0))
+  verify = jnp.stack([first, jnp.full((n,), x1, jnp.int32)], axis=1)
+  positions = cache.lengths[:, None] + jnp.arange(2, dtype=jnp.int32)[None]
+  p1 = np.asarray(probabilities(target(
+      params, verify, positions, cache, eviction)[0][0, 1], SamplingParams(1.0)), np.float64)
+  x2 = int(np.argmax(p1))
+  window, accepted, emitted, _, _ = lookup_round_evicting(
+      config, params, cache, eviction, first, jnp.tile(jnp.asarray([[x1, x2]], jnp.int32), (n, 1)),
+      jnp.full((n,), 2, jnp.int32), jnp.full((n,), 10, jnp.int32), jnp.full((n, 1), -1, jnp.int32),
+      jax.random.PRNGKey(1), RowSampling.stack([SamplingParams(1.0)] * n))
+  window, accepted = np.asarray(window), np.asarray(accepted)
+  assert (np.asarray(emitted) == accepted + 1).all()
+  # One-hot q: the first proposal is accepted with probability p(x1) (both sides are taken).
+  rate = (accepted >= 1).mean()
+  assert abs(rate - p0[x1]) < 4 * np.sqrt(p0[x1] * (1 - p0[x1]) / n) and 0.05 < rate < 0.95
+  assert _pvalue(window[:, 0], p0) > 1e-3
+  assert _pvalue(window[accepted >= 1, 1], p1) > 1e-3
