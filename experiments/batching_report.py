@@ -172,8 +172,8 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
     (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)],
     'adaptive': [row per (B, workload, non-fixed policy): tokens/s as a fraction of the best
-    static setting (K = 0 included), and the same pass by pass with its standard error
-    (`_per_pass`)]}.
+    static setting (K = 0 included), the same pass by pass with its standard error
+    (`_per_pass`), and against the static setting chosen on the other passes (`_held_out`)]}.
     α* is math.inf where no K pays.
   """
   costs = cost_table(records, source)
@@ -215,13 +215,14 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
               and s['drafter'] in ('none', row['drafter'])]
     if static:
       top = max(static, key=lambda s: s['tokens_per_s'])
+      cell = (row['batch_size'], row['workload'])
       adaptive.append(dict(batch_size=row['batch_size'], workload=row['workload'],
                            setting=row['setting'], best_static=top['setting'],
                            fraction_of_best_static=row['tokens_per_s'] / top['tokens_per_s'],
-                           **_per_pass(groups[(row['batch_size'], row['workload'],
-                                               row['setting'])],
-                                       groups[(top['batch_size'], top['workload'],
-                                               top['setting'])])))
+                           **_per_pass(groups[cell + (row['setting'],)],
+                                       groups[cell + (top['setting'],)]),
+                           held_out=_held_out(groups[cell + (row['setting'],)],
+                                              [groups[cell + (s['setting'],)] for s in static])))
   return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
               adaptive=adaptive, validation=validation(rows))
 
@@ -244,6 +245,30 @@ def _per_pass(adaptive: list[dict], best: list[dict]) -> dict:
                and rate.get(key(r))]
   se = statistics.stdev(fractions) / math.sqrt(len(fractions)) if len(fractions) > 1 else None
   return dict(per_pass=fractions, per_pass_se=se)
+
+
+def _held_out(adaptive: list[dict], static: list[list[dict]]) -> float | None:
+  """The adaptive setting's tokens/s over the static setting chosen without the pass it is
+  scored on, mean over passes: per pass (repeat) r, the static setting with the best mean
+  tokens/s over the other passes, and the ratio of the two in pass r. Choosing the best static
+  on the same noisy passes it is compared in favours it (the largest of several noisy means);
+  this is the fraction against a static choice made beforehand. None with fewer than two
+  passes that every setting ran once (records pair by (case_id, repeat) as in `_per_pass`)."""
+  def by_pass(records):
+    keys = collections.Counter((r.get('case_id'), r.get('repeat')) for r in records)
+    return {(r.get('case_id'), r.get('repeat')): r['tokens_per_s'] for r in records
+            if r.get('repeat') is not None and r.get('tokens_per_s') is not None
+            and keys[(r.get('case_id'), r.get('repeat'))] == 1}
+  mine, others = by_pass(adaptive), [by_pass(s) for s in static]
+  passes = [p for p in mine if all(p in o for o in others)]
+  if len(passes) < 2:
+    return None
+  fractions = []
+  for p in passes:
+    rest = [q for q in passes if q != p]
+    chosen = max(others, key=lambda o: statistics.mean(o[q] for q in rest))
+    fractions.append(mine[p] / chosen[p])
+  return statistics.mean(fractions)
 
 
 def validation(rows: list[dict]) -> dict:
@@ -325,11 +350,13 @@ def markdown(result: dict) -> str:
   if result['adaptive']:
     lines += ['', '## Adaptive policies: tokens/s ÷ best static setting (K = 0 included)', '',
               'fraction: mean tokens/s ÷ the best static mean; per pass: the same ratio in each '
-              'pass (repeat), ± the standard error of their mean.', '']
-    lines += _table(['B', 'workload', 'setting', 'fraction', 'best static', 'per pass', '± se'],
+              'pass (repeat), ± the standard error of their mean; held out: per pass, ÷ the '
+              'static setting best over the other passes, mean over passes.', '']
+    lines += _table(['B', 'workload', 'setting', 'fraction', 'best static', 'per pass', '± se',
+                     'held out'],
                     [[a['batch_size'], a['workload'], a['setting'], a['fraction_of_best_static'],
                       a['best_static'], ' '.join(_fmt(f) for f in a.get('per_pass', [])),
-                      a.get('per_pass_se')] for a in result['adaptive']])
+                      a.get('per_pass_se'), a.get('held_out')] for a in result['adaptive']])
   return '\n'.join(lines) + '\n'
 
 

@@ -74,7 +74,7 @@ def memory(config) -> dict:
   plain_slots = config.plain_slots or (num_pages - 1) // pages_needed(config.prompt_len + 1,
                                                                       config.page_size)
   # A prompt-lookup twin's requests also need K slots past the span (`Engine.window`).
-  lookup = max(0, int(config.get('lookup_k', 0)))
+  lookup = max(0, int(config.lookup_k))
   return dict(span=span, num_pages=num_pages,
               plain_slots=max(1, min(config.num_requests, plain_slots)),
               max_seq_len=pages_needed(span + lookup, config.page_size) * config.page_size)

@@ -171,6 +171,22 @@ def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
   assert br.analyze(bare)['adaptive'][0]['per_pass'] == []
 
 
+def test_held_out_fraction_chooses_the_static_setting_on_the_other_passes():
+  # k2 is best on average (106.7 against 100) only through passes 0 and 1; chosen without the
+  # pass it is scored on, pass 2's choice is k2 (130 on passes 0-1) and passes 0-1's is k0
+  # (k2 95 on the other two).
+  tps = {'k0': [100.0] * 3, 'k2': [130.0, 130.0, 60.0], 'goodput': [100.0] * 3}
+  records = [_record(2, 'code', name, {'k0': 0, 'k2': 2, 'goodput': 8}[name], repeat, t, 0.01,
+                     policy='goodput' if name == 'goodput' else 'fixed')
+             for name, values in tps.items() for repeat, t in enumerate(values)]
+  [a] = br.analyze(records)['adaptive']
+  assert a['best_static'] == 'k2' and a['fraction_of_best_static'] == pytest.approx(300 / 320)
+  assert a['held_out'] == pytest.approx((1.0 + 1.0 + 100 / 60) / 3)
+  assert '| 1.22 |' in br.markdown(br.analyze(records))
+  one = [r for r in records if r['repeat'] == 0]
+  assert br.analyze(one)['adaptive'][0]['held_out'] is None
+
+
 def test_records_without_a_fixed_k_say_why_there_is_no_threshold():
   records = [r for r in _records() if r['setting'] != 'k2']      # K = 0 and goodput only
   result = br.analyze(records)

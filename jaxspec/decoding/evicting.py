@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from jaxspec.cache import after_tokens, last_token, rollback
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
-from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
-from jaxspec.decoding.speculative import SpecStats, draft_tokens
+from jaxspec.decoding.speculative import SpecStats, accept, draft_tokens
 from jaxspec.models import ModelConfig, Transformer
 
 
@@ -170,9 +169,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
     positions = old_lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
     logits, target_cache, history = Transformer(target).apply(
         target_params, verify, positions, target_cache, eviction)
-    n, next_token = rejection_sample(rng_accept, xs, qs, probabilities(logits, sampling))
-    idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+    window, n = accept(rng_accept, xs, qs, probabilities(logits, sampling))
     out, emitted = commit(out, window, n + 1, stop_tokens, max_new_tokens)
     draft_cache = jax.lax.cond(
         jnp.any(emitted == k + 1),

@@ -121,10 +121,26 @@ def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng
   tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
   positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
   logits, target_cache = Transformer(target).apply(target_params, tokens, positions, target_cache)
-  n, next_token = rejection_sample(rng, xs, q, probabilities(logits, sampling))
-  idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-  window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+  window, n = accept(rng, xs, q, probabilities(logits, sampling))
   return window, n, target_cache
+
+
+def accept(rng, xs, q, p):
+  """Modified rejection sampling of a round's proposals (Leviathan et al. 2023, Alg. 1) and the
+  tokens it emits.
+
+  Args:
+    rng: PRNG key; xs: [B, K] int32 proposals; q: [B, K, V] float32 the distribution each was
+      drawn from (zeros: not a proposal, rejected); p: [B, K+1, V] float32 the target's
+      distributions at [pending, x_1..x_K].
+  Returns:
+    (window [B, K+1] int32: x_1..x_n then the correction/bonus token at index n, n [B] int32
+    proposals accepted).
+  """
+  n, next_token = rejection_sample(rng, xs, q, p)
+  idx = jnp.arange(xs.shape[1] + 1, dtype=jnp.int32)[None, :]
+  window = jnp.where(idx < n[:, None], jnp.pad(xs, ((0, 0), (0, 1))), next_token[:, None])
+  return window, n
 
 
 @functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),

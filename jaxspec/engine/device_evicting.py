@@ -23,8 +23,8 @@ import jax.numpy as jnp
 
 from jaxspec.cache import EvictionState, after_tokens, last_token
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import RowSampling, probabilities, sample
+from jaxspec.decoding.speculative import accept
 from jaxspec.engine.spec_steps import host_q
 from jaxspec.models import ModelConfig, Transformer
 
@@ -143,10 +143,8 @@ def lookup_round_evicting(target: ModelConfig, target_params, target_cache, evic
   positions = jnp.where((room > 0)[:, None], target_cache.lengths[:, None] + offsets, -1)
   logits, target_cache, history = Transformer(target).apply(target_params, tokens, positions,
                                                             target_cache, eviction)
-  q = host_q(proposals, num_proposed, target.vocab_size)
-  n, next_token = rejection_sample(rng, proposals, q, probabilities(logits, sampling))
-  window = jnp.where(offsets < n[:, None], jnp.pad(proposals, ((0, 0), (0, 1))),
-                     next_token[:, None])
+  window, n = accept(rng, proposals, host_q(proposals, num_proposed, target.vocab_size),
+                     probabilities(logits, sampling))
   emitted, _ = cut_lengths(window, n + 1, stop, room)
   return window, n, emitted, target_cache, after_tokens(eviction, history, emitted)
 
