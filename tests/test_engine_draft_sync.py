@@ -2,6 +2,8 @@
 scores the draft on exactly the tokens the target drew at K = 0, catch-ups over prefix-shared
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -158,15 +160,34 @@ def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
 
 def test_fastest_times_each_call_after_an_untimed_one():
   from jaxspec.engine.timing import fastest
-  counts = {'a': 0, 'b': 0}
+  order = []
+
+  def call(key):
+    return lambda: order.append(key)
+
+  times = fastest({'a': call('a'), 'b': call('b')}, repeats=3, block=2)
+  assert set(times) == {'a', 'b'} and all(t >= 0 for t in times.values())
+  # One untimed call each, then blocks of back-to-back calls, the keys in alternating order.
+  assert order == ['a', 'b'] + ['a', 'a', 'b', 'b'] + ['b', 'b', 'a', 'a'] + ['a', 'a', 'b', 'b']
+  with pytest.raises(ValueError, match='repeats must be an int >= 1, got 0'):
+    fastest({'a': call('a')}, repeats=0)
+  with pytest.raises(ValueError, match='block must be an int >= 1, got 0'):
+    fastest({'a': call('a')}, repeats=1, block=0)
+
+
+def test_fastest_prices_a_call_warm_not_right_after_another_one():
+  # A call that runs slow right after a different call (as a device step does after another
+  # executable) is timed at its warm speed: a block's later calls follow the same call.
+  from jaxspec.engine.timing import fastest
+  last = [None]
 
   def call(key):
     def run():
-      counts[key] += 1
+      time.sleep(0.03 if last[0] not in (None, key) else 0.001)
+      last[0] = key
     return run
 
-  times = fastest({'a': call('a'), 'b': call('b')}, repeats=3)
-  assert counts == {'a': 4, 'b': 4} and set(times) == {'a', 'b'}
-  assert all(t >= 0 for t in times.values())
-  with pytest.raises(ValueError, match='repeats must be an int >= 1, got 0'):
-    fastest({'a': call('a')}, repeats=0)
+  times = fastest({'a': call('a'), 'b': call('b')}, repeats=2)
+  assert max(times.values()) < 0.02, times
+  slow = fastest({'a': call('a'), 'b': call('b')}, repeats=2, block=1)
+  assert max(slow.values()) >= 0.03, slow   # one call per key: 'a' always follows 'b'

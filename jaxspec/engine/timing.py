@@ -14,27 +14,41 @@ from jaxspec.engine.live_costs import line_through
 from jaxspec.engine import rows as rows_lib
 
 
-def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int) -> dict:
-  """The fastest of `repeats` timed calls of each function, after one untimed call of each (it
-  compiles). The functions are called in turn, round by round, so a drift in the machine's load
-  hits every key alike; the minimum is kept because timing noise on a shared machine only adds.
+def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
+            block: int = 3) -> dict:
+  """The fastest timed call of each function: one untimed call of each first (it compiles),
+  then `repeats` rounds in which each function runs `block` times back to back, every call timed.
+
+  Back to back because a device call runs slow right after a different one and recovers over a
+  few calls (on the development CPU a B = 4 decode round at K = 0 right after one at K = 8 took
+  3.5-5.0 ms, falling to ~2.8 ms over its next five calls, ~2.75 ms after K = 0): timed one call
+  per key in turn, K = 0 was priced ~1.4x its live cost and K = 1-2 1.2-1.35x, so speculation
+  looked cheaper against K = 0 than it was (`scripts/policy_host_time.py --costs`). Live rounds
+  mostly follow rounds at the same K; `LiveCosts` sees the rest. The rounds run the keys in
+  alternating directions (a key at either end follows itself at the turn, the others a
+  neighbour), so a drift in the machine's load hits every key alike; the minimum is kept because
+  timing noise only adds.
 
   Args:
     calls: {key: function of no arguments that returns once its results are on the host}.
-    repeats: timed calls per key (>= 1).
+    repeats: rounds (>= 1); block: back-to-back timed calls per key and round (>= 1).
   Returns:
     {key: seconds}.
   Raises:
-    ValueError: repeats not an int >= 1.
+    ValueError: repeats or block not an int >= 1.
   """
-  if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-    raise ValueError(f'repeats must be an int >= 1, got {repeats!r}')
-  times = {key: [] for key in calls}
-  for r in range(repeats + 1):
-    for key, call in calls.items():
-      start = time.perf_counter()
-      call()
-      if r:
+  for name, value in (('repeats', repeats), ('block', block)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+  keys = list(calls)
+  for key in keys:
+    calls[key]()
+  times = {key: [] for key in keys}
+  for r in range(repeats):
+    for key in (keys if r % 2 == 0 else keys[::-1]):
+      for _ in range(block):
+        start = time.perf_counter()
+        calls[key]()
         times[key].append(time.perf_counter() - start)
   return {key: min(t) for key, t in times.items()}
 
