@@ -330,10 +330,11 @@ def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: in
   """Seconds of one decode round on idle rows per fixed-policy setting, interleaved.
 
   `rounds` times, the settings in rotated order each take one timed round
-  (`Engine.measure_costs(1)`: one warm call, one timed; all B slots computed, as in a busy
-  round), so a ratio to the baseline compares rounds taken milliseconds apart, which keeps it
-  steady on a loaded machine where whole runs are not. The rotated order is no bias here (see
-  `measure`): each timed call follows its own setting's warm call. Adaptive policies are skipped
+  (`Engine.measure_costs(1)`: one warm call, then the fastest of a block of back-to-back timed
+  calls, `timing.fastest`; all B slots computed, as in a busy round), so a ratio to the baseline
+  compares rounds taken milliseconds apart, which keeps it steady on a loaded machine where whole
+  runs are not. The rotated order is no bias here (see `measure`): each timed call follows its
+  own setting's warm call. Adaptive policies are skipped
   (they run several K).
 
   Returns:

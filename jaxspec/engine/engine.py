@@ -87,7 +87,7 @@ class Engine:
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
-    row_costs: {rows: {K: seconds}} t(rows, K), the fastest of a few timed decode rounds at K
+    row_costs: {rows: {K: seconds}} t(rows, K), the fastest of a few warm decode rounds at K
       for each decode row bucket (dispatch, device step and reading the tokens back), measured
       by `warm_up` (or `measure_costs`) over idle rows; a round costs what its bucket costs,
       however many of its rows are busy. Not included: the scheduler's host work and prefill
@@ -258,7 +258,8 @@ class Engine:
     compile; then measure `row_costs` (and `prefill_costs` for a policy that needs costs).
 
     Args:
-      cost_repeats: timed calls per (rows, K) and per prefill bucket (>= 1).
+      cost_repeats: rounds of timed calls per (rows, K) and per prefill bucket (>= 1;
+        `timing.fastest`).
     """
     timing.warm_up(self, cost_repeats)
 
@@ -268,13 +269,14 @@ class Engine:
 
   def measure_costs(self, repeats: int = 5, widths: Optional[Sequence[int]] = None) -> dict:
     """Time one decode round at every K the policy may choose and every decode row bucket
-    (compiling it first if needed), over idle rows, `repeats` times each (interleaved); store
-    the fastest in `row_costs` (seconds: timing noise on a shared machine only adds) and give
+    (compiling it first if needed), over idle rows, in `repeats` rounds of back-to-back calls
+    (`timing.fastest`: timed warm, keys in alternating order); store the fastest in `row_costs`
+    (seconds: timing noise on a shared machine only adds) and give
     them to a policy that needs a cost table; with a lazy draft cache, time its catch-up calls
     too (`draft_sync.costs`).
 
     Args:
-      repeats: timed rounds per (rows, K), >= 1.
+      repeats: rounds of timed calls per (rows, K), >= 1 (`timing.fastest`).
       widths: the row buckets to time (default every one of `decode_buckets`); a policy that
         needs a cost table gets one once the full batch's row (num_slots) is timed.
     Returns:

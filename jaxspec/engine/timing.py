@@ -17,21 +17,23 @@ from jaxspec.engine import rows as rows_lib
 def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
             block: int = 3) -> dict:
   """The fastest timed call of each function: one untimed call of each first (it compiles),
-  then `repeats` rounds in which each function runs `block` times back to back, every call timed.
+  then `repeats` rounds in which each function runs one untimed call and `block` timed ones,
+  back to back.
 
   Back to back because a device call runs slow right after a different one and recovers over a
   few calls (on the development CPU a B = 4 decode round at K = 0 right after one at K = 8 took
-  3.5-5.0 ms, falling to ~2.8 ms over its next five calls, ~2.75 ms after K = 0): timed one call
-  per key in turn, K = 0 was priced ~1.4x its live cost and K = 1-2 1.2-1.35x, so speculation
-  looked cheaper against K = 0 than it was (`scripts/policy_host_time.py --costs`). Live rounds
+  3.5-5.0 ms, ~2.75 ms after K = 0): timed one call per key in turn, the table priced K = 0 at
+  ~1.45x its live rounds and K = 1, 2 at 1.35x and 1.18x, so speculation looked cheaper against
+  K = 0 than it was (`scripts/policy_host_time.py --costs`, B = 4 retrieval); with every timed
+  call after a call of its own key it was 0.85-0.86x of them at K = 0, 1 and 2 in one run and
+  0.79-0.86x in another, no longer falling with K. Live rounds
   mostly follow rounds at the same K; `LiveCosts` sees the rest. The rounds run the keys in
-  alternating directions (a key at either end follows itself at the turn, the others a
-  neighbour), so a drift in the machine's load hits every key alike; the minimum is kept because
-  timing noise only adds.
+  alternating directions and each round calls every key, so a drift in the machine's load hits
+  every key alike; the minimum is kept because timing noise only adds.
 
   Args:
     calls: {key: function of no arguments that returns once its results are on the host}.
-    repeats: rounds (>= 1); block: back-to-back timed calls per key and round (>= 1).
+    repeats: rounds (>= 1); block: timed calls per key and round (>= 1).
   Returns:
     {key: seconds}.
   Raises:
@@ -46,6 +48,7 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
   times = {key: [] for key in keys}
   for r in range(repeats):
     for key in (keys if r % 2 == 0 else keys[::-1]):
+      calls[key]()                    # untimed: the block's timed calls follow their own key
       for _ in range(block):
         start = time.perf_counter()
         calls[key]()
@@ -89,8 +92,9 @@ def prefill_costs(engine, repeats: Optional[int]) -> dict:
 
 
 def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
-  """{(rows, K): seconds} the fastest of `repeats` idle decode rounds of the engine at every K its
-  policy may choose (K = 0 without one) and every row count in `widths` (compiled first)."""
+  """{(rows, K): seconds} the fastest idle decode round of the engine (`fastest`, `repeats`
+  rounds) at every K its policy may choose (K = 0 without one) and every row count in `widths`
+  (compiled first)."""
   ks = engine.policy.candidates if engine.policy is not None else (0,)
 
   def round_at(rows, k):
