@@ -334,8 +334,7 @@ def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: in
   calls, `timing.fastest`; all B slots computed, as in a busy round), so a ratio to the baseline
   compares rounds taken milliseconds apart, which keeps it steady on a loaded machine where whole
   runs are not. The rotated order is no bias here (see `measure`): each timed call follows its
-  own setting's warm call. Adaptive policies are skipped
-  (they run several K).
+  own setting's warm call. Adaptive policies are skipped (they run several K).
 
   Returns:
     {name: (median seconds, median of the per-round ratios to the baseline's or None)}.

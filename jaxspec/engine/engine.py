@@ -271,9 +271,8 @@ class Engine:
     """Time one decode round at every K the policy may choose and every decode row bucket
     (compiling it first if needed), over idle rows, in `repeats` rounds of back-to-back calls
     (`timing.fastest`: timed warm, keys in alternating order); store the fastest in `row_costs`
-    (seconds: timing noise on a shared machine only adds) and give
-    them to a policy that needs a cost table; with a lazy draft cache, time its catch-up calls
-    too (`draft_sync.costs`).
+    (seconds: timing noise on a shared machine only adds) and give them to a policy that needs a
+    cost table; with a lazy draft cache, time its catch-up calls too (`draft_sync.costs`).
 
     Args:
       repeats: rounds of timed calls per (rows, K), >= 1 (`timing.fastest`).

@@ -26,10 +26,10 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
   ~1.45x its live rounds and K = 1, 2 at 1.35x and 1.18x, so speculation looked cheaper against
   K = 0 than it was (`scripts/policy_host_time.py --costs`, B = 4 retrieval); with every timed
   call after a call of its own key it was 0.85-0.86x of them at K = 0, 1 and 2 in one run and
-  0.79-0.86x in another, no longer falling with K. Live rounds
-  mostly follow rounds at the same K; `LiveCosts` sees the rest. The rounds run the keys in
-  alternating directions and each round calls every key, so a drift in the machine's load hits
-  every key alike; the minimum is kept because timing noise only adds.
+  0.79-0.86x in another, no longer falling with K. Live rounds mostly follow rounds at the same
+  K; `LiveCosts` sees the rest. The rounds run the keys in alternating directions and each round
+  calls every key, so a drift in the machine's load hits every key alike; the minimum is kept
+  because timing noise only adds.
 
   Args:
     calls: {key: function of no arguments that returns once its results are on the host}.
