@@ -227,22 +227,29 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
               adaptive=adaptive, validation=validation(rows))
 
 
+def _by_pass(records: list[dict]) -> dict:
+  """{(case_id, repeat): tokens/s} of one setting's records, pass by pass: the key that pairs
+  settings run in the same pass. A pass without exactly one record with a repeat and a tokens/s
+  is left out (appended twice, or never run, it cannot be paired)."""
+  def key(r):
+    return r.get('case_id'), r.get('repeat')
+  counts = collections.Counter(key(r) for r in records)
+  return {key(r): r['tokens_per_s'] for r in records
+          if r.get('repeat') is not None and r.get('tokens_per_s') is not None
+          and counts[key(r)] == 1}
+
+
 def _per_pass(adaptive: list[dict], best: list[dict]) -> dict:
   """The adaptive setting's tokens/s over the best static's pass by pass: {'per_pass':
   [fraction per pass, in record order], 'per_pass_se': the standard error of their mean (None
   with fewer than two)}. Records pair by (case_id, repeat): in one pass the settings' engines
   step in turn, so a drift in the machine's speed hits both. A pass without exactly one record
-  of the best static is left out (records without a repeat, or appended twice, cannot be
+  of each is left out (`_by_pass`: records without a repeat, or appended twice, cannot be
   paired). What it measures is the spread between the passes of one run, which share their
   engines' warm-up tables; whole runs move more (B <= 4 passes last ~0.3-1 s each on the
   development CPU)."""
-  def key(r):
-    return r.get('case_id'), r.get('repeat')
-  counts = collections.Counter(key(r) for r in best)
-  rate = {key(r): r.get('tokens_per_s') for r in best if counts[key(r)] == 1}
-  fractions = [r['tokens_per_s'] / rate[key(r)] for r in adaptive
-               if r.get('repeat') is not None and r.get('tokens_per_s') is not None
-               and rate.get(key(r))]
+  rate, mine = _by_pass(best), _by_pass(adaptive)
+  fractions = [t / rate[p] for p, t in mine.items() if rate.get(p)]
   se = statistics.stdev(fractions) / math.sqrt(len(fractions)) if len(fractions) > 1 else None
   return dict(per_pass=fractions, per_pass_se=se)
 
@@ -253,13 +260,8 @@ def _held_out(adaptive: list[dict], static: list[list[dict]]) -> float | None:
   tokens/s over the other passes, and the ratio of the two in pass r. Choosing the best static
   on the same noisy passes it is compared in favours it (the largest of several noisy means);
   this is the fraction against a static choice made beforehand. None with fewer than two
-  passes that every setting ran once (records pair by (case_id, repeat) as in `_per_pass`)."""
-  def by_pass(records):
-    keys = collections.Counter((r.get('case_id'), r.get('repeat')) for r in records)
-    return {(r.get('case_id'), r.get('repeat')): r['tokens_per_s'] for r in records
-            if r.get('repeat') is not None and r.get('tokens_per_s') is not None
-            and keys[(r.get('case_id'), r.get('repeat'))] == 1}
-  mine, others = by_pass(adaptive), [by_pass(s) for s in static]
+  passes that every setting ran once (`_by_pass`)."""
+  mine, others = _by_pass(adaptive), [_by_pass(s) for s in static]
   passes = [p for p in mine if all(p in o for o in others)]
   if len(passes) < 2:
     return None

@@ -16,7 +16,8 @@ overhead into probes and the rest. --per-pass also prints each pass (what one st
 costs: prefill calls, catch-ups, rounds with an idle row). Per setting it prints tokens/s as a
 ratio to the first setting (mean over passes), decode rounds per pass, the mean microseconds per
 round of each part, the rounds per K, and for a lazy draft cache its catch-up calls and
-milliseconds per pass. --costs also prints, per setting, the median seconds of its decode
+milliseconds per pass and the tokens its catch-ups scored per pass (what the policy learns of α
+while it runs K = 0). --costs also prints, per setting, the median seconds of its decode
 calls of the full batch's row bucket (B rows computed) at each K it ran, and for a policy that
 prices rounds (goodput) the warm-up table and the table it priced with at the start (K >= 1 on
 the Theil-Sen line, `live_costs.line_through`), all in units of the first K = 0 setting's
@@ -185,6 +186,14 @@ def main():
     sync = engine.draft_sync
     before[name] = (dict(engine.k_rounds), sync.num_calls if sync else 0,
                     sync.seconds if sync else 0.0)
+    if sync is not None and engine.policy is not None:
+      observe = engine.policy.observe
+
+      def probed(request_id, k, accepted, successes, trials, observe=observe, t=totals[name]):
+        if k == 0:                          # a catch-up's scores: tokens drawn at K = 0
+          t['probe_tokens'] += trials
+        return observe(request_id, k, accepted, successes, trials)
+      engine.policy.observe = probed
   speeds = collections.defaultdict(list)
   base = next(iter(engines))
   try:
@@ -211,7 +220,8 @@ def main():
     sync = engine.draft_sync
     if sync is not None:
       line += (f'; catch-ups {(sync.num_calls - calls) / args.passes:.1f}/pass, '
-               f'{(sync.seconds - seconds) / args.passes * 1e3:.1f} ms/pass')
+               f'{(sync.seconds - seconds) / args.passes * 1e3:.1f} ms/pass, scoring '
+               f'{t["probe_tokens"] / args.passes:.1f} tokens/pass')
     print(line)
   if args.costs:        # one scale: the first warm-up K = 0 round of any setting
     unit_of = next((n for n, (e, _) in engines.items() if 0 in e.step_costs), None)
