@@ -109,7 +109,9 @@ def parse_flags(argv):
   """absl flags parser for the experiment entry points: an unknown or malformed `--config.FIELD`
   ends the program with one line naming the field, before anything runs."""
   try:
-    return flags.FLAGS(argv)
+    rest = flags.FLAGS(argv)
+    _exit_unloaded_config()
+    return rest
   except flags.Error as e:
     text = str(e)
     if 'Traceback (most recent call last)' in text:   # a config file's get_config raised:
@@ -118,6 +120,19 @@ def parse_flags(argv):
     sys.exit(f'FATAL flags: {text}')
   except (AttributeError, KeyError) as e:  # ml_collections: override of a field the config lacks
     exit_unknown_field(e, argv)
+
+
+def _exit_unloaded_config() -> None:
+  """Ends the program with one line when `--config` names a file that could not be loaded
+  (ml_collections keeps the error in the flag's value and raises it, with its traceback, at the
+  first use: a mistyped path would end in a 30-line traceback)."""
+  if 'config' not in flags.FLAGS:
+    return
+  try:
+    flags.FLAGS['config'].value.keys()
+  except OSError as error:
+    reason = str(error).strip().splitlines()[-1].strip()
+    sys.exit(f'FATAL: cannot load the config file ({reason})')
 
 
 def exit_unknown_field(error: Exception, argv) -> None:

@@ -49,10 +49,12 @@ def main(argv):
   try:
     module.run(config, results)
   except BaseException as error:
+    removed = ''
     if not results.records:               # nothing measured: leave no empty run directory
       shutil.rmtree(run_dir, ignore_errors=True)
+      removed = f'; nothing was measured, {run_dir} removed'
     if isinstance(error, ValueError) and not _TRACEBACK.value:   # bad input: one line
-      sys.exit(f'FATAL: {error} (--traceback shows where)')
+      sys.exit(f'FATAL: {error} (--traceback shows where{removed})')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
 

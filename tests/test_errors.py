@@ -116,6 +116,9 @@ def test_model_config_rejects_non_positive_floats(field, value):
     (['--config=configs/batching.py:smok'],
      "FATAL flags: flag --config=configs/batching.py:smok: Error whilst parsing config file: "
      "ValueError: unknown variant 'smok'"),
+    (['--config=configs/batchng.py'],
+     "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
+     "'configs/batchng.py')"),
 ])
 def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],

@@ -114,6 +114,17 @@ def test_single_process_initialize_starts_no_runtime():
   assert not jax.distributed.is_initialized()
 
 
+def test_joining_a_multi_process_run_says_which_before_it_waits(monkeypatch, capsys):
+  joined = []
+  monkeypatch.setattr(jax.distributed, 'initialize', lambda *args: joined.append(args))
+  env = {'JAX_COORDINATOR_ADDRESS': 'localhost:9876', 'JAX_NUM_PROCESSES': '2'}
+  assert distributed.initialize(None, env).enabled
+  assert joined == [('localhost:9876', 2, 0)]
+  err = capsys.readouterr().err
+  assert 'joining a 2-process run as process 0 at coordinator localhost:9876' in err
+  assert '$JAX_NUM_PROCESSES' in err
+
+
 def test_sweep_shard_process_takes_the_cases_of_this_process(tmp_path, monkeypatch):
   monkeypatch.setitem(sys.modules, 'experiments.fake', fake_experiment)
   monkeypatch.setenv('JAX_PROCESS_ID', '1')

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from typing import Mapping, Optional
 
 import jax
@@ -86,6 +87,12 @@ def initialize(config=None, environ: Optional[Mapping[str, str]] = None) -> Dist
   process. Must run before anything touches a device. Returns the settings used."""
   s = settings(config, environ)
   if s.enabled and not jax.distributed.is_initialized():
+    # Joining blocks until every process has joined: say which run, so a stray environment
+    # variable (an exported JAX_NUM_PROCESSES) does not look like a silent hang.
+    print(f'joining a {s.num_processes}-process run as process {s.process_id} at coordinator '
+          f'{s.coordinator_address} (from config.distributed or $' +
+          ', $'.join(ENV.values()) + '); waiting for the other processes',
+          file=sys.stderr, flush=True)
     if s.coordinator_address == 'auto':
       jax.distributed.initialize()
     else:
