@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import pathlib
 from typing import Optional
 
@@ -148,6 +149,22 @@ def exit_unknown_field(error: Exception, argv) -> None:
   hint = f' ({hint.strip()})' if hint.strip() else ''
   sys.exit(f'FATAL: unknown config field {name!r}{hint} in {bad}; the config file lists every '
            f'field')
+
+
+def warn_if_busy(threshold: float = 0.5) -> Optional[float]:
+  """Print a warning when the machine is already busy before a run starts: the 1-minute load
+  average above `threshold` x the CPU count (timings, and speedups most, fall under load, while
+  α, β and τ do not). Returns the load average (None where the OS does not report one)."""
+  try:
+    load = os.getloadavg()[0]
+  except (AttributeError, OSError):
+    return None
+  cpus = os.cpu_count() or 1
+  if load > threshold * cpus:
+    print(f'warning: load average {load:.1f} on {cpus} CPUs before the run: other work shares '
+          f'the machine, so times and speedups will read low (α, β and τ do not depend on load)',
+          file=sys.stderr, flush=True)
+  return load
 
 
 def parse_workloads(config) -> list[str]:

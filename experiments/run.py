@@ -18,7 +18,7 @@ from ml_collections import config_flags
 import shutil
 
 from experiments.common import (DiscardedResults, Results, exit_unknown_field, new_run_dir,
-                                parse_flags)
+                                parse_flags, warn_if_busy)
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -45,6 +45,7 @@ def main(argv):
     return
   run_dir = new_run_dir(_WORKDIR.value, config.experiment)
   print(f'results -> {run_dir}', flush=True)
+  warn_if_busy()
   results = Results(run_dir, config)
   try:
     module.run(config, results)

@@ -56,3 +56,14 @@ def test_empty_cache_gives_each_row_its_own_pages_and_counts_bytes():
 def test_empty_cache_rejects_empty_or_bad_sizes(batch, slots, page_size, match):
   with pytest.raises(ValueError, match=match):
     empty_cache(ModelConfig.from_name('test-tiny'), batch, slots, page_size)
+
+
+def test_a_busy_machine_is_warned_about_before_a_run(monkeypatch, capsys):
+  from experiments import common
+  monkeypatch.setattr(common.os, 'cpu_count', lambda: 2)
+  monkeypatch.setattr(common.os, 'getloadavg', lambda: (2.7, 1.0, 0.5))
+  assert common.warn_if_busy() == 2.7
+  assert 'load average 2.7 on 2 CPUs' in capsys.readouterr().err
+  monkeypatch.setattr(common.os, 'getloadavg', lambda: (0.4, 1.0, 0.5))
+  assert common.warn_if_busy() == 0.4
+  assert capsys.readouterr().err == ''
