@@ -8,10 +8,12 @@ interrupted run loses nothing. Also the small helpers several experiments share
 from __future__ import annotations
 
 import datetime
+import difflib
 import json
 import math
 import os
 import pathlib
+import runpy
 from typing import Optional
 
 import sys
@@ -147,8 +149,41 @@ def exit_unknown_field(error: Exception, argv) -> None:
   name, _, hint = text.partition('\n')             # ml_collections appends 'Did you mean ...'
   name = name.strip('"\'\\')
   hint = f' ({hint.strip()})' if hint.strip() else ''
-  sys.exit(f'FATAL: unknown config field {name!r}{hint} in {bad}; the config file lists every '
-           f'field')
+  others = [f'{field!r}' + (f' (did you mean {close!r}?)' if close else '')
+            for field, close in unknown_fields(argv)
+            if field != name and field.rpartition('.')[2] != name]
+  also = f'; also unknown: {", ".join(others)}' if others else ''
+  sys.exit(f'FATAL: unknown config field {name!r}{hint}{also} in {bad}; the config file lists '
+           f'every field')
+
+
+def unknown_fields(argv, default_config: str = 'configs/speculative.py') -> list:
+  """[(field, closest known name or None)] for every `--config.FIELD=VALUE` of argv whose dotted
+  path the config file (`--config=path[:variant]`, else `default_config`) lacks; [] when the file
+  cannot be loaded (its own error is reported instead). ml_collections stops at the first unknown
+  field; this names them all."""
+  spec = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), default_config)
+  path, _, variant = spec.partition(':')
+  try:
+    get_config = runpy.run_path(path)['get_config']
+    config = get_config(variant) if variant else get_config()
+  except Exception:  # pylint: disable=broad-except
+    return []
+  out = []
+  for arg in argv[1:]:
+    if not arg.startswith('--config.'):
+      continue
+    field = arg[len('--config.'):].split('=', 1)[0]
+    node = config
+    for part in field.split('.'):
+      if isinstance(node, ml_collections.ConfigDict) and part in node:
+        node = node[part]
+        continue
+      keys = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+      close = difflib.get_close_matches(part, keys, n=1)
+      out.append((field, close[0] if close else None))
+      break
+  return out
 
 
 def warn_if_busy(threshold: float = 0.5) -> Optional[float]:
