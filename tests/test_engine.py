@@ -159,8 +159,25 @@ def test_stop_token_inside_accepted_run_ends_only_that_request(tiny, alone):
   assert m.num_tokens == index + 1 and sum(m.accepted_lengths) == index
   assert m.accepted_lengths[-1] < K + 1
   assert m.accepted == sum(min(e, K) for e in m.accepted_lengths)
-  assert m.proposed == K * len(m.accepted_lengths)
-  assert outs[ids[1]].metrics.acceptance_rate == 1.0
+  # Proposals past the stop were never in reach: the cut round counts its emitted tokens only,
+  # so a draft equal to the target reads α = 1 on the stopped request too.
+  assert m.proposed == K * (len(m.accepted_lengths) - 1) + m.accepted_lengths[-1]
+  assert m.acceptance_rate == 1.0 and outs[ids[1]].metrics.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize('max_tokens', [6, 7, 8, 9])
+def test_a_max_tokens_cut_does_not_count_proposals_out_of_reach(tiny, max_tokens):
+  # A self-draft accepts everything; the last round, cut by max_tokens, must not count the
+  # proposals past the limit as proposed (it read 4/6 at max_tokens 6, K = 3).
+  config, params = tiny
+  engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
+                  **SHAPES)
+  rid = engine.add_request(_prompts([4], seed=9)[0], max_tokens=max_tokens)
+  m = engine.run()[rid].metrics
+  assert m.num_tokens == max_tokens
+  assert (m.accepted_lengths[-1] < K + 1) == (max_tokens < 9)      # 9 = 1 + two full rounds
+  assert m.accepted == sum(min(e, K) for e in m.accepted_lengths)
+  assert m.proposed == m.accepted and m.acceptance_rate == 1.0
 
 
 def test_sampled_self_draft_accepts_everything_and_is_seeded(tiny):

@@ -51,6 +51,27 @@ def test_max_new_tokens_cuts_an_accepted_run(tiny):
   sp = generate(tc, tp, prompts, max_new_tokens=6, page_size=8, draft=tc, draft_params=tp, k=8)
   assert sp.tokens == ar.tokens and len(sp.tokens[0]) == 6
   assert sp.emitted == 5 and sp.accepted == 5 and sp.target_calls == 1
+  # The 3 proposals past max_new_tokens were out of reach: not counted as proposed.
+  assert sp.proposed == 5 and sp.acceptance_rate == 1.0
+  # The stop-token cut, likewise: a draft equal to the target reads α = 1.
+  stop = ar.tokens[0][3]
+  cut = generate(tc, tp, prompts, max_new_tokens=6, page_size=8, stop_tokens=[stop], draft=tc,
+                 draft_params=tp, k=8)
+  assert cut.proposed == cut.accepted == 3 and cut.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize('n, emitted, expected', [
+    (8, 9, 8),      # all accepted + bonus: K proposed
+    (2, 3, 8),      # a rejection reached: K proposed (those after it count as not accepted)
+    (8, 5, 5),      # cut inside an accepted run: only the emitted ones were in reach
+    (3, 3, 3),      # cut at the rejected position: the 3 accepted were all that was in reach
+    (0, 1, 8),      # first proposal rejected
+])
+def test_proposals_in_reach(n, emitted, expected):
+  from jaxspec.decoding.speculative import proposals_in_reach
+  assert proposals_in_reach(8, n, emitted) == expected
+  arrays = proposals_in_reach(np.int32(8), np.array([n, n]), np.array([emitted, emitted]))
+  assert arrays.tolist() == [expected, expected]
 
 
 def test_self_draft_accepts_everything(tiny):

@@ -30,6 +30,7 @@ from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.models import ModelConfig, Transformer, cache_for
 
 PREFILL_CHUNK = 64  # tokens per jitted prefill call (one compile per cache shape)
@@ -260,7 +261,7 @@ def _round(target, draft, target_params, draft_params, t_cache, d_cache, pending
     window = window[:window.index(stop_token) + 1]
   window = window[:room]
   emitted = len(window)
-  stats['proposed'] += k
+  stats['proposed'] += proposals_in_reach(k, n, emitted)
   stats['accepted'] += min(n, emitted)
   stats['rejected'] += int(n < k and emitted == n + 1)
   stats['target_calls'] += 1

@@ -22,12 +22,30 @@ from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
 from jaxspec.models import ModelConfig, Transformer
 
 
+def proposals_in_reach(k, accepted, emitted):
+  """The draft tokens of one round that count as proposed for α = accepted ÷ proposed: all K,
+  unless a stop token or the max-token limit cut the round before its first rejection, when only
+  the `emitted` tokens (every one an accepted proposal) were in play and the proposals past the
+  cut could not be accepted whatever the draft said (counted, a draft equal to the target read
+  α = 4/6 at K = 3 with max_tokens 6). A rejection that was reached counts all K, as usual.
+
+  Args:
+    k: proposals drafted (K, or a row's `num_proposed`); accepted: n, accepted by verification;
+      emitted: tokens the round emitted after the cuts. Ints or integer arrays (numpy or jax),
+      elementwise.
+  Returns:
+    emitted where accepted >= emitted, else k (same type as the arguments).
+  """
+  return emitted + (accepted < emitted) * (k - emitted)
+
+
 @flax.struct.dataclass
 class SpecStats:
   """Per-row counters of the decode loop (the prefill's first token is not counted).
 
   Fields (all [B] int32):
-    proposed: draft tokens proposed (K per round the row was active).
+    proposed: draft tokens proposed (K per round the row was active, fewer in a round cut
+      before its first rejection: `proposals_in_reach`).
     accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
     emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
     target_calls: target forward passes (rounds the row was active).
@@ -56,7 +74,7 @@ class SpecStats:
         committed after the stop-token / max-token cut; k: static K.
     """
     act = active.astype(jnp.int32)
-    return SpecStats(proposed=self.proposed + k * act,
+    return SpecStats(proposed=self.proposed + act * proposals_in_reach(k, n, emitted),
                      accepted=self.accepted + jnp.minimum(n, emitted),
                      emitted=self.emitted + emitted,
                      target_calls=self.target_calls + act,

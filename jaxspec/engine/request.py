@@ -33,7 +33,10 @@ class RequestMetrics:
     prefill_tokens: tokens its prefills computed (recomputation after preemptions included).
     cached_tokens: tokens its admissions found in the prefix cache (device or host tier).
     preemptions: times it was preempted (its pages released, recomputed later).
-    proposed: draft tokens proposed for it; accepted: of those, accepted and emitted.
+    proposed: draft tokens proposed for it that were in reach (a round cut by a stop token or
+      max_tokens before its first rejection counts only its emitted tokens,
+      `jaxspec.decoding.speculative.proposals_in_reach`); accepted: of those, accepted and
+      emitted.
     accepted_lengths: per target pass of a decode round, tokens it emitted (accepted + 1, after
       stop-token and max_tokens cuts): the per-round τ; its mean is `mean_accepted_length`.
   """

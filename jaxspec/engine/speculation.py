@@ -10,6 +10,7 @@ import math
 from typing import Callable, Mapping, Optional, Sequence
 
 from jaxspec.decoding.generate import MAX_K
+from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.engine.drafters import make_drafter
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 
@@ -179,7 +180,8 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
 def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
   """Give the policy each row's acceptance observation of a decode round
   (`KPolicy.observe`) and add the row's proposals and accepted tokens to its request's metrics
-  (accepted counts only emitted tokens). Rows with neither proposals nor trials (K = 0 without
+  (accepted counts only emitted tokens, proposed only those in reach of the cuts:
+  `jaxspec.decoding.speculative.proposals_in_reach`). Rows with neither proposals nor trials (K = 0 without
   a draft step or probe) tell nothing and are skipped; nothing without a policy.
 
   Args:
@@ -193,7 +195,7 @@ def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
   for row, request in layout:
     if observed[row]:
       n, e = int(result.num_accepted[row]), int(result.emitted[row])
-      request.metrics.proposed += int(result.num_proposed[row])
+      request.metrics.proposed += proposals_in_reach(int(result.num_proposed[row]), n, e)
       request.metrics.accepted += min(n, e)
       policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
                      float(result.trials[row]))
