@@ -70,3 +70,9 @@ def test_wrong_shape_names_the_tensor(saved):
   with pytest.raises(CheckpointError,
                      match=r"tensor \['params'\]\['layer_0'\]\['mlp'\].*has shape \(64, 32\)"):
     load_model(path)
+
+
+@pytest.mark.parametrize('dtype', ['foo', 'int32', 'bool'])
+def test_a_dtype_that_is_not_floating_is_named(tmp_path, dtype):
+  with pytest.raises(ValueError, match=f'dtype must be a floating-point dtype .*got {dtype!r}'):
+    load_model(tmp_path, dtype)

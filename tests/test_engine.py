@@ -215,6 +215,10 @@ def test_bad_input_fails_that_request_only(tiny, alone):
       (dict(prompt_tokens=good[1], max_tokens=5, stop_tokens=list(range(9))), 'max_stop_tokens'),
       (dict(prompt_tokens=good[1], max_tokens=100), 'needs 14 pages, the pool has 11'),
       (dict(prompt_tokens=good[1], max_tokens=5, request_id=first), 'already in use'),
+      (dict(prompt_tokens=good[1], max_tokens=5, request_id=float('nan')),
+       'request id nan does not equal itself'),
+      (dict(prompt_tokens=good[1], max_tokens=5, stop_tokens=[2.5]),
+       'stop token ids must be ints, got 2.5'),
   ]
   for kwargs, message in bad:
     with pytest.raises(ValueError, match=message):
@@ -229,6 +233,11 @@ def test_bad_input_fails_that_request_only(tiny, alone):
 
 def test_bad_engine_arguments(tiny, tiny_draft):
   config, params = tiny
+  with pytest.raises(ValueError, match="prefix_caching must be True or False, got 'off'"):
+    Engine(config, params, num_slots=2, num_pages=8, prefix_caching='off')
+  for seed in (1.5, 2 ** 70, True):
+    with pytest.raises(ValueError, match=f'seed must be a 64-bit int, got {seed!r}'):
+      Engine(config, params, num_slots=2, num_pages=8, seed=seed)
   with pytest.raises(ValueError, match='k=3'):
     Engine(config, params, num_slots=2, num_pages=8, k=3)
   with pytest.raises(ValueError, match='k=0'):

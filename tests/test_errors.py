@@ -44,6 +44,9 @@ def test_draft_vocabulary_must_match(tiny):
 @pytest.mark.parametrize('kwargs, match', [
     (dict(max_new_tokens=0), 'max_new_tokens must be an int >= 1, got 0'),
     (dict(max_new_tokens=4, stop_tokens=[64]), 'stop token id 64 outside'),
+    (dict(max_new_tokens=4, stop_tokens=[2.7]), 'stop token ids must be ints, got 2.7'),
+    (dict(max_new_tokens=4, stop_tokens=['5']), "stop token ids must be ints, got '5'"),
+    (dict(max_new_tokens=4, stop_tokens=[3, True]), 'stop token ids must be ints, got True'),
 ])
 def test_bad_generation_arguments(tiny, kwargs, match):
   config, params = tiny
@@ -57,6 +60,8 @@ def test_bad_prompts(tiny):
     generate(config, params, [[1], []], max_new_tokens=2)
   with pytest.raises(ValueError, match='token id 99 outside the vocabulary'):
     generate(config, params, [[1, 99]], max_new_tokens=2)
+  with pytest.raises(ValueError, match='prompt 0 holds the bool True, not a token id'):
+    generate(config, params, [[1, True]], max_new_tokens=2)
 
 
 def test_bad_model_config():

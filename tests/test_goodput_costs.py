@@ -102,6 +102,20 @@ def test_an_engines_first_round_of_each_kind_is_not_timed():
     GoodputK(cold_rounds=-1)
 
 
+@pytest.mark.parametrize('kwargs, message', [
+    (dict(tracker='abc'), "tracker must be an AlphaTracker, got 'abc'"),
+    (dict(costs='abc'), r"costs must be a \{K: seconds\} mapping, got 'abc'"),
+    (dict(costs=[1.0, 2.0]), r'costs must be a \{K: seconds\} mapping, got \[1.0, 2.0\]'),
+])
+def test_goodput_arguments_of_the_wrong_type_are_named(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    GoodputK(**kwargs)
+  policy = GoodputK()
+  policy.setup(2)
+  with pytest.raises(ValueError, match='a cost table must be a'):
+    policy.set_costs({0: 1.0, 1: 1.2, 2: 1.4}, by_rows={1: 'abc'})
+
+
 def test_repeated_k1_hold_rides_out_finishes_and_admissions_from_the_queue():
   """A held K >= 1 choice is repeated without gathering the horizon for SPEC_HOLD_ROUNDS while
   its row bucket is unchanged, the batch changed only by finishes and by admissions of requests

@@ -154,3 +154,24 @@ def test_numpy_scalar_params_share_one_compilation_with_python_ones():
 def test_bad_numbers_and_non_numbers_name_the_value(kwargs, bad):
   with pytest.raises(ValueError, match=bad):
     SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize('top_p', [1e-40, 1e-300, 1e-7])
+def test_a_vanishing_top_p_keeps_the_argmax(top_p):
+  # 1e-40 is 0 (or subnormal) in float32: every cut had "enough" mass above it, the mask kept
+  # nothing and sampling drew token 0. The nucleus always holds the most likely token.
+  logits = jnp.array([[0.1, 2.0, -1.0, 0.5], [3.0, 0.0, 0.2, 2.9]])
+  expected = jax.nn.one_hot(jnp.argmax(logits, axis=-1), 4)
+  static = probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p))
+  rows = probabilities(logits, RowSampling.stack([SamplingParams(1.0, 0, top_p)] * 2))
+  np.testing.assert_allclose(static, expected)
+  np.testing.assert_allclose(rows, expected)
+
+
+def test_a_top_k_past_int32_keeps_every_token():
+  # 2**31 overflowed int32 in RowSampling.stack and failed every engine step of its batch.
+  logits = jnp.array([[0.1, 2.0, -1.0, 0.5]])
+  rows = RowSampling.stack([SamplingParams(temperature=1.0, top_k=2 ** 31)])
+  assert int(rows.top_k[0]) == 2 ** 31 - 1
+  np.testing.assert_allclose(probabilities(logits, rows),
+                             probabilities(logits, SamplingParams(temperature=1.0)), rtol=1e-6)

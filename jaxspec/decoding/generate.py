@@ -86,6 +86,9 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
                        f'shape {ids.shape} dtype {ids.dtype}{hint}')
     if len(prompt) == 0:
       raise ValueError(f'{label} is empty')
+    flags = [t for t in prompt if isinstance(t, (bool, np.bool_))]
+    if flags:      # np.asarray([1, True]) is an int array: True would silently be token 1
+      raise ValueError(f'{label} holds the bool {flags[0]!r}, not a token id')
     for config in configs:
       bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
       if bad:
@@ -132,10 +135,12 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
   if isinstance(stop_tokens, (str, bytes)):
     raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')
-  stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
-  for t in stop.tolist():
+  for t in stop_tokens:    # int() would turn 2.7 into 2, '5' into 5 and True into 1
+    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+      raise ValueError(f'stop token ids must be ints, got {t!r}')
     if not 0 <= t < target.vocab_size:
       raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
+  stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
   return configs, slack, stop
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 
 MIN_TEMPERATURE = 1e-4  # below this (and above 0) logits / temperature overflows float32
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +105,10 @@ class RowSampling:
     for p in params:
       if not isinstance(p, SamplingParams):
         raise ValueError(f'expected SamplingParams, got {p!r}')
+    # A top_k past int32 keeps every token, as any top_k >= V does: stored as the int32 maximum
+    # (cast as it was, 2**31 overflowed and failed every step of the batch holding it).
     return cls(np.array([p.temperature for p in params], np.float32),
-               np.array([p.top_k for p in params], np.int32),
+               np.array([min(p.top_k, INT32_MAX) for p in params], np.int32),
                np.array([p.top_p for p in params], np.float32))
 
 
@@ -222,7 +225,10 @@ def _keep_above_cut(probs, enough_above, iterations: int):
     return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
   lo, _ = jax.lax.fori_loop(0, iterations, halve, (lo, hi))
-  return probs > lo
+  # The most likely token always stays: a cut that underflows float32 (top_p = 1e-40 is 0 on
+  # the device, so every cut has "enough" mass above it) would bisect up to max(p) and keep
+  # nothing, and sampling from all zeros drew token 0.
+  return (probs > lo) | (probs >= hi)
 
 
 def sample(rng, probs):

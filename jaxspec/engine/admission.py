@@ -15,7 +15,8 @@ def request_id(engine, request_id):
   """The id of a new request: `request_id` checked, or (None) the engine's next unused int.
 
   Raises:
-    ValueError: an id that is not hashable, or one in use (live or in `engine.outputs`).
+    ValueError: an id that is not hashable, one not equal to itself (NaN), or one in use (live
+      or in `engine.outputs`).
   """
   if request_id is None:
     request_id = next(engine._ids)
@@ -26,6 +27,9 @@ def request_id(engine, request_id):
     hash(request_id)
   except TypeError:
     raise ValueError(f'request id {request_id!r} is not hashable') from None
+  if request_id != request_id:     # NaN: never equal to itself, so never found again
+    raise ValueError(f'request id {request_id!r} does not equal itself: it could not be '
+                     f'looked up (outputs[{request_id!r}]) or refused when reused')
   if request_id in engine._live or request_id in engine.outputs:
     raise ValueError(f'request id {request_id!r} is already in use')
   return request_id

@@ -105,7 +105,8 @@ class Engine:
   Raises:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
-      without speculation, draft and target vocabularies that differ.
+      without speculation, draft and target vocabularies that differ, prefix_caching not a bool,
+      a seed that is not a 64-bit int.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
@@ -133,6 +134,11 @@ class Engine:
                   k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
+    if not isinstance(prefix_caching, (bool, np.bool_)):    # 'off' is truthy: caching stayed on
+      raise ValueError(f'prefix_caching must be True or False, got {prefix_caching!r}')
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
+        not -2 ** 63 <= seed < 2 ** 63:
+      raise ValueError(f'seed must be a 64-bit int, got {seed!r}')
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k = draft, draft_params, k
     self.sampling = sampling

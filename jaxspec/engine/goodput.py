@@ -99,9 +99,9 @@ class GoodputK(KPolicy):
       (`LiveCosts`): priced in, the cold first K >= 1 round kept K >= 1, and the probes that
       would have shown it pays, out for whole requests at B = 1.
   Raises:
-    ValueError: a candidate outside [0, K_max], a cost table missing a candidate or with a
-      non-positive time, margin, stay_margin or spec_margin < 0, window < 1, cold_rounds not
-      an int >= 0.
+    ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
+      candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
+      stay_margin or spec_margin < 0, window < 1, cold_rounds not an int >= 0.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
@@ -116,6 +116,10 @@ class GoodputK(KPolicy):
       raise ValueError(f'window must be an int >= 1, got {window!r}')
     if isinstance(cold_rounds, bool) or not isinstance(cold_rounds, int) or cold_rounds < 0:
       raise ValueError(f'cold_rounds must be an int >= 0, got {cold_rounds!r}')
+    if tracker is not None and not isinstance(tracker, AlphaTracker):
+      raise ValueError(f'tracker must be an AlphaTracker, got {tracker!r}')
+    if costs is not None and not isinstance(costs, Mapping):
+      raise ValueError(f'costs must be a {{K: seconds}} mapping, got {costs!r}')
     self.live = LiveCosts(window, cold_rounds)   # d(K) and h(K)
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
@@ -167,6 +171,8 @@ class GoodputK(KPolicy):
     """
     tables = {None: costs, **(by_rows or {})}
     for table in tables.values():
+      if not isinstance(table, Mapping):
+        raise ValueError(f'a cost table must be a {{K: seconds}} mapping, got {table!r}')
       missing = [k for k in self.candidates if k not in table]
       if missing:
         raise ValueError(f'cost table {dict(table)} misses K in {missing}')

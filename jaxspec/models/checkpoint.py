@@ -61,9 +61,17 @@ def load_model(path, dtype: str = 'float32'):
   Returns:
     (ModelConfig, params pytree).
   Raises:
+    ValueError: a dtype that is not a floating-point dtype (named).
     CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
       has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
   """
+  try:
+    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+  except TypeError:
+    floating = False
+  if not floating:
+    raise ValueError(f'dtype must be a floating-point dtype (float32, bfloat16, float16), got '
+                     f'{dtype!r}')
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise CheckpointError(f'no model directory at {path}')
