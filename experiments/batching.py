@@ -48,6 +48,7 @@ from __future__ import annotations
 import inspect
 import math
 import random
+import re
 import statistics
 import time
 
@@ -66,11 +67,10 @@ FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.tempera
 
 
 def _value(text: str):
-  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) (a sequence of ints,
-  e.g. decode_buckets), anything else the string itself."""
-  parts = text.split('/')
-  if len(parts) > 1 and all(p.strip().lstrip('-').isdigit() for p in parts):
-    return tuple(int(p) for p in parts)
+  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) and '8/' -> (8,) (a
+  sequence of ints, e.g. decode_buckets), anything else the string itself."""
+  if re.fullmatch(r'\s*-?\d+\s*(/\s*-?\d+\s*)*/\s*(-?\d+\s*)?', text):   # a/b/c or a/
+    return tuple(int(p) for p in text.split('/') if p.strip())
   low = text.lower()
   if low in ('true', 'false'):
     return low == 'true'
@@ -87,9 +87,10 @@ def parse_settings(text: str) -> dict[str, dict]:
 
   Example: 'k0=k:0;k4=k:4;goodput=k:8,k_policy:goodput' ->
   {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
-  floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`) or strings. A setting with k >= 1 gets the draft model unless it names
-  another drafter (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the
-  Engine refuses (a bad policy name, ...) are reported by `build_engines`, naming the setting.
+  floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`; one element: `8/`)
+  or strings. A setting with k >= 1 gets the draft model unless it names another drafter
+  (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the Engine refuses
+  (a bad policy name, ...) are reported by `build_engines`, naming the setting.
 
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated

@@ -162,12 +162,14 @@ def unknown_fields(argv, default_config: str = 'configs/speculative.py') -> list
   path the config file (`--config=path[:variant]`, else `default_config`) lacks; [] when the file
   cannot be loaded (its own error is reported instead). ml_collections stops at the first unknown
   field; this names them all."""
-  spec = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), default_config)
-  path, _, variant = spec.partition(':')
+  specs = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
+  path, _, variant = (specs[-1] if specs else default_config).partition(':')   # absl: the last
   try:
     get_config = runpy.run_path(path)['get_config']
     config = get_config(variant) if variant else get_config()
   except Exception:  # pylint: disable=broad-except
+    return []
+  if not isinstance(config, ml_collections.ConfigDict):
     return []
   out = []
   for arg in argv[1:]:
@@ -189,16 +191,17 @@ def unknown_fields(argv, default_config: str = 'configs/speculative.py') -> list
 def warn_if_busy(threshold: float = 0.5) -> Optional[float]:
   """Print a warning when the machine is already busy before a run starts: the 1-minute load
   average above `threshold` x the CPU count (timings, and speedups most, fall under load, while
-  α, β and τ do not). Returns the load average (None where the OS does not report one)."""
+  α, β and τ at a fixed K do not; the average decays over minutes, so runs back to back also
+  raise it). Returns the load average (None where the OS does not report one)."""
   try:
     load = os.getloadavg()[0]
   except (AttributeError, OSError):
     return None
   cpus = os.cpu_count() or 1
   if load > threshold * cpus:
-    print(f'warning: load average {load:.1f} on {cpus} CPUs before the run: other work shares '
-          f'the machine, so times and speedups will read low (α, β and τ do not depend on load)',
-          file=sys.stderr, flush=True)
+    print(f'warning: load average {load:.1f} on {cpus} CPUs before the run: if other work '
+          f'shares the machine, times and speedups read low (at a fixed K, α, β and τ do not '
+          f'depend on load)', file=sys.stderr, flush=True)
   return load
 
 

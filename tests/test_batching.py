@@ -17,10 +17,11 @@ from experiments import report
 def test_parse_settings_gives_engine_kwargs_with_typed_values():
   got = batching.parse_settings(
       'k0=k:0; k4 = k:4 ,chunk_size:128;pc=k:2,prefix_caching:false;plain=chunk_size:32;'
-      'rows=decode_buckets:8/2/1')
+      'rows=decode_buckets:8/2/1;one=decode_buckets:8/')
   assert got == {'k0': {'k': 0}, 'k4': {'k': 4, 'chunk_size': 128},
                  'pc': {'k': 2, 'prefix_caching': False}, 'plain': {'chunk_size': 32, 'k': 0},
-                 'rows': {'decode_buckets': (8, 2, 1), 'k': 0}}
+                 'rows': {'decode_buckets': (8, 2, 1), 'k': 0},
+                 'one': {'decode_buckets': (8,), 'k': 0}}
   assert batching.baseline_name(got) == 'k0'
   assert batching.uses_draft_model(got['k4']) and not batching.uses_draft_model(got['k0'])
   assert batching.describe(got['k4']) == dict(k=4, drafter='model', k_policy='fixed')

@@ -1,7 +1,8 @@
-"""The README's Python snippets run as written (so none rots): each ```python block is executed
-after a preamble that holds what the README's earlier sections define (the shipped pair, the
-tokenizer, a prompt), with its sizes cut where noted (`SHRINK`) to keep the suite fast; blocks
-that need more devices than this process has are only compiled."""
+"""The README's Python snippets run as written (so none rots): each ```python block is executed,
+from the repository root, after a preamble that holds what the README's *Using the pieces*
+section defines (the shipped pair, the tokenizer; a block defines anything else itself), with
+its sizes cut where noted (`SHRINK`) to keep the suite fast; blocks that need more devices
+than this process has are only compiled."""
 
 import pathlib
 import re
@@ -18,8 +19,6 @@ from jaxspec.models import load_model, shipped
 target, target_params = load_model(shipped('target'))
 draft, draft_params = load_model(shipped('draft'))
 tok = Tokenizer.load(shipped('tokenizer.json'))
-prompt = prompt_ids = tok.encode('{\\n  "version":"2.0",\\n  "metadata":{')
-prompts = [prompt]
 """
 
 # (text in the block, smaller stand-in): sizes that only make the snippet slower here.

@@ -131,11 +131,16 @@ class PrefixCache:
     host_pages: capacity of the host tier in pages (0 = no host tier).
     enabled: False turns matching and registration off (every request recomputes everything);
       the accounting is otherwise the same, so timings compare like with like.
+  Raises:
+    ValueError: page_size < 1, enabled not a bool (named as prefix_caching, the engines'
+      argument).
   """
 
   def __init__(self, num_pages: int, page_size: int, host_pages: int = 0, enabled: bool = True):
     if page_size < 1:
       raise ValueError(f'page_size must be >= 1, got {page_size}')
+    if not isinstance(enabled, (bool, np.bool_)):     # 'off' is truthy: caching would stay on
+      raise ValueError(f'prefix_caching must be True or False, got {enabled!r}')
     self.allocator = PageAllocator(num_pages)
     self.page_size = page_size
     self.enabled = enabled

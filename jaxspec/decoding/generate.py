@@ -4,6 +4,7 @@ decode loop (autoregressive, or speculative when a draft is given), and time bot
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Optional, Sequence
 
@@ -135,12 +136,17 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
   if isinstance(stop_tokens, (str, bytes)):
     raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')
-  for t in stop_tokens:    # int() would turn 2.7 into 2, '5' into 5 and True into 1
-    if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-      raise ValueError(f'stop token ids must be ints, got {t!r}')
-    if not 0 <= t < target.vocab_size:
-      raise ValueError(f'stop token id {t} outside the vocabulary [0, {target.vocab_size})')
-  stop = np.asarray(sorted(set(int(t) for t in stop_tokens)), np.int32)
+  ids = []
+  for t in tuple(stop_tokens):    # read once: a generator would be empty the second time
+    try:           # int() would turn 2.7 into 2, '5' into 5; index() takes only integers
+      if isinstance(t, (bool, np.bool_)):
+        raise TypeError
+      ids.append(operator.index(t))
+    except TypeError:
+      raise ValueError(f'stop token ids must be ints, got {t!r}') from None
+    if not 0 <= ids[-1] < target.vocab_size:
+      raise ValueError(f'stop token id {ids[-1]} outside the vocabulary [0, {target.vocab_size})')
+  stop = np.asarray(sorted(set(ids)), np.int32)
   return configs, slack, stop
 
 
@@ -195,7 +201,9 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
     GenerationResult.
   Raises:
     ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
-      K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids.
+      K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids (a
+      prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
+      not an integer).
   """
   configs, slack, stop = check_request(target, prompts, max_new_tokens=max_new_tokens,
                                        stop_tokens=stop_tokens, draft=draft,

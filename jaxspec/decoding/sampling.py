@@ -208,7 +208,9 @@ def nucleus_mask(probs, top_p, iterations: int = 32):
 def _keep_above_cut(probs, enough_above, iterations: int):
   """The tokens above a cut found by bisection, not by sorting: `enough_above(x)` (monotone,
   true at 0, false at max(p)) turns false at the cut x*; bisecting [0, max(p)] leaves lo < x*
-  with enough_above(lo), and probs > lo keeps the token whose probability is x* itself.
+  with enough_above(lo), and probs > lo keeps the token whose probability is x* itself; the
+  most likely token is kept whatever the cut (`enough_above` true up to max(p), e.g. a top_p
+  that is 0 in float32, would keep none).
 
   Args:
     probs: [..., V] float32; enough_above: [..., 1] float32 threshold -> [..., 1] bool.

@@ -83,7 +83,7 @@ class Engine:
     max_seq_len: tokens a request may span at most (prompt + max_tokens + K + 1); default the
       models' context. Attention reads a request's whole page-table row each step, so a
       smaller bound makes every step cheaper.
-    seed: PRNG seed of the sampler.
+    seed: PRNG seed of the sampler (a 64-bit int).
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
@@ -134,8 +134,6 @@ class Engine:
                   k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
-    if not isinstance(prefix_caching, (bool, np.bool_)):    # 'off' is truthy: caching stayed on
-      raise ValueError(f'prefix_caching must be True or False, got {prefix_caching!r}')
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
         not -2 ** 63 <= seed < 2 ** 63:
       raise ValueError(f'seed must be a 64-bit int, got {seed!r}')
@@ -197,10 +195,11 @@ class Engine:
       The request id.
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
-        outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1) past the context
-        (or `max_seq_len`) or past what the pool holds, too many stop ids, an id in use, a salt
-        that is not str or bytes, sampling that is not a SamplingParams. The request is not queued;
-        the engine and its other requests are unaffected.
+        outside the vocabulary, a bool prompt token or a stop id that is not an integer,
+        max_tokens < 1, prompt + max_tokens + (K + 1) past the context (or `max_seq_len`) or
+        past what the pool holds, too many stop ids, an id in use or not equal to itself (NaN),
+        a salt that is not str or bytes, sampling that is not a SamplingParams. The request is
+        not queued; the engine and its other requests are unaffected.
     """
     request_id = admission.request_id(self, request_id)
     try:

@@ -179,10 +179,11 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
 
 def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
   """Give the policy each row's acceptance observation of a decode round
-  (`KPolicy.observe`) and add the row's proposals and accepted tokens to its request's metrics
-  (accepted counts only emitted tokens, proposed only those in reach of the cuts:
-  `jaxspec.decoding.speculative.proposals_in_reach`). Rows with neither proposals nor trials (K = 0 without
-  a draft step or probe) tell nothing and are skipped; nothing without a policy.
+  (`KPolicy.observe`) and add the row's proposals and accepted tokens to its request's
+  metrics (accepted counts only emitted tokens, proposed only those in reach of the cuts:
+  `jaxspec.decoding.speculative.proposals_in_reach`). Rows with neither proposals nor trials
+  (K = 0 without a draft step or probe) tell nothing and are skipped; nothing without a
+  policy.
 
   Args:
     layout: [(row, request)] of the round's decoding requests.
