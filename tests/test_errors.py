@@ -4,6 +4,7 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxspec.decoding import generate
@@ -135,3 +136,12 @@ def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
   assert 'Traceback' not in proc.stderr
   assert not any(tmp_path.rglob('results.jsonl'))
+
+
+def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):
+  # A one-shot iterable was read twice (checked, then tabled) and left an empty stop table.
+  import jax.numpy as jnp
+  from jaxspec.decoding.generate import check_request
+  config, _ = tiny
+  for stop in ((t for t in [5, 3]), jnp.asarray([5, 3]), np.array([3, 5], np.int64)):
+    assert check_request(config, [[1, 2]], max_new_tokens=2, stop_tokens=stop)[2].tolist() == [3, 5]
