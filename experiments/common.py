@@ -88,9 +88,13 @@ class DiscardedResults(Results):
 
 
 def format_record(record: dict) -> str:
-  """One readable line: key=value with floats at 4 significant digits."""
+  """One readable line: key=value with floats at 4 significant digits; dict and list fields
+  (per-K round counts, cost tables, per-chunk series) are left to results.jsonl (printed, a
+  batching record ran past 400 characters)."""
   parts = []
   for key, value in record.items():
+    if isinstance(value, (dict, list, tuple)):
+      continue
     if isinstance(value, float):
       value = f'{value:.4g}'
     parts.append(f'{key}={value}')
