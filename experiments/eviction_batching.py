@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from experiments.common import empty_cache
+from experiments.common import empty_cache, parse_workloads
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding.evicting import score_tokens
@@ -62,12 +62,15 @@ def memory(config) -> dict:
     dict: span (tokens a request spans at K = 0), num_pages, plain_slots, max_seq_len (span +
     lookup_k rounded up to a page: every engine's position bound).
   Raises:
-    ValueError: a size < 1.
+    ValueError: a size < 1, plain_slots < 0.
   """
   for name in ('num_requests', 'prompt_len', 'max_tokens', 'memory_requests', 'page_size',
                'chunk_size', 'repeats'):
     if config[name] < 1:
       raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  if config.plain_slots < 0:
+    raise ValueError(f'config.plain_slots must be >= 0 (0: as many as the memory holds), got '
+                     f'{config.plain_slots}')
   span = config.prompt_len + config.max_tokens + 1
   per_request = pages_needed(span, config.page_size)
   num_pages = config.memory_requests * per_request + 1
@@ -197,7 +200,7 @@ def score_reference(model, params, policy, prompts, reference, page_size) -> tup
 def run(config, results) -> None:
   """Serve the requests with every setting, interleaved `repeats` times; one record each."""
   mem = memory(config)
-  workloads = [w.strip() for w in config.workloads.split(',') if w.strip()]
+  workloads = parse_workloads(config)
   model, params = load_model(config.target or shipped('target'))
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   prompts = []

@@ -125,6 +125,8 @@ def test_model_config_rejects_non_positive_floats(field, value):
     (['--config=configs/batching.py:smoke', '--config.batchsize=4', '--config.min_request=1'],
      'FATAL: unknown config field \'batchsize\' (Did you mean "batch_size" instead of '
      '"batchsize"?); also unknown: \'min_request\' (did you mean \'min_requests\'?)'),
+    (['--config=configs/eviction_batching.py:smoke', '--config.workloads='],
+     "FATAL: config.workloads names no workload: ''"),
     (['--config=configs/batchng.py'],
      "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
      "'configs/batchng.py')"),

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import POLICIES, init_cache, init_eviction, make_policy, pages_needed
+from jaxspec.cache import (POLICIES, EvictionPolicy, init_cache, init_eviction, make_policy,
+                           pages_needed)
 from jaxspec.cache.eviction import attend_and_evict, last_token, priority
 from jaxspec.decoding import SamplingParams, prefill
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting,
@@ -35,6 +36,36 @@ def test_bad_budgets_raise(kind, budget, kwargs, needle):
 
 def test_numpy_integer_budgets_are_accepted():
   assert make_policy('h2o', np.int64(20)).budget == 20
+  assert type(make_policy('h2o', np.int64(20)).budget) is int     # hashes like make_policy(20)
+
+
+@pytest.mark.parametrize('args,needle', [
+    (('window', 0), 'budget must be an int >= 1, got 0'),
+    (('h2o', 3, 0, 10), 'budget=3 is smaller than sinks (0) + window (10)'),
+    (('sinks', 4, 4), 'budget=4 is smaller than sinks (4) + window (0)'),
+    (('bogus', 8), "unknown eviction policy 'bogus'"),
+    (('tova', 8, -1), 'sinks must be an int >= 0, got -1'),
+    (('full', 8), "policy 'full' keeps every token and takes no budget"),
+])
+def test_a_policy_built_directly_is_checked_like_make_policy(args, needle):
+  # EvictionPolicy is public: built directly, a budget of 0 stalled every engine step and one
+  # below sinks + window + 1 kept more than the budget live.
+  with pytest.raises(ValueError) as err:
+    EvictionPolicy(*args)
+  assert needle in str(err.value)
+
+
+def test_compiled_kernels_on_cpu_and_non_bool_flags_are_refused_at_init(tiny):
+  config, _ = tiny
+  cache = cache_for(config, np.arange(1, 3)[None], 3, 8)
+  policy = make_policy('h2o', 8)
+  if jax.default_backend() == 'cpu':
+    with pytest.raises(ValueError, match='interpret=False needs a GPU or TPU backend'):
+      init_eviction(policy, cache, use_kernel=True, interpret=False)
+  with pytest.raises(ValueError, match="use_kernel must be True or False, got 'yes'"):
+    init_eviction(policy, cache, use_kernel='yes')
+  with pytest.raises(ValueError, match='interpret must be True or False, got None'):
+    init_eviction(policy, cache, interpret=None)
 
 
 def test_cache_smaller_than_budget_plus_delay_raises(tiny):

@@ -27,6 +27,7 @@ from typing import Optional
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.cache import paged
 from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
@@ -50,6 +51,13 @@ class EvictionPolicy:
     window: most recent positions (before the new token) never evicted.
     reuse_delay: positions an evicted slot waits before reuse; >= K+1 for speculative decoding
       (`jaxspec.decoding.evicting`), 0 otherwise. The cache needs budget + reuse_delay slots.
+
+  Raises:
+    ValueError: unknown kind; a budget given to 'full'; for the others a budget missing, zero,
+      negative or not an int; budget smaller than sinks + window + 1 (no token would ever be
+      evictable); negative or non-int sinks / window / delay. Checked at construction, so a
+      policy built directly is held to what `make_policy` checks (a budget of 0 stalled every
+      engine step; one below sinks + window + 1 kept more than budget tokens live).
   """
 
   kind: str
@@ -57,6 +65,27 @@ class EvictionPolicy:
   sinks: int = 0
   window: int = 0
   reuse_delay: int = 0
+
+  def __post_init__(self):
+    kind = self.kind
+    if not isinstance(kind, str) or kind not in POLICIES:
+      raise ValueError(f'unknown eviction policy {kind!r}; known: {POLICIES}')
+    fields = dict(reuse_delay=_check_int('reuse_delay', self.reuse_delay, 0),
+                  sinks=_check_int('sinks', self.sinks, 0),
+                  window=_check_int('window', self.window, 0))
+    if kind == 'full':
+      if self.budget is not None:
+        raise ValueError(f"policy 'full' keeps every token and takes no budget, got "
+                         f'budget={self.budget!r} (size its cache for the whole sequence)')
+    else:
+      if self.budget is None:
+        raise ValueError(f'eviction policy {kind!r} needs a budget (tokens), got None')
+      fields['budget'] = _check_int('budget', self.budget, 1)
+      if fields['budget'] < fields['sinks'] + fields['window'] + 1:
+        raise ValueError(f'budget={self.budget} is smaller than sinks ({self.sinks}) + window '
+                         f'({self.window}) + 1: no cached token could ever be evicted')
+    for name, value in fields.items():      # numpy ints stored as Python ints (hash alike)
+      object.__setattr__(self, name, value)
 
   @property
   def slots(self) -> Optional[int]:
@@ -83,30 +112,15 @@ def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int]
   window and sinks evict the oldest non-sink token, so their `window` stays 0.
 
   Raises:
-    ValueError: unknown kind; a budget given to 'full'; for the others a budget missing, zero,
-      negative or not an int; budget smaller than
-      sinks + window + 1 (no token would ever be evictable); negative sinks / window / delay.
+    ValueError: as `EvictionPolicy` (which checks every policy, however built).
   """
-  if kind not in POLICIES:
-    raise ValueError(f'unknown eviction policy {kind!r}; known: {POLICIES}')
-  reuse_delay = _check_int('reuse_delay', reuse_delay, 0)
-  if kind == 'full':
-    if budget is not None:
-      raise ValueError(f"policy 'full' keeps every token and takes no budget, got budget={budget!r}"
-                       ' (size its cache for the whole sequence)')
-    return EvictionPolicy('full', None, 0, 0, reuse_delay)
-  if budget is None:
-    raise ValueError(f'eviction policy {kind!r} needs a budget (tokens), got None')
-  budget = _check_int('budget', budget, 1)
+  if kind == 'full' or kind not in POLICIES or budget is None:
+    return EvictionPolicy(kind, budget, 0, 0, reuse_delay)     # its checks name the problem
   if sinks is None:
     sinks = STREAMING_SINKS if kind == 'sinks' else 0
   if window is None:
-    window = budget // 2 if kind in ('h2o', 'h2o_norm') else 0
-  sinks = _check_int('sinks', sinks, 0)
-  window = _check_int('window', window, 0)
-  if budget < sinks + window + 1:
-    raise ValueError(f'budget={budget} is smaller than sinks ({sinks}) + window ({window}) + 1: '
-                     'no cached token could ever be evicted')
+    window = budget // 2 if kind in ('h2o', 'h2o_norm') and \
+        isinstance(budget, numbers.Integral) else 0
   return EvictionPolicy(kind, budget, sinks, window, reuse_delay)
 
 
@@ -143,8 +157,16 @@ def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kern
   """An empty eviction state for `cache` (every slot free).
 
   Raises:
-    ValueError: the cache has fewer slots per sequence than budget + reuse_delay.
+    ValueError: the cache has fewer slots per sequence than budget + reuse_delay; use_kernel or
+      interpret not a bool; compiled kernels (use_kernel, not interpret) on a CPU backend,
+      which runs Pallas only in interpret mode (refused here, not at the first step).
   """
+  for name, value in (('use_kernel', use_kernel), ('interpret', interpret)):
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f'{name} must be True or False, got {value!r}')
+  if use_kernel and not interpret and jax.default_backend() == 'cpu':
+    raise ValueError('use_kernel=True with interpret=False needs a GPU or TPU backend: on CPU '
+                     'Pallas kernels run only in interpret mode (interpret=True)')
   slots = cache.capacity
   if policy.slots is not None and slots < policy.slots:
     raise ValueError(f'cache holds {slots} slots per sequence, policy {policy.kind!r} needs '
