@@ -161,7 +161,10 @@ def exit_unknown_field(error: Exception, argv) -> None:
            f'every field')
 
 
-def unknown_fields(argv, default_config: str = 'configs/speculative.py') -> list:
+DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and experiments.sweep
+
+
+def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
   """[(field, closest known name or None)] for every `--config.FIELD=VALUE` of argv whose dotted
   path the config file (`--config=path[:variant]`, else `default_config`) lacks; [] when the file
   cannot be loaded (its own error is reported instead). ml_collections stops at the first unknown

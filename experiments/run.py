@@ -17,13 +17,13 @@ from ml_collections import config_flags
 
 import shutil
 
-from experiments.common import (DiscardedResults, Results, exit_unknown_field, new_run_dir,
-                                parse_flags, warn_if_busy)
+from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_unknown_field,
+                                new_run_dir, parse_flags, warn_if_busy)
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
   _CONFIG = config_flags.DEFINE_config_file(
-      'config', 'configs/speculative.py', 'Experiment config file (path[:variant]).',
+      'config', DEFAULT_CONFIG, 'Experiment config file (path[:variant]).',
       lock_config=True)
 except (AttributeError, KeyError) as _error:
   exit_unknown_field(_error, sys.argv)

@@ -36,8 +36,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
-from experiments.common import (Results, exit_unknown_field, format_record, parse_flags,
-                                read_results)
+from experiments.common import (DEFAULT_CONFIG, Results, exit_unknown_field, format_record,
+                                parse_flags, read_results)
 from jaxspec.parallel import distributed
 
 
@@ -255,7 +255,7 @@ def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
 def define_flags() -> None:
   """Defines the CLI flags; called only when run as a program, so imports define no flags."""
   try:  # with the default config file, overrides are applied here, at definition
-    config_flags.DEFINE_config_file('config', 'configs/speculative.py',
+    config_flags.DEFINE_config_file('config', DEFAULT_CONFIG,
                                     'Config file (path[:variant]) with get_sweep().',
                                     lock_config=True)
   except (AttributeError, KeyError) as error:

@@ -87,9 +87,9 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
                        f'shape {ids.shape} dtype {ids.dtype}{hint}')
     if len(prompt) == 0:
       raise ValueError(f'{label} is empty')
-    flags = [t for t in prompt if isinstance(t, (bool, np.bool_))]
-    if flags:      # np.asarray([1, True]) is an int array: True would silently be token 1
-      raise ValueError(f'{label} holds the bool {flags[0]!r}, not a token id')
+    bools = [t for t in prompt if isinstance(t, (bool, np.bool_))]
+    if bools:      # np.asarray([1, True]) is an int array: True would silently be token 1
+      raise ValueError(f'{label} holds the bool {bools[0]!r}, not a token id')
     for config in configs:
       bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
       if bad:

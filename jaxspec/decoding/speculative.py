@@ -27,7 +27,9 @@ def proposals_in_reach(k, accepted, emitted):
   unless a stop token or the max-token limit cut the round before its first rejection, when only
   the `emitted` tokens (every one an accepted proposal) were in play and the proposals past the
   cut could not be accepted whatever the draft said (counted, a draft equal to the target read
-  α = 4/6 at K = 3 with max_tokens 6). A rejection that was reached counts all K, as usual.
+  α = 4/6 at K = 3 with max_tokens 6). A rejection that was reached counts all K, as usual: α
+  is Leviathan et al. 2023's acceptance rate, measured over the proposals verification could
+  accept.
 
   Args:
     k: proposals drafted (K, or a row's `num_proposed`); accepted: n, accepted by verification;
