@@ -254,6 +254,20 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   assert short.add_request([5] * 59, max_tokens=4) == 1     # the refused request kept id 0
 
 
+def test_numpy_integer_arguments_act_as_ints(tiny, tiny_draft, alone):
+  # Sizes computed with numpy (a sweep's np.arange, a config read through np.int64) are ints.
+  config, params = tiny
+  engine = Engine(config, params, num_slots=np.int64(3), num_pages=np.int64(BIG),
+                  page_size=np.int32(L), chunk_size=np.int64(8), draft=tiny_draft[0],
+                  draft_params=tiny_draft[1], k=np.int64(K), seed=np.uint8(0))
+  assert all(type(v) is int for v in (engine.num_slots, engine.chunk_size, engine.k))
+  prompt = _prompts([9], seed=6)[0]
+  rid = engine.add_request(np.asarray(prompt), max_tokens=np.int64(10))
+  engine.run(max_steps=np.int32(100))
+  assert engine.outputs[rid].tokens == alone(prompt, 10)
+  assert engine.outputs[rid].metrics.num_tokens == 10
+
+
 @pytest.mark.parametrize('k,prefill_rows', [(0, 1), (K, None)])
 def test_device_steps_compile_once_per_shape(tiny, tiny_draft, alone, k, prefill_rows):
   engine = _engine(tiny, tiny_draft, k, BIG, prefill_rows=prefill_rows, host_pages=4)

@@ -3,7 +3,6 @@ scores the draft on exactly the tokens the target drew at K = 0, catch-ups over 
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
 import numpy as np
-import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.drafters import ModelDrafter

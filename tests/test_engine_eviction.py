@@ -231,6 +231,8 @@ def test_bad_evicting_engine_arguments(tiny):
       (dict(prefix_caching=True), 'prefix_caching=True'),
       (dict(host_pages=4), 'host_pages=4'),
       (dict(prefill_rows=2), 'prefill_rows=2 must equal num_slots=4'),
+      (dict(decode_buckets=(1, 4)), r'decode_buckets=\(1, 4\) must be None or \(num_slots,\)'),
+      (dict(decode_buckets=4), 'decode_buckets=4 must be None'),
       (dict(policy=make_policy('h2o', 80)), 'needs 10 pages of 8 per request.* = 8'),
       (dict(policy=make_policy('full')), "policy 'full' has no budget"),
       (dict(policy='h2o'), "policy must be an EvictionPolicy.*'h2o'"),

@@ -1,12 +1,15 @@
 """Bad input gets a clear error naming the value, never a silent wrong result."""
 
 import dataclasses
+import re
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding import generate
 from jaxspec.models import ModelConfig
 
@@ -27,11 +30,22 @@ def test_speculation_slack_counts_against_the_context(tiny):
     generate(config, params, [prompt], max_new_tokens=20, draft=config, draft_params=params, k=8)
 
 
-@pytest.mark.parametrize('k', [0, -1, 17])
+@pytest.mark.parametrize('k', [0, -1, 17, 2.5, True, '2'])
 def test_k_out_of_range(tiny, k):
   config, params = tiny
-  with pytest.raises(ValueError, match=rf'K must be in \[1, 16\], got {k}'):
+  with pytest.raises(ValueError, match=rf'K must be an int in \[1, 16\], got {k!r}'):
     generate(config, params, [[1, 2, 3]], max_new_tokens=4, draft=config, draft_params=params, k=k)
+
+
+def test_integer_checks_take_numpy_integers_and_refuse_the_rest():
+  for value in (3, np.int64(3), np.uint8(3), np.array(3), jnp.int32(3)):
+    assert check_int('n', value, 1) == 3 and type(check_int('n', value, 1)) is int
+  for value in (True, np.bool_(True), jnp.array(True), 3.0, '3', None, np.array([3])):
+    with pytest.raises(ValueError, match=rf'n must be an int >= 1, got {re.escape(repr(value))}'):
+      check_int('n', value, 1)
+  with pytest.raises(ValueError, match='n must be an int >= 1, got 0'):
+    check_int('n', 0, 1)
+  assert check_int('n', -5) == -5 and is_int_in(np.int16(4), 1, 4) and not is_int_in(5, 1, 4)
 
 
 def test_draft_vocabulary_must_match(tiny):

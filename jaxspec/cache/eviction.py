@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import paged
+from jaxspec.checks import check_int
 from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
 from jaxspec.kernels.paged_attention import attention_with_mass, paged_attention_with_mass
 
@@ -70,9 +71,9 @@ class EvictionPolicy:
     kind = self.kind
     if not isinstance(kind, str) or kind not in POLICIES:
       raise ValueError(f'unknown eviction policy {kind!r}; known: {POLICIES}')
-    fields = dict(reuse_delay=_check_int('reuse_delay', self.reuse_delay, 0),
-                  sinks=_check_int('sinks', self.sinks, 0),
-                  window=_check_int('window', self.window, 0))
+    fields = dict(reuse_delay=check_int('reuse_delay', self.reuse_delay, 0),
+                  sinks=check_int('sinks', self.sinks, 0),
+                  window=check_int('window', self.window, 0))
     if kind == 'full':
       if self.budget is not None:
         raise ValueError(f"policy 'full' keeps every token and takes no budget, got "
@@ -80,7 +81,7 @@ class EvictionPolicy:
     else:
       if self.budget is None:
         raise ValueError(f'eviction policy {kind!r} needs a budget (tokens), got None')
-      fields['budget'] = _check_int('budget', self.budget, 1)
+      fields['budget'] = check_int('budget', self.budget, 1)
       if fields['budget'] < fields['sinks'] + fields['window'] + 1:
         raise ValueError(f'budget={self.budget} is smaller than sinks ({self.sinks}) + window '
                          f'({self.window}) + 1: no cached token could ever be evicted')
@@ -97,12 +98,6 @@ class EvictionPolicy:
     budget = num_slots + 1 if self.kind == 'full' else self.budget
     return SelectParams(budget=budget, sinks=self.sinks, window=self.window,
                         reuse_delay=self.reuse_delay)
-
-
-def _check_int(name, value, minimum) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-    raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
-  return int(value)
 
 
 def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int] = None,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
+from jaxspec.checks import check_int
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.rejection import rejection_sample
@@ -156,8 +157,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
     ValueError: bad arguments or a prompt that does not fit the context.
     ConstraintError: the constraint cannot be continued.
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f'max_new_tokens must be an int >= 1, got {max_new_tokens!r}')
+  max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
   if len(prompt) == 0:
     raise ValueError('prompt is empty')
   bad = [t for t in prompt if not 0 <= int(t) < target.vocab_size]

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
+from jaxspec.checks import check_int
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig
@@ -117,8 +118,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
   Raises:
     ValueError: naming the bad value (see `generate`).
   """
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f'{max_tokens_name} must be an int >= 1, got {max_new_tokens!r}')
+  max_new_tokens = check_int(max_tokens_name, max_new_tokens, 1)
   if draft is None and (k is not None or draft_params is not None):
     raise ValueError(f'k={k} / draft_params given without a draft model')
   if draft is not None and draft_params is None:
@@ -129,8 +129,12 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     if draft.vocab_size != target.vocab_size:
       raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
                        f'vocabulary ({target.vocab_size})')
-    if k is None or not 1 <= k <= max_k:
-      raise ValueError(f'speculation length K must be in [1, {max_k}], got {k}')
+    try:
+      valid = 1 <= check_int('k', k) <= max_k
+    except ValueError:
+      valid = False
+    if not valid:
+      raise ValueError(f'speculation length K must be an int in [1, {max_k}], got {k!r}')
     configs.append(draft)
     slack = max(slack, k + 1)
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
@@ -208,9 +212,9 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   configs, slack, stop = check_request(target, prompts, max_new_tokens=max_new_tokens,
                                        stop_tokens=stop_tokens, draft=draft,
                                        draft_params=draft_params, k=k, max_k=max_k)
-  for name, value in (('page_size', page_size), ('prompt_bucket', prompt_bucket)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+  max_new_tokens = int(max_new_tokens)
+  page_size = check_int('page_size', page_size, 1)
+  prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
 
   b = len(prompts)
   lengths = np.array([len(p) for p in prompts], np.int32)

@@ -123,7 +123,7 @@ class PrefixCachedGenerator:
     _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, draft=self.draft,
                                    draft_params=self.draft_params, k=self.k, max_k=self.max_k)
-    prompt = [int(t) for t in prompt]
+    prompt, max_new_tokens = [int(t) for t in prompt], int(max_new_tokens)
     rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
     rng_prefill, rng_decode, stop = map(self.steps.put_replicated,
                                         (rng_prefill, rng_decode, stop))

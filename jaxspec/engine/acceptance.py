@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from jaxspec.engine.k_policy import checked_real
+from jaxspec.checks import check_real
 
 
 class AlphaTracker:
@@ -56,10 +56,10 @@ class AlphaTracker:
 
   def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0,
                global_span: float = 8.0):
-    decay = checked_real('decay', decay, 0.0, 1.0, high_open=True)
-    self.global_span = checked_real('global_span', global_span, 1.0, math.inf, high_open=True)
-    prior = checked_real('prior', prior, 0.0, 1.0)
-    prior_trials = checked_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
+    decay = check_real('decay', decay, 0.0, 1.0, high_open=True)
+    self.global_span = check_real('global_span', global_span, 1.0, math.inf, high_open=True)
+    prior = check_real('prior', prior, 0.0, 1.0)
+    prior_trials = check_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
     self._sums: dict = {}                 # {request: [S_α, N_α, S_β, N_β]}
     self._global = [0.0, 0.0, 0.0, 0.0]

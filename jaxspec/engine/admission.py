@@ -37,7 +37,8 @@ def request_id(engine, request_id):
 
 def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Sequence[int],
           salt, sampling: Optional[SamplingParams]):
-  """(prompt list of int, stop tuple of int, salt bytes, SamplingParams) of a new request.
+  """(prompt list of int, max_tokens int, stop tuple of int, salt bytes, SamplingParams) of a
+  new request.
 
   Args:
     engine: the `Engine` (its models, K, window, max_seq_len, pool, stop-table width, default
@@ -58,7 +59,7 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
   stop = tuple(stop.tolist())
   if len(stop) > engine.max_stop_tokens:
     raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={engine.max_stop_tokens}')
-  prompt = [int(t) for t in prompt_tokens]
+  prompt, max_tokens = [int(t) for t in prompt_tokens], int(max_tokens)
   span = len(prompt) + max_tokens + slack
   if span > engine.max_seq_len:
     raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
@@ -70,4 +71,4 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
   sampling = engine.sampling if sampling is None else sampling
   if not isinstance(sampling, SamplingParams):
     raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
-  return prompt, stop, salt_bytes(salt), sampling
+  return prompt, max_tokens, stop, salt_bytes(salt), sampling

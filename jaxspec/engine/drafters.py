@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from jaxspec.checks import check_int
 from jaxspec.engine import device, spec_steps
 
 
@@ -129,10 +130,10 @@ class ModelDrafter(Drafter):
                probe_budget: Optional[float] = 0.01, observe_tokens: int = 8):
     if not isinstance(lazy, bool):
       raise ValueError(f'lazy must be a bool, got {lazy!r}')
-    for name, v in (('probe_every', 1 if probe_every is None else probe_every),
-                    ('probe_rows', probe_rows), ('observe_tokens', observe_tokens)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f'{name} must be an int >= 1, got {v!r}')
+    if probe_every is not None:
+      probe_every = check_int('probe_every', probe_every, 1)
+    probe_rows = check_int('probe_rows', probe_rows, 1)
+    observe_tokens = check_int('observe_tokens', observe_tokens, 1)
     if probe_budget is not None and (isinstance(probe_budget, bool) or
                                      not isinstance(probe_budget, (int, float)) or
                                      not 0 < probe_budget <= 1):
@@ -174,9 +175,8 @@ def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> li
   Raises:
     ValueError: k, max_ngram or min_ngram not an int, min_ngram < 1 or > max_ngram.
   """
-  for name, v in (('k', k), ('max_ngram', max_ngram), ('min_ngram', min_ngram)):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-      raise ValueError(f'{name} must be an int, got {v!r}')
+  k, max_ngram, min_ngram = (check_int(name, v) for name, v in
+                              (('k', k), ('max_ngram', max_ngram), ('min_ngram', min_ngram)))
   if not 1 <= min_ngram <= max_ngram:
     raise ValueError(f'need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, '
                      f'max_ngram={max_ngram}')
@@ -208,9 +208,8 @@ class NGramDrafter(Drafter):
   """
 
   def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-    for name, v in (('max_ngram', max_ngram), ('min_ngram', min_ngram)):
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f'{name} must be an int >= 1, got {v!r}')
+    max_ngram = check_int('max_ngram', max_ngram, 1)
+    min_ngram = check_int('min_ngram', min_ngram, 1)
     if min_ngram > max_ngram:
       raise ValueError(f'min_ngram={min_ngram} exceeds max_ngram={max_ngram}')
     self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import admission, device, draft_sync, speculation, timing
@@ -41,11 +42,6 @@ from jaxspec.models import ModelConfig, cache_for
 # One compiled call per step instead of the ~10 ops of an eager `jax.random.split` (~90 us of
 # dispatch on the development CPU, ~2 % of a B = 4 decode round); the same keys.
 _split = jax.jit(lambda key: tuple(jax.random.split(key)))
-
-
-def _positive_int(name, value, minimum=1):
-  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-    raise ValueError(f'{name} must be an int >= {minimum}, got {value!r}')
 
 
 class Engine:
@@ -117,26 +113,26 @@ class Engine:
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0):
-    _positive_int('num_slots', num_slots)
-    _positive_int('num_pages', num_pages, 2)
-    _positive_int('page_size', page_size)
-    _positive_int('chunk_size', chunk_size)
-    _positive_int('max_stop_tokens', max_stop_tokens)
-    _positive_int('host_pages', host_pages, 0)
-    prefill_rows = num_slots if prefill_rows is None else prefill_rows
-    _positive_int('prefill_rows', prefill_rows)
+    num_slots = check_int('num_slots', num_slots, 1)
+    num_pages = check_int('num_pages', num_pages, 2)
+    page_size = check_int('page_size', page_size, 1)
+    chunk_size = check_int('chunk_size', chunk_size, 1)
+    max_stop_tokens = check_int('max_stop_tokens', max_stop_tokens, 1)
+    host_pages = check_int('host_pages', host_pages, 0)
+    prefill_rows = check_int('prefill_rows', num_slots if prefill_rows is None else prefill_rows,
+                             1)
     if prefill_rows > num_slots:
       raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
-    _positive_int('k', k, 0)
+    k = check_int('k', k, 0)
     self.drafter, self.policy = speculation.setup(drafter, k_policy,
                                                   has_draft_model=draft is not None, k=k)
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
                   k=k if draft is not None else None)
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or \
-        not -2 ** 63 <= seed < 2 ** 63:
+    if not is_int_in(seed, -2 ** 63, 2 ** 63 - 1):
       raise ValueError(f'seed must be a 64-bit int, got {seed!r}')
+    seed = int(seed)
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k = draft, draft_params, k
     self.sampling = sampling
@@ -152,7 +148,7 @@ class Engine:
     configs = [target] if draft is None else [target, draft]
     context = min(c.max_seq_len for c in configs)
     if max_seq_len is not None:
-      _positive_int('max_seq_len', max_seq_len)
+      max_seq_len = check_int('max_seq_len', max_seq_len, 1)
       if max_seq_len > context:
         raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
     self.max_seq_len = context if max_seq_len is None else max_seq_len
@@ -203,8 +199,8 @@ class Engine:
     """
     request_id = admission.request_id(self, request_id)
     try:
-      prompt, stop, salt, sampling = admission.check(self, prompt_tokens, max_tokens,
-                                                      stop_tokens, salt, sampling)
+      prompt, max_tokens, stop, salt, sampling = admission.check(
+          self, prompt_tokens, max_tokens, stop_tokens, salt, sampling)
     except (TypeError, ValueError) as err:
       raise ValueError(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
@@ -248,7 +244,7 @@ class Engine:
       ValueError: max_steps not None and not an int >= 0.
     """
     if max_steps is not None:
-      _positive_int('max_steps', max_steps, 0)
+      max_steps = check_int('max_steps', max_steps, 0)
     before = set(self.outputs)
     steps = 0
     while self.has_unfinished() and (max_steps is None or steps < max_steps):

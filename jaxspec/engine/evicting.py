@@ -36,12 +36,14 @@ so sharing them would need copy-on-write), prefill_rows other than num_slots, th
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
+from jaxspec.checks import is_int_in
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine import device_evicting
@@ -85,6 +87,14 @@ class EvictingScheduler(Scheduler):
     return None   # pages are rewritten in place as slots are reused: nothing is shareable
 
 
+def _one_bucket(buckets, num_slots) -> bool:
+  """Whether `buckets` is the one decode bucket (num_slots,)."""
+  try:
+    return tuple(buckets) == (num_slots,)
+  except TypeError:
+    return False
+
+
 class EvictingEngine(Engine):
   """Continuous batching with each request's target cache under `policy`, at K = 0 or with
   prompt lookup at a fixed K.
@@ -104,8 +114,9 @@ class EvictingEngine(Engine):
     k, drafter: K = 0 and None (no speculation), or K >= 1 with drafter 'ngram' (or an
       `NGramDrafter`): prompt lookup verified under eviction, K every round; needs
       policy.reuse_delay >= K + 1.
-    draft, draft_params, k_policy, prefix_caching, host_pages, prefill_rows: accepted only at
-      their defaults (None, None, 'fixed', False, 0, None = num_slots); see the module docstring.
+    draft, draft_params, k_policy, prefix_caching, host_pages, prefill_rows, decode_buckets:
+      accepted only at their defaults (None, None, 'fixed', False, 0, None = num_slots,
+      None = (num_slots,): row b of every call is slot b); see the module docstring.
       k_policy may also be a `FixedK` instance (at K = 0 it means no speculation, as in `Engine`,
       which leaves it unused and unbound).
   Attributes:
@@ -116,7 +127,8 @@ class EvictingEngine(Engine):
   Raises:
     ValueError: naming the value: a policy that is not an EvictionPolicy or has no budget; a
       draft model, a drafter other than prompt lookup, an adaptive K policy, prompt lookup with
-      reuse_delay < K + 1, prefix caching, a host tier or prefill_rows != num_slots; a prefill_group
+      reuse_delay < K + 1, prefix caching, a host tier, prefill_rows != num_slots or decode
+      buckets other than (num_slots,); a prefill_group
       that does not divide chunk_size; a budget whose pages exceed the pool; and everything
       `Engine` refuses.
   """
@@ -128,6 +140,7 @@ class EvictingEngine(Engine):
                interpret: bool = True, draft: Optional[ModelConfig] = None, draft_params=None,
                k: int = 0, drafter=None, k_policy='fixed', prefix_caching: bool = False,
                host_pages: int = 0, prefill_rows: Optional[int] = None,
+               decode_buckets: Optional[Sequence[int]] = None,
                prefill_group: Optional[int] = None):
     if not isinstance(policy, EvictionPolicy):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
@@ -143,8 +156,7 @@ class EvictingEngine(Engine):
                        f"(drafter='ngram', k >= 1, k_policy 'fixed' or a FixedK; or K = 0), got "
                        f'k={k!r}, draft={"None" if draft is None else "a model"}, '
                        f'drafter={drafter!r}, k_policy={k_policy!r}')
-    if lookup and isinstance(k, int) and not isinstance(k, bool) and k >= 1 and \
-        policy.reuse_delay < k + 1:
+    if lookup and is_int_in(k, 1, math.inf) and policy.reuse_delay < k + 1:
       raise ValueError(f'prompt lookup at K = {k} under eviction needs the policy\'s reuse_delay '
                        f'>= K + 1 = {k + 1} (make_policy(..., reuse_delay={k + 1})), got '
                        f'{policy.reuse_delay}')
@@ -157,18 +169,21 @@ class EvictingEngine(Engine):
     if prefill_rows is not None and prefill_rows != num_slots:
       raise ValueError(f'prefill_rows={prefill_rows!r} must equal num_slots={num_slots!r} '
                        'under eviction (prefill row b is slot b)')
+    if decode_buckets is not None and not _one_bucket(decode_buckets, num_slots):
+      raise ValueError(f'decode_buckets={decode_buckets!r} must be None or (num_slots,) = '
+                       f'({num_slots!r},) under eviction (decode row b is slot b)')
     super().__init__(target, target_params, num_slots=num_slots, num_pages=num_pages,
                      page_size=page_size, chunk_size=chunk_size, sampling=sampling,
                      prefix_caching=False, max_stop_tokens=max_stop_tokens,
                      max_seq_len=max_seq_len, seed=seed, k=k, drafter=drafter,
                      k_policy=k_policy)
     if prefill_group is None:   # the largest divisor of the chunk up to 4
-      prefill_group = next(g for g in range(min(chunk_size, 4), 0, -1) if chunk_size % g == 0)
-    if (isinstance(prefill_group, bool) or not isinstance(prefill_group, int) or prefill_group < 1
-        or chunk_size % prefill_group):
+      prefill_group = next(g for g in range(min(self.chunk_size, 4), 0, -1)
+                           if self.chunk_size % g == 0)
+    if not is_int_in(prefill_group, 1, self.chunk_size) or self.chunk_size % prefill_group:
       raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
                        f'got {prefill_group!r}')
-    self.prefill_group = prefill_group
+    self.prefill_group = int(prefill_group)
     self.eviction_policy = policy
     self.request_pages = pages_needed(policy.slots, page_size)
     if self.request_pages > num_pages - 1:

@@ -12,10 +12,11 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
+from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.makespan import expected_tokens, round_tokens  # noqa: F401 (re-exported)
-from jaxspec.engine.k_policy import KPolicy, checked_real
+from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.live_costs import HostSeconds, LiveCosts
 
 
@@ -110,12 +111,10 @@ class GoodputK(KPolicy):
                probe_margin: float = 0.05, stay_margin: float = 0.05,
                spec_margin: float = 0.05, cold_rounds: int = 1):
     super().__init__()
-    margin = checked_real('margin', margin, 0.0, math.inf, high_open=True)
-    self.probe_margin = checked_real('probe_margin', probe_margin, 0.0, 1.0)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-      raise ValueError(f'window must be an int >= 1, got {window!r}')
-    if isinstance(cold_rounds, bool) or not isinstance(cold_rounds, int) or cold_rounds < 0:
-      raise ValueError(f'cold_rounds must be an int >= 0, got {cold_rounds!r}')
+    margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
+    self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
+    window = check_int('window', window, 1)
+    cold_rounds = check_int('cold_rounds', cold_rounds, 0)
     if tracker is not None and not isinstance(tracker, AlphaTracker):
       raise ValueError(f'tracker must be an AlphaTracker, got {tracker!r}')
     if costs is not None and not isinstance(costs, Mapping):
@@ -130,8 +129,8 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self.stay_margin = checked_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
-    self.spec_margin = checked_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
+    self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
+    self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
   @property
   def needs_costs(self) -> bool:
@@ -150,10 +149,10 @@ class GoodputK(KPolicy):
   def setup(self, k_max: int) -> None:
     super().setup(k_max)
     if self._candidates is not None:
-      bad = [k for k in self._candidates if isinstance(k, bool) or not isinstance(k, int) or
-             not 0 <= k <= k_max]
+      bad = [k for k in self._candidates if not is_int_in(k, 0, k_max)]
       if bad or not self._candidates:
         raise ValueError(f'GoodputK candidates {self._candidates} must be ints in [0, {k_max}]')
+      self._candidates = tuple(int(k) for k in self._candidates)
     if self._pending_costs is not None:
       self.set_costs(self._pending_costs)
 

@@ -34,18 +34,9 @@ from __future__ import annotations
 
 import abc
 import math
-import numbers
 from typing import Hashable, Mapping, Optional, Sequence
 
-
-def checked_real(name: str, value, low: float, high: float, high_open: bool = False) -> float:
-  """`value` as a finite float in [low, high] (or [low, high)); ValueError naming it."""
-  ok = (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        and low <= value and (value < high if high_open else value <= high))
-  if not ok:
-    bound = f'[{low}, {high})' if high_open else f'[{low}, {high}]'
-    raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
-  return float(value)
+from jaxspec.checks import check_int, is_int_in
 
 
 class KPolicy(abc.ABC):
@@ -92,8 +83,7 @@ class KPolicy(abc.ABC):
   def setup(self, k_max: int) -> None:
     """Bind K_max (>= 1). Raises ValueError for a bad K_max or a policy already bound to
     another one (one policy instance per engine)."""
-    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-      raise ValueError(f'{type(self).__name__} needs K_max >= 1, got {k_max!r}')
+    k_max = check_int(f'{type(self).__name__} K_max', k_max, 1)
     if self.k_max is not None:
       raise ValueError(f'{type(self).__name__} is already bound to an engine (K_max='
                        f'{self.k_max}): a policy keeps per-request state, give each engine its '
@@ -170,10 +160,11 @@ class ScheduleK(KPolicy):
 
   def __init__(self, initial: Optional[int] = None, min_k: int = 1):
     super().__init__()
-    if isinstance(min_k, bool) or not isinstance(min_k, int) or min_k < 1:
-      raise ValueError(f'ScheduleK min_k must be an int >= 1, got {min_k!r}')
-    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, int)):
-      raise ValueError(f'ScheduleK initial must be an int (or None), got {initial!r}')
+    min_k = check_int('ScheduleK min_k', min_k, 1)
+    if initial is not None:
+      if not is_int_in(initial, -math.inf, math.inf):
+        raise ValueError(f'ScheduleK initial must be an int (or None), got {initial!r}')
+      initial = int(initial)
     self.initial, self.min_k = initial, min_k
     self.k_of: dict = {}
 

@@ -9,6 +9,7 @@ import itertools
 import math
 from typing import Callable, Mapping, Optional, Sequence
 
+from jaxspec.checks import is_int_in
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.engine.drafters import make_drafter
@@ -50,8 +51,7 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
                        f"(give a draft model or drafter='ngram', and k >= 1)")
     return None, None
   policy.setup(k)
-  bad = [c for c in policy.candidates if isinstance(c, bool) or not isinstance(c, int) or
-         not 0 <= c <= k]
+  bad = [c for c in policy.candidates if not is_int_in(c, 0, k)]
   if bad or not policy.candidates:
     raise ValueError(f'k_policy {policy!r} declares candidates {policy.candidates}: each must '
                      f'be an int in [0, k={k}]')
@@ -163,7 +163,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       k, caps = _checked(policy, k_max, len(decodes), *again)
       if draft_sync is not None:
         draft_sync.before_round(decodes, k)
-      return k, caps
+      return int(k), [int(c) for c in caps]
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
   policy.rows, policy.queued = rows, queued
@@ -174,7 +174,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   k, caps = _checked(policy, k_max, len(decodes), *policy.choose([r.id for r in decodes]))
   if draft_sync is not None:
     draft_sync.before_round(decodes, k)
-  return k, caps
+  return int(k), [int(c) for c in caps]
 
 
 def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
@@ -204,10 +204,10 @@ def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
 
 def _checked(policy, k_max: int, n: int, k, caps) -> tuple:
   """(k, list(caps)) if K is an int candidate in [0, k_max] and caps n ints in [0, K]."""
-  if isinstance(k, bool) or not isinstance(k, int) or k not in policy.candidates or \
-      not 0 <= k <= k_max or len(caps) != n or \
-      any(isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= k for c in caps):
+  caps = list(caps)
+  if not (is_int_in(k, 0, k_max) and k in policy.candidates and len(caps) == n and
+          all(is_int_in(c, 0, k) for c in caps)):
     raise ValueError(f'k_policy {policy!r} chose K={k!r} (candidates {policy.candidates}) with '
                      f'caps {caps!r} for {n} requests: K must be an int candidate in '
                      f'[0, k={k_max}] and each cap an int in [0, K]')
-  return k, list(caps)
+  return int(k), [int(c) for c in caps]

@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxspec.cache import host as host_lib
+from jaxspec.checks import check_int
 from jaxspec.engine import device
 from jaxspec.engine.live_costs import line_through
 from jaxspec.engine import rows as rows_lib
@@ -39,9 +40,7 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
   Raises:
     ValueError: repeats or block not an int >= 1.
   """
-  for name, value in (('repeats', repeats), ('block', block)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f'{name} must be an int >= 1, got {value!r}')
+  repeats, block = check_int('repeats', repeats, 1), check_int('block', block, 1)
   keys = list(calls)
   for key in keys:
     calls[key]()

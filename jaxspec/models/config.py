@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.models import rope
 
 
@@ -57,19 +59,18 @@ class ModelConfig:
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
                  'num_kv_heads', 'head_dim', 'd_ff', 'max_seq_len'):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f'ModelConfig.{name} must be a positive int, got {value!r}')
+      object.__setattr__(self, name, check_int(f'ModelConfig.{name}', getattr(self, name), 1))
     for name in ('rope_theta', 'norm_eps'):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, (int, float)) or \
           not 0 < value < float('inf'):
         raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
     object.__setattr__(self, 'rope_scaling', rope.normalize_scaling(self.rope_scaling))
-    if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or not isinstance(
-        self.sliding_window, int) or self.sliding_window < 1):
-      raise ValueError(f'ModelConfig.sliding_window must be None or a positive int, '
-                       f'got {self.sliding_window!r}')
+    if self.sliding_window is not None:
+      if not is_int_in(self.sliding_window, 1, math.inf):
+        raise ValueError(f'ModelConfig.sliding_window must be None or a positive int, '
+                         f'got {self.sliding_window!r}')
+      object.__setattr__(self, 'sliding_window', int(self.sliding_window))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')

@@ -41,6 +41,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jaxspec.checks import is_int_in
 from jaxspec.models.checkpoint import CheckpointError, param_shapes
 from jaxspec.models.config import ModelConfig
 
@@ -317,8 +318,7 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
   """
   if dtype not in _DTYPES:
     raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
-  if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or (
-      max_shard_bytes < 1):
+  if not is_int_in(max_shard_bytes, 1, math.inf):
     raise ValueError(f'max_shard_bytes must be a positive int, got {max_shard_bytes!r}')
   fields = config_to_hf(config, architecture)
   if tokenizer is not None:

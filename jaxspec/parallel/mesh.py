@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
+from jaxspec.checks import check_int
 from jaxspec.models import ModelConfig
 
 DATA = 'data'
@@ -30,9 +31,7 @@ def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None)
   Raises:
     ValueError: a size < 1, or data * model != the number of devices (the message names both).
   """
-  for name, value in (('data', data), ('model', model)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f'mesh.{name} must be an int >= 1, got {value!r}')
+  data, model = check_int('mesh.data', data, 1), check_int('mesh.model', model, 1)
   devices = list(jax.devices() if devices is None else devices)
   if data * model != len(devices):
     raise ValueError(f'a mesh of data={data} x model={model} = {data * model} devices does not '
