@@ -18,10 +18,10 @@ experiments/batching_report.py, written by the sweep (and `experiments.report`) 
 threshold.md / threshold.json beside summary.md, plots in plots/.
 
 Sizes: per workload N = max(2 x B, 8) requests of 64-token prompts, 32 tokens each, one pass:
-the 7-case sweep took 15 min 6 s on the idle 2-core development machine with
---config.repeats=3 (commit c062b7d), most of it compiling the step variants (every K of every
-setting at every decode row bucket: up to ~100 at B = 64) and the B = 32 and 64 cases; `:smoke`
-~10-60 s.
+the 7-case sweep took 15-21 min on the 2-core development machine with --config.repeats=3
+(20 min 58 s at 81d42c8, the README's tables), most of it compiling the step variants (every
+K of every setting at every decode row bucket: up to ~100 at B = 64) and the B = 32 and 64
+cases; `:smoke` ~10-60 s.
 
 settings: 'name=key:value,...;name2=...', keys are `Engine` keyword arguments (k, drafter,
 k_policy, chunk_size, prefix_caching, ...); k >= 1 uses the draft model unless drafter:ngram

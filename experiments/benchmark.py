@@ -107,3 +107,7 @@ def run(config, results) -> None:
     record[f'{name}_step_ms'] = step_s[name] * 1e3
     record[f'{name}_mbu'] = mbu(step_bytes, step_s[name], bandwidth)
   results.write(record)
+  if max(record['target_mbu'], record['draft_mbu']) > 1:
+    print(f'warning: MBU above 1 means the bandwidth measurement ({bandwidth / 1e9:.1f} GB/s) ran '
+          'slower than the decode steps it divides, as on a busy machine: rerun idle before '
+          'reading the MBU figures', flush=True)

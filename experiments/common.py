@@ -1,4 +1,5 @@
-"""Where an experiment's results go: WORKDIR/EXPERIMENT/RUN_ID/{config.json, results.jsonl}.
+"""Where an experiment's results go: WORKDIR/EXPERIMENT/RUN_ID/{config.json, environment.json,
+results.jsonl}.
 
 Each measured case is appended to results.jsonl (and flushed) as soon as it is measured, so an
 interrupted run loses nothing. Also the small helpers several experiments share
@@ -46,6 +47,36 @@ def _clean(value):
   return value
 
 
+# The packages a result depends on beyond our code: the corpora are read from the installed
+# Python's standard library and botocore's data files (jaxspec.data.corpus), so their versions
+# change the held-out prompts and with them α, token counts and perplexities.
+_VERSIONED = ('jax', 'jaxlib', 'flax', 'numpy', 'botocore', 'tokenizers', 'llguidance')
+
+
+def environment() -> dict:
+  """What a run's numbers depend on besides its config: Python and package versions (the
+  corpora come from the stdlib and botocore), the machine's CPU and JAX's devices."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import platform  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  versions = {}
+  for name in _VERSIONED:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  cpu = platform.processor() or platform.machine()
+  try:
+    for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines():
+      if line.startswith('model name'):
+        cpu = line.split(':', 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return dict(python=platform.python_version(), packages=versions, cpu=cpu,
+              cpu_count=os.cpu_count(), devices=[d.device_kind for d in jax.devices()])
+
+
 class Results:
   """Appends one JSON line per measured case to `run_dir/results.jsonl`.
 
@@ -63,6 +94,7 @@ class Results:
     self.records: list[dict] = []
     if config is not None:
       (self.dir / 'config.json').write_text(config.to_json_best_effort(indent=2) + '\n')
+      (self.dir / 'environment.json').write_text(json.dumps(environment(), indent=2) + '\n')
     self.path = self.dir / 'results.jsonl'
 
   def write(self, record: dict) -> None:

@@ -10,6 +10,7 @@ the schema constraint on and off, on the same extraction prompts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from experiments.speculative import load_pair, ratio
 from jaxspec.data.tool_calls import tool_episodes
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.constrained import constrained_generate
+from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.hydration import ContextSession, ModelExtractor, OracleExtractor, hydrate
 from jaxspec.hydration.schema import record_schema
@@ -38,13 +40,27 @@ def _check(config):
   strategies = _names(config.strategies, STRATEGIES, 'strategies')
   if config.extractor not in EXTRACTORS:
     raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
-  for name in ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens'):
+  for name in ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens', 'page_size'):
     if config[name] < 1:
       raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
   for name in ('retries', 'alpha_prompts', 'extractor_k', 'shots'):
     if config[name] < 0:
       raise ValueError(f'config.{name} must be >= 0, got {config[name]}')
-  temps = [float(t) for t in str(config.alpha_temperatures).split(',') if t.strip()]
+  if config.extractor_k > MAX_K:
+    raise ValueError(f'config.extractor_k must be in [0, {MAX_K}], got {config.extractor_k}')
+  if config.alpha_prompts and config.extractor != 'oracle' and not 1 <= config.alpha_k <= MAX_K:
+    raise ValueError(f'config.alpha_k (the α phase\'s speculation length K) must be in '
+                     f'[1, {MAX_K}], got {config.alpha_k}')
+  temps = []
+  for text in str(config.alpha_temperatures).split(','):
+    if text.strip():
+      try:
+        temps.append(float(text))
+      except ValueError:
+        temps.append(math.nan)
+      if not 0.0 <= temps[-1] < math.inf:
+        raise ValueError(f'config.alpha_temperatures: {text.strip()!r} is not a temperature '
+                         f'(a finite number >= 0), in {config.alpha_temperatures!r}')
   return strategies, temps
 
 

@@ -61,3 +61,46 @@ def check_real(name: str, value, low: float, high: float, high_open: bool = Fals
     bound = f'[{low}, {high})' if high_open else f'[{low}, {high}]'
     raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
   return float(value)
+
+
+def token_ids(tokens, label: str = 'tokens', vocab_size: Optional[int] = None) -> list:
+  """`tokens` as a list of Python ints, if it is a flat sequence of integer token ids in
+  [0, vocab_size) (in [0, 2**63) without a vocabulary: a page key packs each id in 8 bytes).
+
+  Args:
+    tokens: a list or tuple of ints (Python or numpy), or a 1-D integer array.
+    label: how the error names the sequence ('prompt 0', 'context', ...).
+    vocab_size: V, the model's vocabulary size (None: no model involved).
+  Returns:
+    list of int.
+  Raises:
+    ValueError: naming `label` and the first bad id: not a flat sequence of integers (text,
+      floats, a nested list), a bool (np.asarray([1, True]) is an int array: True would
+      silently be token 1), an id outside [0, V).
+  """
+  if isinstance(tokens, str) or getattr(tokens, 'ndim', 1) != 1 or not hasattr(tokens,
+                                                                                '__iter__'):
+    hint = ' (text? encode it first: Tokenizer.encode)' if isinstance(tokens, str) else ''
+    raise ValueError(f'{label} must be a flat sequence of int token ids, got '
+                     f'{str(tokens)[:60]!r}{hint}')
+  if hasattr(tokens, 'dtype'):           # an array: one dtype for every element
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f'{label} must be a flat sequence of int token ids, got dtype '
+                       f'{tokens.dtype}')
+    ids = np.asarray(tokens).tolist()
+  else:
+    ids = []
+    for t in tokens:
+      try:
+        if isinstance(t, (bool, np.bool_)):
+          raise ValueError(f'{label} holds the bool {t!r}, not a token id')
+        ids.append(operator.index(t))
+      except TypeError:
+        raise ValueError(f'{label} must be a flat sequence of int token ids, got {t!r} at '
+                         f'position {len(ids)}') from None
+  high = 2 ** 63 if vocab_size is None else vocab_size
+  bad = next((t for t in ids if not 0 <= t < high), None)
+  if bad is not None:
+    where = f'the vocabulary [0, {vocab_size})' if vocab_size is not None else '[0, 2**63)'
+    raise ValueError(f'{label} has token id {bad} outside {where}')
+  return ids

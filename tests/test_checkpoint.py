@@ -76,3 +76,25 @@ def test_wrong_shape_names_the_tensor(saved):
 def test_a_dtype_that_is_not_floating_is_named(tmp_path, dtype):
   with pytest.raises(ValueError, match=f'dtype must be a floating-point dtype .*got {dtype!r}'):
     load_model(tmp_path, dtype)
+
+
+def test_save_refuses_a_bad_dtype_or_params_before_writing_anything(saved, tmp_path):
+  path, config, params = saved
+  other = ModelConfig.from_name('test-tiny', rope_theta=500.0)
+  for dtype in ('int8', 'float8', 'float64'):
+    with pytest.raises(ValueError, match=f'dtype .*{dtype!r}'):
+      save_model(path, other, params, dtype=dtype)
+  with pytest.raises(CheckpointError, match=r'params given to save_model is missing tensor'):
+    save_model(path, other, {'params': {}})
+  with pytest.raises(CheckpointError, match=r'params given to save_model: tensor .* has shape'):
+    save_model(tmp_path / 'new', other, jax.tree.map(lambda x: x[..., :1], params))
+  assert not (tmp_path / 'new').exists()
+  assert load_model(path)[0] == config             # the directory is as it was
+  save_model(path, config, params, dtype='float32')
+  assert not (path / 'info.json').exists()         # a stale info.json is not left behind
+
+
+def test_model_config_bool_fields_must_be_bools():
+  for field in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
+    with pytest.raises(ValueError, match=f"ModelConfig.{field} must be true or false, got 'no'"):
+      ModelConfig.from_name('test-tiny', **{field: 'no'})

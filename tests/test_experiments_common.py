@@ -1,13 +1,14 @@
 """The helpers experiments share (experiments/common.py), and no private cross-module imports."""
 
 import ast
+import json
 import pathlib
 
 import ml_collections
 import numpy as np
 import pytest
 
-from experiments.common import empty_cache, parse_workloads
+from experiments.common import Results, empty_cache, parse_workloads
 from jaxspec.data import WORKLOADS
 from jaxspec.models import ModelConfig
 
@@ -67,3 +68,14 @@ def test_a_busy_machine_is_warned_about_before_a_run(monkeypatch, capsys):
   monkeypatch.setattr(common.os, 'getloadavg', lambda: (0.4, 1.0, 0.5))
   assert common.warn_if_busy() == 0.4
   assert capsys.readouterr().err == ''
+
+
+def test_a_run_records_the_versions_its_prompts_depend_on(tmp_path):
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import platform  # pylint: disable=import-outside-toplevel
+  Results(tmp_path / 'run', ml_collections.ConfigDict({'k': 2}), verbose=False)
+  env = json.loads((tmp_path / 'run' / 'environment.json').read_text())
+  assert env['python'] == platform.python_version()
+  assert env['packages']['botocore'] == importlib.metadata.version('botocore')
+  assert env['packages']['jax'] == importlib.metadata.version('jax')
+  assert env['devices'] and env['cpu_count'] >= 1

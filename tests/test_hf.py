@@ -329,6 +329,11 @@ def _edit_config(path, **changes):
     (dict(attention_bias=True), 'attention_bias=True is not supported'),
     (dict(hidden_act='gelu'), "hidden_act='gelu' is not supported"),
     (dict(num_attention_heads=3), 'num_heads=3 is not a multiple of num_kv_heads=2'),
+    (dict(rope_parameters=[1, 2]), r'rope_parameters must be an object, got \[1, 2\]'),
+    (dict(tie_word_embeddings='false'), "tie_word_embeddings must be true or false, got 'false'"),
+    (dict(head_dim=0), 'head_dim must be an int >= 1, got 0'),        # not "use the default"
+    (dict(num_key_value_heads=0), 'num_kv_heads must be an int >= 1, got 0'),
+    (dict(architectures=7), 'architectures must be a list of names, got 7'),
 ])
 def test_bad_config_is_named(tmp_path, changes, match):
   path = _copy(tmp_path)
@@ -393,6 +398,8 @@ def test_missing_shard_and_missing_weights_are_named(tmp_path):
   (path / 'pytorch_model.bin').write_bytes(b'')
   with pytest.raises(CheckpointError, match=r"no model.safetensors .*pytorch_model.bin.*convert"):
     load_pretrained(path)
+  with pytest.raises(CheckpointError, match=r"no model.safetensors .*pytorch_model.bin.*convert"):
+    load_model(path)                       # the layout is told by config.json, not the weights
   with pytest.raises(CheckpointError, match='no config.json'):
     load_pretrained(tmp_path)
 
@@ -405,3 +412,28 @@ def test_save_pretrained_rejects_params_that_do_not_match(loaded, tmp_path):
   with pytest.raises(ValueError, match='LlamaForCausalLM has no sliding window'):
     save_pretrained(tmp_path, dataclasses.replace(config, sliding_window=4), params,
                     architecture='LlamaForCausalLM')
+
+
+@pytest.mark.parametrize('weight_map', [[], 'x', {'model.norm.weight': None}])
+def test_an_index_whose_weight_map_is_malformed_is_named(tmp_path, weight_map):
+  path = _copy(tmp_path, 'llama')
+  (path / hf.INDEX).write_text(json.dumps({'weight_map': weight_map}))
+  with pytest.raises(CheckpointError, match='"weight_map" must map tensor names to file names'):
+    load_pretrained(path)
+
+
+def test_a_config_that_is_not_utf8_or_bad_arguments_are_named(tmp_path):
+  path = _copy(tmp_path, 'llama')
+  with pytest.raises(ValueError, match="dtype must be one of .*got 'float64'"):
+    load_pretrained(path, dtype='float64')
+  with pytest.raises(ValueError, match='max_seq_len must be an int >= 1, got 0'):
+    load_pretrained(path, max_seq_len=0)
+  (path / 'config.json').write_bytes(b'\xff\xfe{')
+  with pytest.raises(CheckpointError, match='is not valid JSON'):
+    load_pretrained(path)
+  with pytest.raises(CheckpointError, match='config.json'):
+    load_model(path)
+  (path / 'config.json').write_text(json.dumps({'hidden_size': 32, 'vocab_size': 64}))
+  with pytest.raises(CheckpointError, match="a Hugging Face config.json. it names no "
+                                            "'architectures' or 'model_type'"):
+    load_model(path)

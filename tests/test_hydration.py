@@ -102,6 +102,34 @@ def test_state_store_validates_and_records_rfc6902_patches(episode):
     StateStore(STATE_SCHEMA, {'operations': []})
 
 
+def test_state_store_history_survives_edits_in_place_and_keys_must_be_strings(episode):
+  store = StateStore(STATE_SCHEMA, INITIAL_STATE)
+  state = copy.deepcopy(INITIAL_STATE)          # one working dict, edited in place every turn
+  record = truth_record(episode.turns[0].value)
+  state['operations'][record['name']] = {k: v for k, v in record.items() if k != 'name'}
+  state['last_operation'] = record['name']
+  first = copy.deepcopy(store.update(state))
+  state['operations'][record['name']]['errors'] = [{'shape': 'NotFound'}]
+  store.update(state)
+  assert store.patches[0] == first and store.replay() == store.state == state
+  bad = copy.deepcopy(state)
+  bad['operations'][None] = bad['operations'].pop(record['name'])
+  with pytest.raises(StateError, match=r"at \['operations'\]: key None is not a string"):
+    store.update(bad)
+  assert store.state == state and len(store.patches) == 2
+
+
+def test_a_malformed_record_from_a_custom_extractor_is_a_fallback(episode):
+  true = truth_record(episode.turns[0].value)
+  malformed = [{k: v for k, v in true.items() if k != 'name'}, [1], 'record',
+               dict(true, http='GET /'), dict(true, name=None)]
+  records = iter(malformed + [true])
+  turns, store = hydrate(episode, lambda call: Extraction(next(records, None), 1, 0.0))
+  assert [t.fallback for t in turns] == [True] * 5 + [False]
+  assert all(t.patch == [] and t.fields_correct == 0 for t in turns[:5])
+  assert len(store.patches) == 1 and store.replay() == store.state
+
+
 def test_model_extraction_that_cannot_finish_falls_back_and_is_counted(episode, tok):
   draft, params = load_model(shipped('draft'))
   extractor = ModelExtractor(draft, params, tok, shipped('tokenizer.json'), max_new_tokens=4,
@@ -136,6 +164,28 @@ def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-4, rtol=1e-4)
   with pytest.raises(ValueError, match='exceeds'):
     fresh.prefill([3] * 200)
+
+
+def test_context_session_refuses_bad_ids_and_gives_pages_back_when_prefill_fails(tiny,
+                                                                                monkeypatch):
+  config, params = tiny
+  session = ContextSession(config, params, max_tokens=64, page_size=8, width_step=4)
+  for tokens, match in (([3, 2 ** 40], 'token id 1099511627776 outside the vocabulary'),
+                        ([3, 64], r'token id 64 outside the vocabulary \[0, 64\)'),
+                        ([3, -1], 'token id -1'), ([3, 3.9], 'flat sequence of int token ids'),
+                        ([3, True], 'holds the bool True')):
+    with pytest.raises(ValueError, match=match):
+      session.prefill(tokens)
+  def broken(*args, **kwargs):
+    raise RuntimeError('device lost')
+  monkeypatch.setattr('jaxspec.hydration.context.prefill_chunked', broken)
+  with pytest.raises(RuntimeError, match='device lost'):
+    session.prefill(list(range(3, 60)))
+  assert session.prefix.num_held == 0           # the pages it took are free again
+  monkeypatch.undo()
+  assert session.prefill([3 + i % 50 for i in range(64)]).prefill_tokens == 64   # the whole pool
+  with pytest.raises(ValueError, match=r'max_tokens must be an int in \[1, max_seq_len='):
+    ContextSession(config, params, max_tokens=config.max_seq_len + 1)
 
 
 def test_bad_experiment_config_fails_before_loading_models():

@@ -374,3 +374,24 @@ def test_random_operations_reach_hits_demotions_and_promotions():
   stats = run_ops(ops, host=3)
   assert stats['cached_tokens'] >= 40 and stats['demoted_pages'] >= 5
   assert stats['promoted_pages'] >= 3
+
+
+def test_prefix_cache_refuses_ids_and_sizes_that_are_not_ints():
+  cache = PrefixCache(10, 4)
+  for tokens, match in (([1.7, 2.2, 3.9], 'flat sequence of int token ids'),
+                        ([1, True, 3], 'holds the bool True'), ([1, -2, 3], 'token id -2'),
+                        ([1, 2 ** 63], r'token id 9223372036854775808 outside \[0, 2\*\*63\)')):
+    with pytest.raises(ValueError, match=match):
+      cache.admit(tokens)
+    with pytest.raises(ValueError, match=match):
+      cache.match(tokens)
+  assert cache.num_free == 9                     # nothing was taken
+  for kwargs, match in ((dict(host_pages=float('nan')), 'host_pages must be an int >= 0'),
+                        (dict(host_pages=2.5), 'host_pages must be an int >= 0, got 2.5'),
+                        (dict(host_pages=True), 'host_pages must be an int >= 0, got True'),
+                        (dict(page_size=0), 'page_size must be an int >= 1, got 0'),
+                        (dict(num_pages=1.0), r'num_pages must be an int >= 2 \(page 0')):
+    with pytest.raises(ValueError, match=match):
+      PrefixCache(**{'num_pages': 10, 'page_size': 4, **kwargs})
+  request, _ = PrefixCache(10, 4, host_pages=np.int64(2)).admit(np.arange(5, dtype=np.int32))
+  assert request.tokens == [0, 1, 2, 3, 4]

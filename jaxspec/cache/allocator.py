@@ -6,7 +6,10 @@ handed out.
 
 from __future__ import annotations
 
+import math
+
 from jaxspec.cache.paged import NULL_PAGE
+from jaxspec.checks import is_int_in
 
 
 class OutOfPagesError(ValueError):
@@ -21,8 +24,9 @@ class PageAllocator:
   """
 
   def __init__(self, num_pages: int):
-    if num_pages < 2:
-      raise ValueError(f'num_pages must be >= 2 (page 0 is the null page), got {num_pages}')
+    if not is_int_in(num_pages, 2, math.inf):
+      raise ValueError(f'num_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}')
+    num_pages = int(num_pages)
     self.num_pages = num_pages
     self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out low pages first
     self._refs = [0] * num_pages

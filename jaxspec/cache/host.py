@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache.paged import NULL_PAGE
+from jaxspec.checks import check_int
 
 
 class HostTier:
@@ -30,8 +31,7 @@ class HostTier:
   """
 
   def __init__(self, capacity: int):
-    if capacity < 1:
-      raise ValueError(f'host tier capacity must be >= 1 page, got {capacity}')
+    capacity = check_int('host tier capacity (pages)', capacity, 1)
     self.capacity = capacity
     self._entries: collections.OrderedDict[bytes, object] = collections.OrderedDict()
     self.evicted = 0

@@ -38,6 +38,7 @@ import numpy as np
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
 from jaxspec.cache.host import HostTier, read_pages, write_pages
 from jaxspec.cache.paged import pages_needed
+from jaxspec.checks import check_int, token_ids
 
 _ROOT = bytes(32)  # parent key of a sequence's first page
 
@@ -132,13 +133,14 @@ class PrefixCache:
     enabled: False turns matching and registration off (every request recomputes everything);
       the accounting is otherwise the same, so timings compare like with like.
   Raises:
-    ValueError: page_size < 1, enabled not a bool (named as prefix_caching, the engines'
-      argument).
+    ValueError: num_pages < 2, page_size < 1, host_pages < 0 (each must be an int), enabled
+      not a bool (named as prefix_caching, the engines' argument). `match`, `admit` and
+      `commit` refuse token ids that are not ints in [0, 2**63) (`jaxspec.checks.token_ids`).
   """
 
   def __init__(self, num_pages: int, page_size: int, host_pages: int = 0, enabled: bool = True):
-    if page_size < 1:
-      raise ValueError(f'page_size must be >= 1, got {page_size}')
+    page_size = check_int('page_size', page_size, 1)
+    host_pages = check_int('host_pages', host_pages, 0)
     if not isinstance(enabled, (bool, np.bool_)):     # 'off' is truthy: caching would stay on
       raise ValueError(f'prefix_caching must be True or False, got {enabled!r}')
     self.allocator = PageAllocator(num_pages)
@@ -197,9 +199,9 @@ class PrefixCache:
       (device_pages, host_keys): device pages of the leading matched pages, then keys of the
       pages after them found only in the host tier.
     """
-    if not self.enabled or len(tokens) == 0:
+    tokens = token_ids(tokens)
+    if not self.enabled or not tokens:
       return [], []
-    tokens = [int(t) for t in tokens]
     keys = page_keys(tokens, self.page_size, salt)[:(len(tokens) - 1) // self.page_size]
     device, host = [], []
     for key in keys:
@@ -233,7 +235,7 @@ class PrefixCache:
       ValueError: an empty prompt, reserve < len(tokens), or an unapplied plan pending.
     """
     self._check_no_pending()
-    tokens = [int(t) for t in tokens]
+    tokens = token_ids(tokens, 'prompt')
     salt = salt_bytes(salt)
     reserve = len(tokens) if reserve is None else reserve
     if not tokens:
@@ -312,7 +314,7 @@ class PrefixCache:
         prefix of the prompt is fine), or `tokens` outgrow the request's pages.
     """
     self._check_live(request)
-    tokens = [int(t) for t in tokens]
+    tokens = token_ids(tokens)
     if tokens[:len(request.tokens)] != request.tokens and request.tokens[:len(tokens)] != tokens:
       raise ValueError(f'request {request.id}: committed tokens diverge from its prompt')
     if len(tokens) > len(request.pages) * self.page_size:

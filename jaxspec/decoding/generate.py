@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, token_ids
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig
@@ -81,21 +81,10 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
     raise ValueError('no prompts given')
   for i, prompt in enumerate(prompts):
     label = 'prompt' if one_request else f'prompt {i}'
-    ids = np.asarray(prompt)
-    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-      hint = ' (text? encode it first: Tokenizer.encode)' if isinstance(prompt, str) else ''
-      raise ValueError(f'{label} must be a flat sequence of int token ids, got '
-                       f'shape {ids.shape} dtype {ids.dtype}{hint}')
-    if len(prompt) == 0:
+    ids = token_ids(prompt, label, min(c.vocab_size for c in configs))
+    if not ids:
       raise ValueError(f'{label} is empty')
-    bools = [t for t in prompt if isinstance(t, (bool, np.bool_))]
-    if bools:      # np.asarray([1, True]) is an int array: True would silently be token 1
-      raise ValueError(f'{label} holds the bool {bools[0]!r}, not a token id')
     for config in configs:
-      bad = [t for t in prompt if not 0 <= int(t) < config.vocab_size]
-      if bad:
-        raise ValueError(f'{label} has token id {bad[0]} outside the vocabulary '
-                         f'[0, {config.vocab_size})')
       need = len(prompt) + max_new_tokens + slack
       if need > config.max_seq_len:
         raise ValueError(

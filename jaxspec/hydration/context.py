@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import NULL_PAGE, PagedKVCache, PrefixCache, pages_needed
+from jaxspec.checks import check_int, is_int_in, token_ids
 from jaxspec.decoding.constrained import prefill_chunked
 from jaxspec.models import ModelConfig, cache_for
 
@@ -49,13 +50,18 @@ class ContextSession:
     width_step: page-table widths are multiples of this many pages.
     prefix_cache: reuse cached pages (a prefix cache's hits); False recomputes every context.
   Raises:
-    ValueError (from `prefill`): a context longer than max_tokens or empty.
+    ValueError: max_tokens not an int in [1, the model's max_seq_len], page_size or width_step
+      not an int >= 1; from `prefill`: a context longer than max_tokens, empty, or with a token
+      id that is not an int in [0, V).
   """
 
   def __init__(self, config: ModelConfig, params, *, max_tokens: int, page_size: int = 16,
                prefix_cache: bool = False, width_step: int = 16):
-    if width_step < 1:
-      raise ValueError(f'width_step must be >= 1, got {width_step}')
+    width_step = check_int('width_step', width_step, 1)
+    page_size = check_int('page_size', page_size, 1)
+    if not is_int_in(max_tokens, 1, config.max_seq_len):
+      raise ValueError(f'max_tokens must be an int in [1, max_seq_len={config.max_seq_len}], '
+                       f'got {max_tokens!r}')
     self.config, self.params, self.page_size = config, params, page_size
     self.prefix_cache = prefix_cache
     self.width_step = width_step
@@ -84,12 +90,14 @@ class ContextSession:
 
   def prefill(self, tokens: Sequence[int], commit: bool = True) -> TurnCost:
     """Make `tokens` a context of the session (greedy first token), prefilling what the prefix
-    cache does not hold. commit=False leaves the cache as it was (for repeated timings).
+    cache does not hold. commit=False registers none of its pages (for repeated timings of the
+    same context; taking its pages may still reclaim other contexts' least recently used ones).
 
     Raises:
-      ValueError: an empty context, or one longer than the session's max_tokens.
+      ValueError: an empty context, one longer than the session's max_tokens, a token id that
+        is not an int in [0, V). A failure after the pages were taken gives them back.
     """
-    tokens = [int(t) for t in tokens]
+    tokens = token_ids(tokens, 'context', self.config.vocab_size)
     if not tokens:
       raise ValueError('empty context')
     if self._width(pages_needed(len(tokens), self.page_size)) > self.max_width:
@@ -97,16 +105,18 @@ class ContextSession:
                        f'({self.max_width * self.page_size} tokens)')
     start = time.perf_counter()
     request, plan = self.prefix.admit(tokens)
-    self.prefix.apply(plan, [])                       # no host tier: nothing to move
-    cached = request.num_cached
-    logits, cache = prefill_chunked(self.config, self.params, self._cache(request.pages, cached),
-                                    tokens[cached:])
-    first = int(jnp.argmax(logits[0]))
-    ttft = time.perf_counter() - start
-    self._k, self._v = cache.k_pages, cache.v_pages
-    if commit:
-      self.prefix.commit(request, tokens)
-    self.prefix.finish(request)
+    try:
+      self.prefix.apply(plan, [])                     # no host tier: nothing to move
+      cached = request.num_cached
+      logits, cache = prefill_chunked(self.config, self.params,
+                                      self._cache(request.pages, cached), tokens[cached:])
+      first = int(jnp.argmax(logits[0]))
+      ttft = time.perf_counter() - start
+      self._k, self._v = cache.k_pages, cache.v_pages
+      if commit:
+        self.prefix.commit(request, tokens)
+    finally:
+      self.prefix.finish(request)
     return TurnCost(context_tokens=len(tokens), prefill_tokens=len(tokens) - cached,
                     cached_tokens=cached, ttft_s=ttft,
                     kv_bytes=len(request.pages) * self.page_bytes,

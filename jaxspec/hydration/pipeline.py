@@ -13,11 +13,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jsonschema
+
 from jaxspec.data.tool_calls import ToolCall, ToolEpisode
 from jaxspec.hydration.extract import Extraction
 from jaxspec.hydration.render import render_hydrated, render_stuffing
-from jaxspec.hydration.schema import INITIAL_STATE, STATE_SCHEMA, truth_record, with_record
+from jaxspec.hydration.schema import (INITIAL_STATE, RECORD_SCHEMA, STATE_SCHEMA, truth_record,
+                                      with_record)
 from jaxspec.hydration.state import StateError, StateStore
+
+_RECORD = jsonschema.Draft202012Validator(RECORD_SCHEMA)
 
 
 @dataclasses.dataclass
@@ -58,6 +63,10 @@ def _fields(record: dict) -> list:
 def hydrate(episode: ToolEpisode, extractor: Callable[[ToolCall], Extraction]):
   """Run the pipeline over every turn of `episode`.
 
+  Args:
+    episode: the session's tool calls.
+    extractor: call -> Extraction; a record that is None, or not of `RECORD_SCHEMA`'s shape, or
+      whose state does not validate, is a fallback for that turn.
   Returns:
     (list of HydratedTurn, the StateStore holding every recorded patch).
   """
@@ -69,15 +78,19 @@ def hydrate(episode: ToolEpisode, extractor: Callable[[ToolCall], Extraction]):
     extraction = extractor(call)
     true_record = truth_record(call.value)
     truth = with_record(truth, true_record)
-    patch, fallback = [], extraction.record is None
+    # A record that is not RECORD_SCHEMA's shape (a custom extractor's: no name, a list, http as
+    # a string) is a failed extraction like one that leaves the state invalid.
+    record = extraction.record
+    well_formed = isinstance(record, dict) and _RECORD.is_valid(record)
+    patch, fallback = [], not well_formed
     if not fallback:
       try:
-        patch = store.update(with_record(store.state, extraction.record))
+        patch = store.update(with_record(store.state, record))
       except StateError:
         fallback = True
     if fallback:
       fallbacks[i] = call
-    got = _fields(extraction.record or {})
+    got = _fields(record if well_formed else {})
     want = _fields(true_record)
     turns.append(HydratedTurn(
         turn=i, extraction=extraction, fallback=fallback, patch=patch, state=store.state,

@@ -32,6 +32,10 @@ class StateStore:
     self.patches: list[list[dict]] = []
 
   def _check(self, state):
+    path = _non_string_key(state, [])
+    if path is not None:     # jsonschema checks values, not keys: None would replay as 'None'
+      raise StateError(f'state does not validate at {path[:-1]}: key {path[-1]!r} is not a '
+                       f'string (a JSON object\'s keys are strings)')
     error = jsonschema.exceptions.best_match(self._validator.iter_errors(state))
     if error is not None:
       raise StateError(f'state does not validate at {list(error.absolute_path)}: '
@@ -43,13 +47,17 @@ class StateStore:
     Returns:
       The RFC 6902 patch (list of operations; empty when nothing changed).
     Raises:
-      StateError: `new_state` does not validate (the store is left unchanged).
+      StateError: `new_state` does not validate, or has a dict key that is not a string (the
+        store is left unchanged).
     """
     self._check(new_state)
+    # A copy first: the patch's values are references into the state it was made from, and a
+    # caller who edits one working dict in place every turn would rewrite recorded history.
+    new_state = copy.deepcopy(new_state)
     patch = jsonpatch.make_patch(self.state, new_state).patch
     self.patches.append(patch)
-    self.state = copy.deepcopy(new_state)
-    return patch
+    self.state = new_state
+    return copy.deepcopy(patch)
 
   def replay(self) -> dict:
     """The state obtained by applying every recorded patch to the first state, in order."""
@@ -57,3 +65,20 @@ class StateStore:
     for patch in self.patches:
       state = jsonpatch.apply_patch(state, patch)
     return state
+
+
+def _non_string_key(value, path: list):
+  """The path (ending in the key) to the first dict key in `value` that is not a str, or None."""
+  if isinstance(value, dict):
+    for key, item in value.items():
+      if not isinstance(key, str):
+        return path + [key]
+      found = _non_string_key(item, path + [key])
+      if found is not None:
+        return found
+  elif isinstance(value, (list, tuple)):
+    for i, item in enumerate(value):
+      found = _non_string_key(item, path + [i])
+      if found is not None:
+        return found
+  return None

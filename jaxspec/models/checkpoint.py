@@ -39,16 +39,39 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     path: directory to create.
     params: the params pytree of `config`.
     dtype: storage dtype of the tensors ('bfloat16' halves the size; loading casts back).
-    info: JSON-serialisable facts about training (tokens seen, held-out loss, ...).
+    info: JSON-serialisable facts about training (tokens seen, held-out loss, ...); None
+      removes an info.json left by an earlier save.
+  Raises:
+    ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
+      weight); CheckpointError: params that are not `config`'s (a tensor missing, extra or of
+      the wrong shape). Both before anything is written.
   """
+  dtype = _floating(dtype)
+  _check_tree(param_shapes(config), params, 'params given to save_model')
+  stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
-  (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
-  stored = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype)), params)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / 'params', stored, force=True)
+  (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
   if info is not None:
     (path / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
+  else:
+    (path / 'info.json').unlink(missing_ok=True)
+
+
+def _floating(dtype) -> jnp.dtype:
+  """`dtype` as a jnp.dtype if it is a floating-point one; ValueError naming it otherwise."""
+  try:
+    if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+      if jax.dtypes.canonicalize_dtype(dtype) != jnp.dtype(dtype):
+        raise ValueError(f'dtype {dtype!r} needs jax_enable_x64 (without it JAX would give '
+                         f'{jax.dtypes.canonicalize_dtype(dtype)})')
+      return jnp.dtype(dtype)
+  except TypeError:
+    pass
+  raise ValueError(f'dtype must be a floating-point dtype (float32, bfloat16, float16), got '
+                   f'{dtype!r}')
 
 
 def load_model(path, dtype: str = 'float32'):
@@ -65,26 +88,23 @@ def load_model(path, dtype: str = 'float32'):
     CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
       has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
   """
-  try:
-    floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
-  except TypeError:
-    floating = False
-  if not floating:
-    raise ValueError(f'dtype must be a floating-point dtype (float32, bfloat16, float16), got '
-                     f'{dtype!r}')
+  _floating(dtype)
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise CheckpointError(f'no model directory at {path}')
   from jaxspec.models import hf  # imports this module
   if hf.is_pretrained(path):
     return hf.load_pretrained(path, dtype)
+  fields = None
   try:
     fields = json.loads((path / 'config.json').read_text())
     config = ModelConfig(**fields)
   except FileNotFoundError as e:
     raise CheckpointError(f'{path / "config.json"} is missing') from e
-  except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}') from e
+  except (OSError, TypeError, ValueError) as e:    # JSONDecodeError, UnicodeDecodeError too
+    hint = (" (a Hugging Face config.json? it names no 'architectures' or 'model_type')"
+            if isinstance(fields, dict) and 'hidden_size' in fields else '')
+    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}{hint}') from e
   expected = param_shapes(config)
   if not (path / 'params').is_dir():
     raise CheckpointError(f'{path / "params"} is missing')
@@ -93,25 +113,27 @@ def load_model(path, dtype: str = 'float32'):
       restored = ckptr.restore(path / 'params')
   except Exception as e:  # orbax raises many types for damaged files; name the path
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
-  _check_tree(expected, restored, str(path))
+  _check_tree(expected, restored, f'checkpoint {path}')
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
   return config, params
 
 
 def _check_tree(expected, restored, where: str) -> None:
+  """CheckpointError, naming `where` and the tensor, unless `restored` has exactly the leaves of
+  `expected` (by path) at their shapes."""
   flat_expected = dict(jax.tree_util.tree_flatten_with_path(expected)[0])
   flat_restored = dict(jax.tree_util.tree_flatten_with_path(restored)[0])
   names = lambda d: {jax.tree_util.keystr(k): v for k, v in d.items()}
   want, got = names(flat_expected), names(flat_restored)
   for name, leaf in want.items():
     if name not in got:
-      raise CheckpointError(f'checkpoint {where} is missing tensor {name}')
-    if tuple(got[name].shape) != tuple(leaf.shape):
-      raise CheckpointError(f'checkpoint {where}: tensor {name} has shape '
-                            f'{tuple(got[name].shape)}, config implies {tuple(leaf.shape)}')
+      raise CheckpointError(f'{where} is missing tensor {name}')
+    if tuple(np.shape(got[name])) != tuple(leaf.shape):
+      raise CheckpointError(f'{where}: tensor {name} has shape '
+                            f'{tuple(np.shape(got[name]))}, config implies {tuple(leaf.shape)}')
   extra = sorted(set(got) - set(want))
   if extra:
-    raise CheckpointError(f'checkpoint {where} has unexpected tensors {extra[:5]}')
+    raise CheckpointError(f'{where} has unexpected tensors {extra[:5]}')
 
 
 ASSETS = pathlib.Path(__file__).resolve().parent.parent / 'assets'

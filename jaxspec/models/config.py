@@ -65,6 +65,9 @@ class ModelConfig:
       if isinstance(value, bool) or not isinstance(value, (int, float)) or \
           not 0 < value < float('inf'):
         raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
+    for name in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
+      if not isinstance(getattr(self, name), bool):    # "no" and 1 would read as True
+        raise ValueError(f'ModelConfig.{name} must be true or false, got {getattr(self, name)!r}')
     object.__setattr__(self, 'rope_scaling', rope.normalize_scaling(self.rope_scaling))
     if self.sliding_window is not None:
       if not is_int_in(self.sliding_window, 1, math.inf):

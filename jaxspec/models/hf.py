@@ -41,7 +41,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxspec.checks import is_int_in
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.models.checkpoint import CheckpointError, param_shapes
 from jaxspec.models.config import ModelConfig
 
@@ -57,17 +57,17 @@ _DTYPES = {'float32': np.float32, 'bfloat16': ml_dtypes.bfloat16, 'float16': np.
 
 
 def is_pretrained(path) -> bool:
-  """Whether `path` is a directory in the Hugging Face layout (config.json naming an
-  architecture or model_type, next to *.safetensors or an index)."""
+  """Whether `path` is a directory in the Hugging Face layout: a config.json naming an
+  architecture or model_type (our own config.json has neither). Its weights are checked when it
+  is loaded: `load_pretrained` names *.bin / *.pth files it cannot read."""
   path = pathlib.Path(path)
   if not (path / 'config.json').is_file():
     return False
   try:
     fields = json.loads((path / 'config.json').read_text())
-  except (OSError, json.JSONDecodeError):
+  except (OSError, ValueError):        # JSONDecodeError and UnicodeDecodeError are ValueErrors
     return False
-  return (isinstance(fields, dict) and ('architectures' in fields or 'model_type' in fields)
-          and ((path / INDEX).is_file() or any(path.glob('*.safetensors'))))
+  return isinstance(fields, dict) and ('architectures' in fields or 'model_type' in fields)
 
 
 def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config.json'
@@ -87,6 +87,10 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
   if not isinstance(fields, dict):
     raise CheckpointError(f'{where} is not a JSON object')
   archs = fields.get('architectures') or []
+  if isinstance(archs, str):                       # one name instead of a list of one
+    archs = [archs]
+  if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    raise CheckpointError(f'{where}: architectures must be a list of names, got {archs!r}')
   arch = next((a for a in archs if a in ARCHITECTURES), None)
   if not archs:                                    # some configs name only the model_type
     arch = {a[:-len('ForCausalLM')].lower(): a for a in ARCHITECTURES}.get(fields.get('model_type'))
@@ -107,20 +111,29 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
 
   heads = fields['num_attention_heads']
   rope_params = fields.get('rope_parameters') or {}
+  if not isinstance(rope_params, dict):
+    raise CheckpointError(f'{where}: rope_parameters must be an object, got {rope_params!r}')
   scaling = fields.get('rope_scaling') or rope_params
   theta = fields.get('rope_theta', rope_params.get('rope_theta', 10000.0))
+  tie = fields.get('tie_word_embeddings', False)
+  if not isinstance(tie, bool):        # "false" is truthy: the file's lm_head would be dropped
+    raise CheckpointError(f'{where}: tie_word_embeddings must be true or false, got {tie!r}')
+
+  def given(key, default):             # a key present with 0 is an error, not "use the default"
+    return default if fields.get(key) is None else fields[key]
+
   try:
     return ModelConfig(
         vocab_size=fields['vocab_size'], d_model=fields['hidden_size'],
         num_layers=fields['num_hidden_layers'], num_heads=heads,
-        num_kv_heads=fields.get('num_key_value_heads') or heads,
-        head_dim=fields.get('head_dim') or fields['hidden_size'] // heads,
+        num_kv_heads=given('num_key_value_heads', heads),
+        head_dim=given('head_dim', fields['hidden_size'] // heads),
         d_ff=fields['intermediate_size'], max_seq_len=fields['max_position_embeddings'],
         rope_theta=theta, norm_eps=fields['rms_norm_eps'],
-        tie_embeddings=bool(fields.get('tie_word_embeddings', False)),
+        tie_embeddings=tie,
         qkv_bias=arch == 'Qwen2ForCausalLM', rope_scaling=scaling,
         sliding_window=_sliding_window(fields, arch, where), dtype=dtype)
-  except (TypeError, ValueError, ZeroDivisionError) as e:
+  except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
     raise CheckpointError(f'{where}: {e}') from e
 
 
@@ -207,8 +220,12 @@ def _weight_files(path: pathlib.Path) -> dict:
   if (path / INDEX).is_file():
     try:
       weight_map = json.loads((path / INDEX).read_text())['weight_map']
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
       raise CheckpointError(f'{path / INDEX} is not a valid index (needs "weight_map"): {e}') from e
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+      raise CheckpointError(f'{path / INDEX}: "weight_map" must map tensor names to file names, '
+                            f'got {str(weight_map)[:80]}')
     files: dict = {}
     for name, file in weight_map.items():
       files.setdefault(path / file, []).append(name)
@@ -238,15 +255,20 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
   Returns:
     (ModelConfig, params) with params = {'params': {...}} as `Transformer(config).apply` takes.
   Raises:
+    ValueError: a dtype not in the list above, max_seq_len not None or an int >= 1.
     CheckpointError: no directory / config.json / weights, unsupported architecture or feature,
       a missing config key, or a tensor missing, of the wrong shape or unexpected (each named).
   """
+  if dtype not in _DTYPES:
+    raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
+  if max_seq_len is not None:
+    max_seq_len = check_int('max_seq_len', max_seq_len, 1)
   path = pathlib.Path(path).absolute()
   if not (path / 'config.json').is_file():
     raise CheckpointError(f'no config.json in {path}')
   try:
     fields = json.loads((path / 'config.json').read_text())
-  except (OSError, json.JSONDecodeError) as e:
+  except (OSError, ValueError) as e:        # JSONDecodeError, UnicodeDecodeError
     raise CheckpointError(f'{path / "config.json"} is not valid JSON: {e}') from e
   if max_seq_len is not None:
     fields = {**fields, 'max_position_embeddings': max_seq_len}

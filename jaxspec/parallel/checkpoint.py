@@ -52,7 +52,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   try:
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree
-      _check_tree(shapes, stored, str(path))
+      _check_tree(shapes, stored, f'checkpoint {path}')
       params = ckptr.restore(path / 'params', target)
   except CheckpointError:
     raise
