@@ -171,7 +171,12 @@ def _exit_unloaded_config() -> None:
     flags.FLAGS['config'].value.keys()
   except OSError as error:
     reason = str(error).strip().splitlines()[-1].strip()
-    sys.exit(f'FATAL: cannot load the config file ({reason})')
+    path = str(getattr(flags.FLAGS['config'], 'config_filename', '')).split(':')[0]
+    hint = ''
+    if path and not os.path.isabs(path) and not os.path.exists(path) and \
+        not os.path.isdir('configs'):
+      hint = f'; config paths are relative to the repository root, and {os.getcwd()} is not it'
+    sys.exit(f'FATAL: cannot load the config file ({reason}){hint}')
 
 
 def exit_unknown_field(error: Exception, argv) -> None:

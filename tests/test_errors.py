@@ -1,6 +1,8 @@
 """Bad input gets a clear error naming the value, never a silent wrong result."""
 
 import dataclasses
+import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -152,6 +154,16 @@ def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
   assert 'Traceback' not in proc.stderr
   assert not any(tmp_path.rglob('results.jsonl'))
+
+
+def test_the_default_run_outside_the_repository_root_says_where_to_run_it(tmp_path):
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=str(root))      # importable, as after `pip install -e .`
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run'], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      f'config paths are relative to the repository root, and {tmp_path} is not it'), proc.stderr
 
 
 def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):
