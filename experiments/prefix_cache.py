@@ -43,6 +43,9 @@ def run(config, results) -> None:
   settings = _settings(config)
   if config.k < 0:
     raise ValueError(f'speculation length K must be >= 0 (0 = off), got {config.k}')
+  for name in ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'):
+    if config[name] < 1:
+      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:
     draft = draft_params = None

@@ -201,3 +201,9 @@ def test_bad_experiment_config_fails_before_loading_models():
     hydration.run(config, None)
   with pytest.raises(ValueError, match='variant'):
     get_config('nope')
+
+
+@pytest.mark.parametrize('result', [[1], 'name', {'name': 'A', 'http': 'GET /'}, {'name': 'A'}])
+def test_truth_record_names_a_result_that_is_not_an_operation(result):
+  with pytest.raises(ValueError, match='not an operation record'):
+    truth_record(result)

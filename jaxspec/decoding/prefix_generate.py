@@ -82,7 +82,8 @@ class PrefixCachedGenerator:
   def warm_up(self, max_prompt_len: int, max_new_tokens: int, stop_tokens=()) -> None:
     """Compile everything a run up to `max_prompt_len` prompt tokens can meet: prefill at every
     prompt bucket, the decode loop (for `max_new_tokens` and as many stop tokens as
-    `stop_tokens`: pass the run's own), and the host-tier copies; then forget the dummy prompts.
+    `stop_tokens`: pass the run's own), and the host-tier copies; then forget the dummy prompts,
+    and with them every prefix cached before (call it before serving, not between requests).
 
     Raises:
       ValueError / OutOfPagesError: as `generate` for the longest dummy prompt.
@@ -90,7 +91,8 @@ class PrefixCachedGenerator:
     for width in range(self.prompt_bucket, max_prompt_len + self.prompt_bucket,
                        self.prompt_bucket):
       n = min(width, max_prompt_len)
-      self.generate([3 + i % 50 for i in range(n)], max_new_tokens=max_new_tokens,
+      vocab = self.target.vocab_size         # dummy ids inside any vocabulary
+      self.generate([(3 + i % 50) % vocab for i in range(n)], max_new_tokens=max_new_tokens,
                     stop_tokens=stop_tokens)
       self.reset_prefix_cache()
     if self.prefix.host is not None:

@@ -28,13 +28,15 @@ MAX_CANDIDATE_CHARS = 200
 def truth_record(result: dict) -> dict:
   """The record of an operation, read directly from its parsed tool result (the oracle).
 
-  Raises ValueError if the result has no string "name" or no "http" method and requestUri.
+  Raises ValueError if the result is not an object with a string "name" and an "http" object
+  with string method and requestUri.
   """
-  http = result.get('http') or {}
-  if not isinstance(result.get('name'), str) or not all(
+  http = result.get('http') if isinstance(result, dict) else None
+  if not isinstance(http, dict) or not isinstance(result.get('name'), str) or not all(
       isinstance(http.get(k), str) for k in ('method', 'requestUri')):
+    keys = sorted(result) if isinstance(result, dict) else type(result).__name__
     raise ValueError(f'not an operation record (needs name, http.method, http.requestUri): '
-                     f'{sorted(result)}')
+                     f'{keys}')
   record = {'name': result['name'],
             'http': {'method': http['method'], 'requestUri': http['requestUri']}}
   for key in ('input', 'output'):
