@@ -108,6 +108,7 @@ def run(config, results) -> None:
     record[f'{name}_mbu'] = mbu(step_bytes, step_s[name], bandwidth)
   results.write(record)
   if max(record['target_mbu'], record['draft_mbu']) > 1:
-    print(f'warning: MBU above 1 means the bandwidth measurement ({bandwidth / 1e9:.1f} GB/s) ran '
-          'slower than the decode steps it divides, as on a busy machine: rerun idle before '
-          'reading the MBU figures', flush=True)
+    print(f'warning: an MBU above 1 means a decode step read its bytes faster than the measured '
+          f'bandwidth ({bandwidth / 1e9:.1f} GB/s): the measurement was disturbed (a busy '
+          'machine: rerun idle) or the weights sit in a last-level cache larger than them, '
+          'where MBU against DRAM bandwidth does not apply', flush=True)

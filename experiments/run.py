@@ -4,9 +4,10 @@
     python -m experiments.run --config=configs/speculative.py --config.k=8 --workdir=/tmp/run
     python -m experiments.run --config=configs/speculative.py:smoke
 
-Results land in WORKDIR/EXPERIMENT/RUN_ID/ (config.json, results.jsonl). In a multi-process run
-(config.distributed or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) every process
-runs the experiment as one program and process 0 alone writes the results.
+Results land in WORKDIR/EXPERIMENT/RUN_ID/ (config.json, environment.json, results.jsonl). In a
+multi-process run (config.distributed or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
+JAX_PROCESS_ID) every process runs the experiment as one program and process 0 alone writes the
+results.
 """
 
 import importlib

@@ -8,10 +8,10 @@
 
 Everything lands in WORKDIR/EXPERIMENT/SWEEP_NAME/: config.json (base), sweep.json (all cases),
 results.jsonl (every record, tagged with case_id and the overrides), failures.jsonl,
-summary.md, summary.csv, plots/*.png, and cases/CASE_ID/{config.json, results.jsonl, done,
-error.txt}. A case counts as measured once its `done` marker exists; running the same command
-again skips those, and first drops any partial records of the case it reruns, so every case
-appears exactly once. Failed cases are retried on the next run.
+summary.md, summary.csv, plots/*.png, and cases/CASE_ID/{config.json, environment.json,
+results.jsonl, done, error.txt}. A case counts as measured once its `done` marker exists;
+running the same command again skips those, and first drops any partial records of the case it
+reruns, so every case appears exactly once. Failed cases are retried on the next run.
 """
 
 from __future__ import annotations

@@ -68,39 +68,50 @@ def token_ids(tokens, label: str = 'tokens', vocab_size: Optional[int] = None) -
   [0, vocab_size) (in [0, 2**63) without a vocabulary: a page key packs each id in 8 bytes).
 
   Args:
-    tokens: a list or tuple of ints (Python or numpy), or a 1-D integer array.
+    tokens: a list, tuple or range of ints (Python or numpy), or a 1-D integer array (numpy or
+      jax). Text (str, bytes), sets, dicts and iterators are refused: their order or their
+      meaning as ids is not the caller's.
     label: how the error names the sequence ('prompt 0', 'context', ...).
     vocab_size: V, the model's vocabulary size (None: no model involved).
   Returns:
     list of int.
   Raises:
-    ValueError: naming `label` and the first bad id: not a flat sequence of integers (text,
-      floats, a nested list), a bool (np.asarray([1, True]) is an int array: True would
-      silently be token 1), an id outside [0, V).
+    ValueError: naming `label` and the first bad id: not a flat sequence of integers, a bool
+      (np.asarray([1, True]) is an int array: True would silently be token 1), an id outside
+      [0, V).
   """
-  if isinstance(tokens, str) or getattr(tokens, 'ndim', 1) != 1 or not hasattr(tokens,
-                                                                                '__iter__'):
-    hint = ' (text? encode it first: Tokenizer.encode)' if isinstance(tokens, str) else ''
-    raise ValueError(f'{label} must be a flat sequence of int token ids, got '
-                     f'{str(tokens)[:60]!r}{hint}')
-  if hasattr(tokens, 'dtype'):           # an array: one dtype for every element
-    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-      raise ValueError(f'{label} must be a flat sequence of int token ids, got dtype '
-                       f'{tokens.dtype}')
-    ids = np.asarray(tokens).tolist()
+  if isinstance(tokens, (list, tuple, range)):
+    if all(type(t) is int for t in tokens):      # the common case, at the cost of a list copy
+      ids = list(tokens)
+    else:
+      ids = [_token_id(t, label, i) for i, t in enumerate(tokens)]
+  elif getattr(tokens, 'ndim', None) == 1 and hasattr(tokens, 'dtype'):   # numpy / jax array
+    if np.dtype(tokens.dtype) == object:
+      ids = [_token_id(t, label, i) for i, t in enumerate(np.asarray(tokens).tolist())]
+    elif tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+      raise ValueError(f'{label} must be a flat sequence of int token ids, got an array of '
+                       f'dtype {tokens.dtype}')
+    else:
+      ids = np.asarray(tokens).tolist()
   else:
-    ids = []
-    for t in tokens:
-      try:
-        if isinstance(t, (bool, np.bool_)):
-          raise ValueError(f'{label} holds the bool {t!r}, not a token id')
-        ids.append(operator.index(t))
-      except TypeError:
-        raise ValueError(f'{label} must be a flat sequence of int token ids, got {t!r} at '
-                         f'position {len(ids)}') from None
+    text = isinstance(tokens, (str, bytes, bytearray))
+    hint = ' (text? encode it first: Tokenizer.encode)' if text else ''
+    shape = f' of shape {tokens.shape}' if hasattr(tokens, 'shape') else ''
+    raise ValueError(f'{label} must be a list, tuple or 1-D array of int token ids, got '
+                     f'{type(tokens).__name__}{shape}{hint}')
   high = 2 ** 63 if vocab_size is None else vocab_size
-  bad = next((t for t in ids if not 0 <= t < high), None)
-  if bad is not None:
+  if ids and (min(ids) < 0 or max(ids) >= high):
+    bad = next(t for t in ids if not 0 <= t < high)
     where = f'the vocabulary [0, {vocab_size})' if vocab_size is not None else '[0, 2**63)'
     raise ValueError(f'{label} has token id {bad} outside {where}')
   return ids
+
+
+def _token_id(value, label: str, position: int) -> int:
+  if isinstance(value, (bool, np.bool_)):
+    raise ValueError(f'{label} holds the bool {value!r}, not a token id')
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise ValueError(f'{label} must be a flat sequence of int token ids, got {value!r} at '
+                     f'position {position}') from None

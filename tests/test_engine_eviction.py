@@ -216,6 +216,18 @@ def test_fixed_k_instance_means_no_speculation_as_in_the_plain_engine(tiny, alon
     assert outs[i].tokens == alone(policy, p, 8)
 
 
+def test_numpy_sizes_act_as_ints_under_eviction(tiny, alone):
+  config, params = tiny
+  policy = make_policy('h2o', np.array(BUDGET))                  # a 0-d array budget
+  assert policy == make_policy('h2o', BUDGET)                     # the same defaults (window)
+  engine = EvictingEngine(config, params, policy=policy, num_slots=np.int64(4),
+                          num_pages=np.array(9), page_size=np.int32(L), chunk_size=np.int64(8))
+  assert type(engine.scheduler.num_slots) is int and engine.decode_buckets == (4,)
+  prompt = _prompts([20], seed=9)[0]
+  rid = engine.add_request(prompt, max_tokens=np.int64(8))
+  assert engine.run()[rid].tokens == alone(policy, prompt, 8)
+
+
 def test_bad_evicting_engine_arguments(tiny):
   config, params = tiny
   policy = make_policy('h2o', BUDGET)

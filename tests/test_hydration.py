@@ -112,6 +112,9 @@ def test_state_store_history_survives_edits_in_place_and_keys_must_be_strings(ep
   state['operations'][record['name']]['errors'] = [{'shape': 'NotFound'}]
   store.update(state)
   assert store.patches[0] == first and store.replay() == store.state == state
+  store.state['operations'][record['name']]['http']['method'] = 'PUT'   # nor through the store
+  assert store.patches[0] == first and store.replay() == state
+  store.state = copy.deepcopy(state)
   bad = copy.deepcopy(state)
   bad['operations'][None] = bad['operations'].pop(record['name'])
   with pytest.raises(StateError, match=r"at \['operations'\]: key None is not a string"):
@@ -184,6 +187,9 @@ def test_context_session_refuses_bad_ids_and_gives_pages_back_when_prefill_fails
   assert session.prefix.num_held == 0           # the pages it took are free again
   monkeypatch.undo()
   assert session.prefill([3 + i % 50 for i in range(64)]).prefill_tokens == 64   # the whole pool
+  wide = ContextSession(config, params, max_tokens=40, page_size=48, width_step=16)  # pool: 768
+  with pytest.raises(ValueError, match="context of 41 tokens exceeds the session's max_tokens=40"):
+    wide.prefill([3] * 41)
   with pytest.raises(ValueError, match=r'max_tokens must be an int in \[1, max_seq_len='):
     ContextSession(config, params, max_tokens=config.max_seq_len + 1)
 

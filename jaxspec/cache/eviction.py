@@ -21,7 +21,7 @@ with scores summed over KV heads.
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import math
 from typing import Optional
 
 import flax
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import paged
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
 from jaxspec.kernels.paged_attention import attention_with_mass, paged_attention_with_mass
 
@@ -114,8 +114,8 @@ def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int]
   if sinks is None:
     sinks = STREAMING_SINKS if kind == 'sinks' else 0
   if window is None:
-    window = budget // 2 if kind in ('h2o', 'h2o_norm') and \
-        isinstance(budget, numbers.Integral) else 0
+    window = check_int('budget', budget) // 2 if kind in ('h2o', 'h2o_norm') and \
+        is_int_in(budget, 1, math.inf) else 0
   return EvictionPolicy(kind, budget, sinks, window, reuse_delay)
 
 

@@ -232,12 +232,13 @@ class PrefixCache:
     Raises:
       OutOfPagesError: the request does not fit even after reclaiming every cached page; the
         cache's state is unchanged then.
-      ValueError: an empty prompt, reserve < len(tokens), or an unapplied plan pending.
+      ValueError: an empty prompt or bad token ids, reserve not an int >= len(tokens), or an
+        unapplied plan pending.
     """
     self._check_no_pending()
     tokens = token_ids(tokens, 'prompt')
     salt = salt_bytes(salt)
-    reserve = len(tokens) if reserve is None else reserve
+    reserve = len(tokens) if reserve is None else check_int('reserve', reserve, 1)
     if not tokens:
       raise ValueError('cannot admit an empty prompt')
     if reserve < len(tokens):
@@ -282,10 +283,11 @@ class PrefixCache:
 
     Raises:
       OutOfPagesError: not enough pages even after reclaiming; nothing changes then.
+      ValueError: reserve not an int >= 0.
     """
     self._check_live(request)
     self._check_no_pending()
-    more = pages_needed(reserve, self.page_size) - len(request.pages)
+    more = pages_needed(check_int('reserve', reserve, 0), self.page_size) - len(request.pages)
     if more <= 0:
       return Plan()
     if more > self.allocator.num_free + len(self._lru):
@@ -347,10 +349,11 @@ class PrefixCache:
 
   def reclaim(self, n: int) -> Plan:
     """Return up to `n` cached pages (least recently used first) to the free list, demoting them
-    to the host tier if there is one. Returns the plan to `apply`."""
+    to the host tier if there is one. Returns the plan to `apply`. ValueError: n not an int
+    >= 0."""
     self._check_no_pending()
     plan = Plan()
-    self._reclaim(min(n, len(self._lru)), plan)
+    self._reclaim(min(check_int('n', n, 0), len(self._lru)), plan)
     if plan:
       self._pending = plan
     return plan

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.rejection import rejection_sample
@@ -158,17 +158,16 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
     ConstraintError: the constraint cannot be continued.
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
-  if len(prompt) == 0:
+  prompt = token_ids(prompt, 'prompt', target.vocab_size)
+  if not prompt:
     raise ValueError('prompt is empty')
-  bad = [t for t in prompt if not 0 <= int(t) < target.vocab_size]
-  if bad:
-    raise ValueError(f'prompt has token id {bad[0]} outside the vocabulary '
-                     f'[0, {target.vocab_size})')
   if (draft is None) != (draft_params is None) or (draft is None) != (k is None):
     raise ValueError('give draft, draft_params and k together (or none of them)')
-  if draft is not None and (k < 1 or draft.vocab_size != target.vocab_size):
-    raise ValueError(f'need k >= 1 (got {k}) and equal vocabularies (draft '
-                     f'{draft.vocab_size}, target {target.vocab_size})')
+  if draft is not None:
+    k = check_int('k', k, 1)
+  if draft is not None and draft.vocab_size != target.vocab_size:
+    raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
+                     f'vocabulary ({target.vocab_size})')
   if constraint is not None and stop_token != constraint.eos_id:
     raise ValueError(f'stop_token {stop_token} differs from the constraint\'s end token '
                      f'{constraint.eos_id}')

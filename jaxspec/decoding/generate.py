@@ -202,6 +202,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
                                        stop_tokens=stop_tokens, draft=draft,
                                        draft_params=draft_params, k=k, max_k=max_k)
   max_new_tokens = int(max_new_tokens)
+  k = int(k) if draft is not None else k         # checked: numpy integers and 0-d arrays too
   page_size = check_int('page_size', page_size, 1)
   prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
 

@@ -17,6 +17,7 @@ import numpy as np
 from jaxspec.cache import NULL_PAGE, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import PrefixCache
+from jaxspec.checks import check_int
 from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -53,8 +54,8 @@ class PrefixCachedGenerator:
                prompt_bucket: int = 64, steps=LOCAL_STEPS):
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params, k=k,
                   max_k=max_k)
-    if prompt_bucket < 1:
-      raise ValueError(f'prompt_bucket must be >= 1, got {prompt_bucket}')
+    prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
+    k = None if k is None else int(k)          # checked by check_request
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
     self.sampling, self.prompt_bucket, self.steps = sampling, prompt_bucket, steps

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
-from jaxspec.checks import is_int_in
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
 from jaxspec.engine import device_evicting
@@ -142,6 +142,11 @@ class EvictingEngine(Engine):
                host_pages: int = 0, prefill_rows: Optional[int] = None,
                decode_buckets: Optional[Sequence[int]] = None,
                prefill_group: Optional[int] = None):
+    # As ints from here on (numpy integers and 0-d arrays are ints; `Engine` checks the same).
+    num_slots = check_int('num_slots', num_slots, 1)
+    num_pages = check_int('num_pages', num_pages, 2)
+    page_size = check_int('page_size', page_size, 1)
+    chunk_size = check_int('chunk_size', chunk_size, 1)
     if not isinstance(policy, EvictionPolicy):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
                        f'got {policy!r}')

@@ -163,7 +163,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       k, caps = _checked(policy, k_max, len(decodes), *again)
       if draft_sync is not None:
         draft_sync.before_round(decodes, k)
-      return int(k), [int(c) for c in caps]
+      return k, caps
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
   policy.rows, policy.queued = rows, queued
@@ -174,7 +174,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   k, caps = _checked(policy, k_max, len(decodes), *policy.choose([r.id for r in decodes]))
   if draft_sync is not None:
     draft_sync.before_round(decodes, k)
-  return int(k), [int(c) for c in caps]
+  return k, caps
 
 
 def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:

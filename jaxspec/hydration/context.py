@@ -62,6 +62,7 @@ class ContextSession:
     if not is_int_in(max_tokens, 1, config.max_seq_len):
       raise ValueError(f'max_tokens must be an int in [1, max_seq_len={config.max_seq_len}], '
                        f'got {max_tokens!r}')
+    max_tokens = self.max_tokens = int(max_tokens)
     self.config, self.params, self.page_size = config, params, page_size
     self.prefix_cache = prefix_cache
     self.width_step = width_step
@@ -100,9 +101,9 @@ class ContextSession:
     tokens = token_ids(tokens, 'context', self.config.vocab_size)
     if not tokens:
       raise ValueError('empty context')
-    if self._width(pages_needed(len(tokens), self.page_size)) > self.max_width:
-      raise ValueError(f'context of {len(tokens)} tokens exceeds the session pool '
-                       f'({self.max_width * self.page_size} tokens)')
+    if len(tokens) > self.max_tokens:
+      raise ValueError(f'context of {len(tokens)} tokens exceeds the session\'s '
+                       f'max_tokens={self.max_tokens}')
     start = time.perf_counter()
     request, plan = self.prefix.admit(tokens)
     try:

@@ -51,13 +51,13 @@ class StateStore:
         store is left unchanged).
     """
     self._check(new_state)
-    # A copy first: the patch's values are references into the state it was made from, and a
-    # caller who edits one working dict in place every turn would rewrite recorded history.
-    new_state = copy.deepcopy(new_state)
+    # The patch's values are references into the state it was made from: the recorded patch
+    # gets its own copy, or editing that state in place (the caller's working dict, or the
+    # store's `state`, which hydrate hands out) would rewrite recorded history.
     patch = jsonpatch.make_patch(self.state, new_state).patch
-    self.patches.append(patch)
-    self.state = new_state
-    return copy.deepcopy(patch)
+    self.patches.append(copy.deepcopy(patch))
+    self.state = copy.deepcopy(new_state)
+    return patch
 
   def replay(self) -> dict:
     """The state obtained by applying every recorded patch to the first state, in order."""

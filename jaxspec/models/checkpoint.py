@@ -76,7 +76,8 @@ def _floating(dtype) -> jnp.dtype:
 
 def load_model(path, dtype: str = 'float32'):
   """Read a model directory written by `save_model`, or a Hugging Face checkpoint directory
-  (config.json + *.safetensors; see `jaxspec.models.hf.load_pretrained`).
+  (a config.json naming an architecture or model_type, with *.safetensors; see
+  `jaxspec.models.hf.load_pretrained`).
 
   Args:
     path: the directory.
@@ -84,7 +85,8 @@ def load_model(path, dtype: str = 'float32'):
   Returns:
     (ModelConfig, params pytree).
   Raises:
-    ValueError: a dtype that is not a floating-point dtype (named).
+    ValueError: a dtype that is not a floating-point dtype, or float64 without jax_enable_x64
+      (named).
     CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
       has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
   """

@@ -120,14 +120,14 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
     raise CheckpointError(f'{where}: tie_word_embeddings must be true or false, got {tie!r}')
 
   def given(key, default):             # a key present with 0 is an error, not "use the default"
-    return default if fields.get(key) is None else fields[key]
+    return default() if fields.get(key) is None else fields[key]
 
   try:
     return ModelConfig(
         vocab_size=fields['vocab_size'], d_model=fields['hidden_size'],
         num_layers=fields['num_hidden_layers'], num_heads=heads,
-        num_kv_heads=given('num_key_value_heads', heads),
-        head_dim=given('head_dim', fields['hidden_size'] // heads),
+        num_kv_heads=given('num_key_value_heads', lambda: heads),
+        head_dim=given('head_dim', lambda: fields['hidden_size'] // heads),
         d_ff=fields['intermediate_size'], max_seq_len=fields['max_position_embeddings'],
         rope_theta=theta, norm_eps=fields['rms_norm_eps'],
         tie_embeddings=tie,
@@ -259,8 +259,13 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
     CheckpointError: no directory / config.json / weights, unsupported architecture or feature,
       a missing config key, or a tensor missing, of the wrong shape or unexpected (each named).
   """
-  if dtype not in _DTYPES:
+  try:
+    name = jnp.dtype(dtype).name              # 'bfloat16', jnp.bfloat16 and np.float16 alike
+  except TypeError:
+    name = None
+  if name not in _DTYPES:
     raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
+  dtype = name
   if max_seq_len is not None:
     max_seq_len = check_int('max_seq_len', max_seq_len, 1)
   path = pathlib.Path(path).absolute()
@@ -309,7 +314,8 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
                           + (f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''))
   if unexpected:
     raise CheckpointError(f'checkpoint {path} has unexpected tensors {unexpected[:5]}, not part '
-                          f'of {fields["architectures"]} with this config.json')
+                          f'of {fields.get("architectures") or fields.get("model_type")} with '
+                          f'this config.json')
   params: dict = {}
   for keys, value in flat.items():
     node = params
