@@ -134,13 +134,23 @@ def format_record(record: dict) -> str:
 
 
 def read_results(path) -> list[dict]:
-  """All records of a results.jsonl file (a torn last line, from a killed run, is skipped)."""
+  """All records of a results.jsonl file: the JSON objects of its lines (a torn last line, from
+  a killed run, and any line that is not a JSON object are skipped).
+
+  Raises:
+    ValueError: the file is not UTF-8 text (naming it)."""
+  try:
+    text = pathlib.Path(path).read_text()
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
   records = []
-  for line in pathlib.Path(path).read_text().splitlines():
+  for line in text.splitlines():
     try:
-      records.append(json.loads(line))
+      record = json.loads(line)
     except json.JSONDecodeError:
       continue
+    if isinstance(record, dict):
+      records.append(record)
   return records
 
 

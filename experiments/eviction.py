@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import empty_cache
+from experiments.common import empty_cache, parse_workloads
 from jaxspec.cache import init_eviction, make_policy
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams
@@ -93,7 +93,7 @@ def _perplexity(logprob, scored) -> float:
 def run_quality(config, results, model, params, tokenizer) -> None:
   budget = budget_tokens(config)
   policy = make_policy(config.policy, None if config.policy == 'full' else budget)
-  for workload in [w.strip() for w in config.workloads.split(',') if w.strip()]:
+  for workload in parse_workloads(config):
     tokens, lengths, scored = _sequences(workload, tokenizer, config)
     if len(tokens) % config.batch_size:
       raise ValueError(f'num_sequences ({config.num_sequences}) must be a multiple of '
@@ -160,6 +160,15 @@ def run(config, results) -> None:
   if config.mode not in ('quality', 'worker'):
     raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
   make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
+  if config.mode == 'quality':
+    parse_workloads(config)
+    for name in ('batch_size', 'num_sequences', 'seq_len'):
+      if config[name] < 1:
+        raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  else:
+    for name in ('worker_tokens', 'worker_chunk'):      # a chunk of 0 tokens never ends the run
+      if config[name] < 1:
+        raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
   model, params = load_model(config.target or shipped('target'))
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,

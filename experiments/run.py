@@ -38,13 +38,27 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   config = _CONFIG.value
-  # Before any device is touched; with 1 process a no-op.
-  distributed.initialize(config.get('distributed'))
-  module = importlib.import_module(f'experiments.{config.experiment}')
+  try:
+    # Before any device is touched; with 1 process a no-op.
+    distributed.initialize(config.get('distributed'))
+    try:
+      module = importlib.import_module(f'experiments.{config.experiment}')
+    except ModuleNotFoundError as error:
+      raise ValueError(f'config.experiment={config.experiment!r} names no module '
+                       f'experiments/{config.experiment}.py') from error
+    if distributed.is_primary():
+      try:
+        run_dir = new_run_dir(_WORKDIR.value, config.experiment)
+      except (FileExistsError, NotADirectoryError) as error:
+        raise ValueError(f'cannot make a run directory under --workdir={_WORKDIR.value}: '
+                         f'{error}') from error
+  except ValueError as error:          # bad input before anything runs: one line
+    if _TRACEBACK.value:
+      raise
+    sys.exit(f'FATAL: {error}')
   if not distributed.is_primary():
     module.run(config, DiscardedResults())
     return
-  run_dir = new_run_dir(_WORKDIR.value, config.experiment)
   print(f'results -> {run_dir}', flush=True)
   warn_if_busy()
   results = Results(run_dir, config)

@@ -86,6 +86,8 @@ def run(config, results) -> None:
                      'must be >= 1')
   workloads = parse_workloads(config)                     # checked before any model is loaded
   data = int(config.get('mesh', {}).get('data', 1))
+  if data < 1:
+    raise ValueError(f'mesh.data must be an int >= 1, got {data}')
   for rows in {config.batch_size, config.num_prompts % config.batch_size} - {0}:
     if rows % data:
       raise ValueError(f'a batch of {rows} prompts (batch_size={config.batch_size}, num_prompts='

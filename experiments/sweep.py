@@ -97,7 +97,8 @@ def _check_same_base(sweep_dir: pathlib.Path, base_json: str) -> None:
 
 
 def _drop_lines(path: pathlib.Path, cid: Optional[str]) -> None:
-  """Rewrites a .jsonl file without torn lines and without the lines of case `cid`."""
+  """Rewrites a .jsonl file without torn lines, lines that are not JSON objects, and the lines
+  of case `cid`."""
   if not path.exists():
     return
   lines = path.read_text().splitlines(keepends=True)
@@ -107,10 +108,46 @@ def _drop_lines(path: pathlib.Path, cid: Optional[str]) -> None:
       record = json.loads(line)
     except json.JSONDecodeError:
       continue
-    if cid is None or record.get('case_id') != cid:
+    if isinstance(record, dict) and (cid is None or record.get('case_id') != cid):
       kept.append(line if line.endswith('\n') else line + '\n')
   if kept != lines:
     _write_atomic(path, ''.join(kept))
+
+
+def _restore_done_cases(sweep_dir: pathlib.Path, ids) -> list:
+  """Make the sweep's results.jsonl hold each finished case's records as its `done` marker
+  counts them (a truncated or hand-edited file lost some): that case's lines are copied again
+  from cases/ID/results.jsonl, or, when that file lacks them too, its marker is removed so the
+  case runs again. Returns the ids restored or reopened. Call with the sweep locked."""
+  path = sweep_dir / 'results.jsonl'
+  records = read_results(path) if path.exists() else []
+  counts: dict = {}
+  for record in records:
+    counts[record.get('case_id')] = counts.get(record.get('case_id'), 0) + 1
+  restored, reopened = [], []
+  for cid in ids:
+    done = sweep_dir / 'cases' / cid / 'done'
+    try:
+      want = json.loads(done.read_text())['records']
+    except (OSError, ValueError, KeyError, TypeError):
+      continue                     # not done (or an unreadable marker: left as it is)
+    if counts.get(cid, 0) == want:
+      continue
+    case_file = sweep_dir / 'cases' / cid / 'results.jsonl'
+    if case_file.exists() and len(read_results(case_file)) == want:
+      restored.append(cid)
+    else:
+      done.unlink()
+      reopened.append(cid)
+  if restored or reopened:
+    lost = set(restored) | set(reopened)
+    kept = [r for r in records if r.get('case_id') not in lost]
+    for cid in restored:
+      kept += read_results(sweep_dir / 'cases' / cid / 'results.jsonl')
+    _write_atomic(path, ''.join(json.dumps(r) + '\n' for r in kept))
+    print(f'sweep: {path} lacked records of finished cases: {len(restored)} copied again from '
+          f'their case files, {len(reopened)} to run again', flush=True)
+  return restored + reopened
 
 
 def _append(sweep_dir: pathlib.Path, name: str, record: dict) -> None:
@@ -187,10 +224,18 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
       --shard is invalid (the message names the bad field or value).
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
+  if not sweep_name or sweep_name in ('.', '..') or '/' in sweep_name or os.sep in sweep_name:
+    raise ValueError(f'--sweep_name={sweep_name!r} must name one directory (not empty, ., .. or '
+                     f'a path): the sweep lives in WORKDIR/EXPERIMENT/SWEEP_NAME')
   if shard == 'process':
     s = distributed.settings(need_coordinator=False)
     shard = f'{s.process_id}/{s.num_processes}'
   base, cases = sweeps.load_sweep(config_path)
+  swept = sorted({field for case in cases for field in case} & set(overrides or {}))
+  if swept:
+    raise ValueError(f'--config.{swept[0]} names a field the sweep sets in every case '
+                     f'({", ".join(swept)}): the override would be ignored; pick cases with '
+                     f'--only={swept[0]}=VALUE instead')
   base = sweeps.apply_overrides(base, dict(overrides or {}))
   configs = sweeps.validate_sweep(base, cases)
   ids = [sweeps.case_id(c) for c in cases]
@@ -206,6 +251,7 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
     _write_atomic(sweep_dir / 'sweep.json', json.dumps(
         [{'index': i, 'case_id': ids[i], 'overrides': c} for i, c in enumerate(cases)], indent=1))
     _drop_lines(sweep_dir / 'results.jsonl', None)  # a torn last line from a killed run
+    _restore_done_cases(sweep_dir, ids)
   outcome = SweepOutcome(sweep_dir, [ids[i] for i in picked], [], [], [], [], [])
   outcome.skipped = [ids[i] for i in picked if (sweep_dir / 'cases' / ids[i] / 'done').exists()]
   todo = [i for i in picked if ids[i] not in outcome.skipped]
@@ -277,8 +323,10 @@ def main(argv) -> int:
     outcome = run_sweep(config_flags.get_config_filename(f['config']), f.workdir,
                         overrides=config_flags.get_override_values(f['config']),
                         only=f.only, shard=f.shard, sweep_name=f.sweep_name)
-  except ValueError as e:
-    sys.exit(f'sweep: {e}')
+  except ValueError as e:                 # bad input: one line, as experiments.run
+    sys.exit(f'FATAL: {e}')
+  except (FileExistsError, NotADirectoryError) as e:    # a file where a directory goes
+    sys.exit(f'FATAL: cannot make the sweep directory under --workdir={f.workdir}: {e}')
   return outcome.exit_code
 
 

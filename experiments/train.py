@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import pathlib
+
 from jaxspec.data import Tokenizer, train_mixture
 from jaxspec.models import ModelConfig, save_model, shipped
+from jaxspec.models.checkpoint import floating_dtype
 from jaxspec.training import train
 
 
 def run(config, results) -> None:
   """Train `config.model` on the train split, evaluate on val, save, write one record."""
+  # What is checked only at the end (saving) is checked first: a long run is not lost to it.
+  floating_dtype(config.store_dtype)
+  if config.out and pathlib.Path(config.out).exists() and not pathlib.Path(config.out).is_dir():
+    raise ValueError(f'config.out={config.out!r} is a file, not a model directory')
+  if config.max_docs < 0:
+    raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   max_docs = config.max_docs or None
   train_tokens = train_mixture(tokenizer, 'train', max_docs=max_docs)

@@ -143,6 +143,12 @@ def test_model_config_rejects_non_positive_floats(field, value):
      '"batchsize"?); also unknown: \'min_request\' (did you mean \'min_requests\'?)'),
     (['--config=configs/eviction_batching.py:smoke', '--config.workloads='],
      "FATAL: config.workloads names no workload: ''"),
+    (['--config=configs/eviction.py:worker', '--config.worker_chunk=0'],
+     'FATAL: config.worker_chunk must be >= 1, got 0'),          # looped for ever, writing 0s
+    (['--config=configs/train.py:smoke', '--config.learning_rate=nan'],
+     'FATAL: learning_rate must be a finite number'),             # saved an all-NaN model
+    (['--config=configs/speculative.py:smoke', '--config.experiment=nope'],
+     "FATAL: config.experiment='nope' names no module experiments/nope.py"),
     (['--config=configs/batchng.py'],
      "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
      "'configs/batchng.py')"),

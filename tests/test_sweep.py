@@ -219,3 +219,28 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
   outcome = _sweep(tmp_path, only=['k=2'])
   assert {r['case_id'] for r in outcome.records} == {'k=2,temperature=0.0', 'k=2,temperature=1.0'}
   assert 'k=1,temperature=0.0' not in (outcome.sweep_dir / 'summary.md').read_text()
+
+
+def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):
+  _sweep(tmp_path)
+  sweep_dir = tmp_path / 'runs' / 'fake' / 'sweep'
+  path = sweep_dir / 'results.jsonl'
+  full = read_results(path)
+  lines = path.read_text().splitlines(keepends=True)
+  path.write_text(''.join(lines[:5]) + '[1, 2]\n"foreign"\n')    # lost lines, foreign ones
+  (sweep_dir / 'cases' / ALL_CASES[-1] / 'results.jsonl').write_text('')   # lost there too
+  again = _sweep(tmp_path)
+  assert again.ran == ALL_CASES[-1:] and _runs(tmp_path)[ALL_CASES[-1]] == 2
+  records = read_results(path)
+  assert _case_counts(records) == _case_counts(full) == {c: 2 for c in ALL_CASES}
+  assert sorted(map(json.dumps, records[:-2])) == sorted(map(json.dumps, full[:-2]))
+
+
+def test_overriding_a_swept_field_or_a_path_as_sweep_name_is_refused(tmp_path):
+  with pytest.raises(ValueError, match=r'--config.k names a field the sweep sets in every case.*'
+                                       r'--only=k=VALUE'):
+    _sweep(tmp_path, overrides={'k': 8})
+  for name in ('', '.', '..', 'a/b', '../escaped'):
+    with pytest.raises(ValueError, match='--sweep_name=.* must name one directory'):
+      _sweep(tmp_path, sweep_name=name)
+  assert not (tmp_path / 'log.txt').exists()

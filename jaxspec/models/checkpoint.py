@@ -46,7 +46,7 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
       weight); CheckpointError: params that are not `config`'s (a tensor missing, extra or of
       the wrong shape). Both before anything is written.
   """
-  dtype = _floating(dtype)
+  dtype = floating_dtype(dtype)
   _check_tree(param_shapes(config), params, 'params given to save_model')
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
@@ -60,8 +60,13 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     (path / 'info.json').unlink(missing_ok=True)
 
 
-def _floating(dtype) -> jnp.dtype:
-  """`dtype` as a jnp.dtype if it is a floating-point one; ValueError naming it otherwise."""
+def floating_dtype(dtype) -> jnp.dtype:
+  """`dtype` as a jnp.dtype if it is a floating-point one JAX can hold (float64 only with
+  jax_enable_x64): the storage and load dtypes `save_model` and `load_model` accept.
+
+  Raises:
+    ValueError: naming the dtype.
+  """
   try:
     if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
       if jax.dtypes.canonicalize_dtype(dtype) != jnp.dtype(dtype):
@@ -90,7 +95,7 @@ def load_model(path, dtype: str = 'float32'):
     CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
       has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
   """
-  _floating(dtype)
+  floating_dtype(dtype)
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise CheckpointError(f'no model directory at {path}')

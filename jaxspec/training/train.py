@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 import optax
 import tqdm
 
+from jaxspec.checks import check_int, check_real
 from jaxspec.data import random_windows
 from jaxspec.models import ModelConfig, Transformer
 
@@ -70,11 +72,22 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     (params, info): info holds steps, train_tokens (tokens consumed), seconds, final train loss
     and the held-out val_loss (nats/token).
   Raises:
-    ValueError: for non-positive sizes or a stream shorter than one window.
+    ValueError: for non-positive sizes, a learning rate that is not a finite number > 0, a
+      weight decay or warmup that is negative (or not finite), a grad_clip that is not > 0, a
+      stream shorter than one window; FloatingPointError: a final train or val loss that is not
+      finite (diverged: the params are not worth saving).
   """
-  for name, value in (('steps', steps), ('batch_size', batch_size), ('seq_len', seq_len)):
-    if value < 1:
-      raise ValueError(f'{name} must be >= 1, got {value}')
+  steps, batch_size = check_int('steps', steps, 1), check_int('batch_size', batch_size, 1)
+  seq_len = check_int('seq_len', seq_len, 1)
+  eval_batches = check_int('eval_batches', eval_batches, 1)
+  warmup_steps = check_int('warmup_steps', warmup_steps, 0)
+  learning_rate = check_real('learning_rate', learning_rate, 0.0, math.inf, high_open=True)
+  if learning_rate == 0.0:
+    raise ValueError('learning_rate must be > 0, got 0.0')
+  weight_decay = check_real('weight_decay', weight_decay, 0.0, math.inf, high_open=True)
+  grad_clip = check_real('grad_clip', grad_clip, 0.0, math.inf, high_open=True)
+  if grad_clip == 0.0:
+    raise ValueError('grad_clip must be > 0, got 0.0')
   if seq_len > config.max_seq_len:
     raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
   params = init_params(config, seed) if params is None else params
@@ -102,4 +115,7 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
                       num_batches=eval_batches)
   info = dict(steps=steps, train_tokens=steps * batch_size * seq_len, seconds=round(seconds, 1),
               train_loss=float(loss), val_loss=val_loss, num_params=config.num_params)
+  if not (math.isfinite(info['train_loss']) and math.isfinite(val_loss)):
+    raise FloatingPointError(f'training diverged: final train loss {info["train_loss"]}, val loss '
+                             f'{val_loss} (learning_rate={learning_rate}); nothing is returned')
   return params, info

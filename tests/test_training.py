@@ -1,0 +1,39 @@
+"""Training's argument checks and its refusal to return diverged params."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from jaxspec.models import ModelConfig
+from jaxspec.training import init_params, train
+
+TOKENS = np.random.default_rng(0).integers(3, 64, 4096).astype(np.int32)
+SIZES = dict(steps=2, batch_size=2, seq_len=16, learning_rate=1e-3, warmup_steps=1)
+
+
+@pytest.mark.parametrize('change, match', [
+    (dict(learning_rate=math.nan), r'learning_rate must be a finite number in \[0.0, inf\), got nan'),
+    (dict(learning_rate=math.inf), 'learning_rate must be a finite number'),
+    (dict(learning_rate=-1.0), 'learning_rate must be a finite number .* got -1.0'),
+    (dict(learning_rate=0.0), 'learning_rate must be > 0'),
+    (dict(weight_decay=math.nan), 'weight_decay must be a finite number'),
+    (dict(grad_clip=0.0), 'grad_clip must be > 0'),
+    (dict(warmup_steps=-1), 'warmup_steps must be an int >= 0, got -1'),
+    (dict(eval_batches=0), 'eval_batches must be an int >= 1, got 0'),
+    (dict(steps=2.5), 'steps must be an int >= 1, got 2.5'),
+])
+def test_bad_hyperparameters_are_named_before_training(change, match):
+  config = ModelConfig.from_name('test-tiny')
+  with pytest.raises(ValueError, match=match):
+    train(config, TOKENS, TOKENS, **{**SIZES, **change}, progress=False)
+
+
+def test_diverged_training_raises_instead_of_returning_nan_params():
+  config = ModelConfig.from_name('test-tiny')
+  poisoned = jax.tree.map(lambda x: x * np.nan, init_params(config, 0))
+  with pytest.raises(FloatingPointError, match='training diverged: final train loss nan'):
+    train(config, TOKENS, TOKENS, **SIZES, params=poisoned, progress=False)
+  params, info = train(config, TOKENS, TOKENS, **SIZES, progress=False)
+  assert math.isfinite(info['train_loss']) and math.isfinite(info['val_loss'])
