@@ -216,7 +216,16 @@ def main(argv) -> None:
     path = path / 'results.jsonl'
   if not path.is_file():
     sys.exit(f'FATAL: no results file {str(path)!r} (give a results.jsonl or its directory)')
-  records = read_results(path)
+  try:
+    records = read_results(path)
+  except ValueError as error:
+    sys.exit(f'FATAL: {error}')
+  cases = path.parent / 'cases'
+  if cases.is_dir():          # a sweep: as the sweep reports, only its finished cases
+    kept = [r for r in records if (cases / str(r.get('case_id')) / 'done').exists()]
+    if len(kept) < len(records):
+      print(f'{len(records) - len(kept)} records of unfinished cases left out')
+    records = kept
   if not records:                                     # never overwrite a report with nothing
     sys.exit(f'FATAL: no result records in {str(path)!r} (is it a results.jsonl?); nothing '
              f'written')

@@ -219,6 +219,12 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
   outcome = _sweep(tmp_path, only=['k=2'])
   assert {r['case_id'] for r in outcome.records} == {'k=2,temperature=0.0', 'k=2,temperature=1.0'}
   assert 'k=1,temperature=0.0' not in (outcome.sweep_dir / 'summary.md').read_text()
+  # The report CLI on the sweep directory leaves the unfinished case out too.
+  proc = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
+                         '--out', str(tmp_path / 'cli'), '--experiment=fake'], cwd=ROOT,
+                        capture_output=True, text=True, check=True)
+  assert '1 records of unfinished cases left out' in proc.stdout
+  assert 'k=1,temperature=0.0' not in (tmp_path / 'cli' / 'summary.md').read_text()
 
 
 def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):
