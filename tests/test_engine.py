@@ -220,7 +220,8 @@ def test_bad_input_fails_that_request_only(tiny, alone):
       (dict(prompt_tokens=good[1], max_tokens=5, stop_tokens=[2.5]),
        'stop token ids must be ints, got 2.5'),
       (dict(prompt_tokens=b'\x05\x06\x07', max_tokens=5), 'got bytes .text. encode it first'),
-      (dict(prompt_tokens={5, 6, 7}, max_tokens=5), 'must be a list, tuple or 1-D array .* got set'),
+      (dict(prompt_tokens={5, 6, 7}, max_tokens=5),
+       'must be a list, tuple or 1-D array .* got set'),
       (dict(prompt_tokens={5: 'a'}, max_tokens=5), 'got dict'),
       (dict(prompt_tokens=(t for t in good[1]), max_tokens=5), 'got generator'),
   ]

@@ -431,7 +431,8 @@ def test_a_config_that_is_not_utf8_or_bad_arguments_are_named(tmp_path):
   (path / 'config.json').write_bytes(b'\xff\xfe{')
   with pytest.raises(CheckpointError, match='is not valid JSON'):
     load_pretrained(path)
-  with pytest.raises(CheckpointError, match="config.json is not a valid ModelConfig: 'utf-8' codec"):
+  with pytest.raises(CheckpointError,
+                     match="config.json is not a valid ModelConfig: 'utf-8' codec"):
     load_model(path)
   (path / 'config.json').write_text(json.dumps({'hidden_size': 32, 'vocab_size': 64}))
   with pytest.raises(CheckpointError, match="a Hugging Face config.json. it names no "

@@ -14,7 +14,8 @@ SIZES = dict(steps=2, batch_size=2, seq_len=16, learning_rate=1e-3, warmup_steps
 
 
 @pytest.mark.parametrize('change, match', [
-    (dict(learning_rate=math.nan), r'learning_rate must be a finite number in \[0.0, inf\), got nan'),
+    (dict(learning_rate=math.nan),
+     r'learning_rate must be a finite number in \[0.0, inf\), got nan'),
     (dict(learning_rate=math.inf), 'learning_rate must be a finite number'),
     (dict(learning_rate=-1.0), 'learning_rate must be a finite number .* got -1.0'),
     (dict(learning_rate=0.0), 'learning_rate must be > 0'),

@@ -25,7 +25,8 @@ class PageAllocator:
 
   def __init__(self, num_pages: int):
     if not is_int_in(num_pages, 2, math.inf):
-      raise ValueError(f'num_pages must be an int >= 2 (page 0 is the null page), got {num_pages!r}')
+      raise ValueError(f'num_pages must be an int >= 2 (page 0 is the null page), got '
+                       f'{num_pages!r}')
     num_pages = int(num_pages)
     self.num_pages = num_pages
     self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out low pages first
