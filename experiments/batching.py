@@ -53,6 +53,7 @@ import statistics
 import time
 
 from jaxspec.cache import pages_needed
+from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine
@@ -126,8 +127,7 @@ def parse_settings(text: str) -> dict[str, dict]:
                          f'set (known: {", ".join(allowed)})')
       kwargs[key] = _value(value)
     k = kwargs.setdefault('k', 0)
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-      raise ValueError(f'setting {name!r}: k must be an int >= 0, got {k!r}')
+    check_int(f'setting {name!r}: k', k, 0)
     settings[name] = kwargs
   if not settings:
     raise ValueError(f'no settings in {text!r}')

@@ -33,6 +33,7 @@ import math
 import pathlib
 import statistics
 
+from jaxspec.checks import check_int
 from jaxspec.eval import expected_tokens_per_round
 
 ALPHAS = (0.5, 0.7, 0.9)  # α values at which the best K is reported
@@ -47,8 +48,7 @@ def expected_tokens(alpha: float, k: int) -> float:
   """
   if not 0.0 <= alpha <= 1.0:
     raise ValueError(f'acceptance rate α must be in [0, 1], got {alpha!r}')
-  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-    raise ValueError(f'K must be an int >= 0, got {k!r}')
+  check_int('K', k, 0)
   return expected_tokens_per_round(alpha, k)
 
 
@@ -60,8 +60,7 @@ def alpha_to_pay(cost: float, k: int, tol: float = 1e-9) -> float:
   Raises:
     ValueError: K < 1, or a cost that is not a positive finite number.
   """
-  if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-    raise ValueError(f'K must be an int >= 1, got {k!r}')
+  check_int('K', k, 1)
   if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
     raise ValueError(f'cost ratio must be a positive finite number, got {cost!r}')
   if cost <= 1.0:

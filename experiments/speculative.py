@@ -80,7 +80,8 @@ def run(config, results) -> None:
   sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
                             top_p=float(config.top_p))
   if not 1 <= config.k <= config.max_k:
-    raise ValueError(f'speculation length K must be in [1, {config.max_k}], got {config.k}')
+    raise ValueError(f'speculation length K must be an int in [1, {config.max_k}], got '
+                     f'{config.k}')
   if config.batch_size < 1 or config.num_prompts < 1:
     raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
                      'must be >= 1')

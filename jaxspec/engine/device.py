@@ -15,13 +15,13 @@ max tokens). The speculative steps (draft model, prompt lookup, K = 0 with a dra
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import NULL_PAGE
+from jaxspec.checks import is_int_in
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.output import cut_lengths
 from jaxspec.decoding.sampling import RowSampling, probabilities, sample
@@ -63,8 +63,7 @@ def decode_buckets(num_slots: int, buckets) -> tuple:
     made = tuple(sorted(set(buckets)))
   except TypeError:
     raise ValueError(f'decode_buckets must be a sequence of ints, got {buckets!r}') from None
-  bad = [b for b in made if isinstance(b, (bool, np.bool_)) or
-         not isinstance(b, numbers.Integral) or not 1 <= b <= num_slots]
+  bad = [b for b in made if not is_int_in(b, 1, num_slots)]
   if bad or num_slots not in made:
     raise ValueError(f'decode_buckets={buckets!r} must be ints in [1, num_slots={num_slots}] '
                      f'including num_slots')

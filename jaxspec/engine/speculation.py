@@ -43,7 +43,7 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
     need = 'needs a' if made.uses_draft_model else 'takes no'
     raise ValueError(f'drafter={drafter!r} {need} draft model, got {got}')
   if k > MAX_K:
-    raise ValueError(f'speculation length K must be in [1, {MAX_K}], got k={k}')
+    raise ValueError(f'speculation length K must be an int in [1, {MAX_K}], got k={k}')
   policy = make_policy(k_policy)
   if made is None:
     if not isinstance(policy, FixedK):

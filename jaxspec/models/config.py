@@ -7,7 +7,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from jaxspec.checks import check_int, is_int_in
+from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.models import rope
 
 
@@ -60,11 +60,15 @@ class ModelConfig:
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
                  'num_kv_heads', 'head_dim', 'd_ff', 'max_seq_len'):
       object.__setattr__(self, name, check_int(f'ModelConfig.{name}', getattr(self, name), 1))
-    for name in ('rope_theta', 'norm_eps'):
+    for name in ('rope_theta', 'norm_eps'):       # np.float32 too, stored as a float
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-          not 0 < value < float('inf'):
+      try:
+        number = check_real(name, value, 0.0, math.inf, high_open=True)
+      except ValueError:
+        number = 0.0
+      if number <= 0.0:
         raise ValueError(f'ModelConfig.{name} must be a positive finite number, got {value!r}')
+      object.__setattr__(self, name, number)
     for name in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
       if not isinstance(getattr(self, name), bool):    # "no" and 1 would read as True
         raise ValueError(f'ModelConfig.{name} must be true or false, got {getattr(self, name)!r}')
