@@ -4,6 +4,8 @@
     python -m experiments.run --config=configs/train.py:draft    # the shipped draft (~10 min)
     python -m experiments.run --config=configs/train.py:smoke
     # then copy WORKDIR/train/RUN_ID/model to jaxspec/assets/{target,draft} (or set --config.out)
+    python -m experiments.run --config=configs/train.py:target --config.checkpoint_dir=/tmp/ckpt
+    # interrupted? the same command continues from the last state (every 100 steps)
 
 The shipped pair was made with exactly these settings (seed 0).
 """
@@ -28,6 +30,8 @@ def get_config(arg='target'):
   c.eval_batches = 8
   c.store_dtype = 'bfloat16'     # dtype of the saved tensors
   c.out = ''                     # model directory; '' = WORKDIR/train/RUN_ID/model
+  c.checkpoint_dir = ''          # resumable training state; the same command again resumes it
+  c.checkpoint_every = 100       # steps between states written there (and at the end)
   if arg in (None, '', 'target'):
     pass
   elif arg == 'draft':

@@ -27,7 +27,9 @@ def run(config, results) -> None:
                        batch_size=config.batch_size, seq_len=config.seq_len,
                        learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
                        weight_decay=config.weight_decay, grad_clip=config.grad_clip,
-                       seed=config.seed, eval_batches=config.eval_batches)
+                       seed=config.seed, eval_batches=config.eval_batches,
+                       checkpoint_dir=config.checkpoint_dir or None,
+                       checkpoint_every=config.checkpoint_every)
   out = config.out or results.dir / 'model'
   info = dict(model=config.model, corpus_train_tokens=int(len(train_tokens)), **info)
   save_model(out, model, params, dtype=config.store_dtype, info=info)

@@ -1,12 +1,14 @@
-"""Training's argument checks and its refusal to return diverged params."""
+"""Training's argument checks, its refusal to return diverged params, and resuming from its
+checkpoint."""
 
+import importlib
 import math
 
 import jax
 import numpy as np
 import pytest
 
-from jaxspec.models import ModelConfig
+from jaxspec.models import CheckpointError, ModelConfig
 from jaxspec.training import init_params, train
 
 TOKENS = np.random.default_rng(0).integers(3, 64, 4096).astype(np.int32)
@@ -38,3 +40,34 @@ def test_diverged_training_raises_instead_of_returning_nan_params():
     train(config, TOKENS, TOKENS, **SIZES, params=poisoned, progress=False)
   params, info = train(config, TOKENS, TOKENS, **SIZES, progress=False)
   assert math.isfinite(info['train_loss']) and math.isfinite(info['val_loss'])
+
+
+def test_an_interrupted_run_resumed_from_its_checkpoint_equals_an_uninterrupted_one(
+    tmp_path, monkeypatch):
+  config = ModelConfig.from_name('test-tiny')
+  sizes = dict(SIZES, steps=5)
+  straight, info = train(config, TOKENS, TOKENS, **sizes, progress=False)
+  train_module = importlib.import_module('jaxspec.training.train')   # the module, not train()
+  windows, calls = train_module.random_windows, []
+
+  def interrupted(*args):
+    calls.append(1)
+    if len(calls) == 4:                    # during step 4, after the state of step 2 was saved
+      raise KeyboardInterrupt
+    return windows(*args)
+
+  monkeypatch.setattr(train_module, 'random_windows', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    train(config, TOKENS, TOKENS, **sizes, progress=False, checkpoint_dir=tmp_path / 'ckpt',
+          checkpoint_every=2)
+  monkeypatch.undo()
+  resumed, again = train(config, TOKENS, TOKENS, **sizes, progress=False,
+                         checkpoint_dir=tmp_path / 'ckpt', checkpoint_every=2)
+  jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+  assert again['train_loss'] == info['train_loss'] and again['val_loss'] == info['val_loss']
+  done, _ = train(config, TOKENS, TOKENS, **sizes, progress=False,      # finished: no step runs
+                  checkpoint_dir=tmp_path / 'ckpt')
+  jax.tree.map(np.testing.assert_array_equal, done, straight)
+  with pytest.raises(CheckpointError, match=r'other arguments \(learning_rate: 0.001 -> 0.002\)'):
+    train(config, TOKENS, TOKENS, **dict(sizes, learning_rate=2e-3), progress=False,
+          checkpoint_dir=tmp_path / 'ckpt')

@@ -15,6 +15,7 @@ import tqdm
 from jaxspec.checks import check_int, check_real
 from jaxspec.data import random_windows
 from jaxspec.models import ModelConfig, Transformer
+from jaxspec.training import resume
 
 
 def lm_loss(params, config: ModelConfig, windows):
@@ -61,13 +62,19 @@ def evaluate(params, config: ModelConfig, tokens: np.ndarray, *, batch_size: int
 def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray, *, steps: int,
           batch_size: int, seq_len: int, learning_rate: float, warmup_steps: int,
           weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0,
-          eval_batches: int = 8, params=None, progress: bool = True):
+          eval_batches: int = 8, params=None, progress: bool = True,
+          checkpoint_dir=None, checkpoint_every: int = 0):
   """Train `config` on random windows of `train_tokens`.
 
   Args:
     train_tokens, val_tokens: [N] int32 token streams.
     steps, batch_size, seq_len: optimisation steps, windows per step, tokens per window.
     params: optional params to continue from (fresh ones otherwise).
+    checkpoint_dir: a directory for a resumable state (`resume.TrainState`: params, optimizer
+      state, steps done), written every `checkpoint_every` steps (0: only at the end). A call
+      that finds a state there written with the same arguments continues from it, the window
+      sampler replayed to its step, so an interrupted run resumed gives the params an
+      uninterrupted one would have.
   Returns:
     (params, info): info holds steps, train_tokens (tokens consumed), seconds, final train loss
     and the held-out val_loss (nats/token).
@@ -75,7 +82,8 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     ValueError: for non-positive sizes, a learning rate that is not a finite number > 0, a
       weight decay or warmup that is negative (or not finite), a grad_clip that is not > 0, a
       stream shorter than one window; FloatingPointError: a final train or val loss that is not
-      finite (diverged: the params are not worth saving).
+      finite (diverged: the params are not worth saving); CheckpointError: a state in
+      checkpoint_dir written with other arguments, or unreadable.
   """
   steps, batch_size = check_int('steps', steps, 1), check_int('batch_size', batch_size, 1)
   seq_len = check_int('seq_len', seq_len, 1)
@@ -88,6 +96,7 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   grad_clip = check_real('grad_clip', grad_clip, 0.0, math.inf, high_open=True)
   if grad_clip == 0.0:
     raise ValueError('grad_clip must be > 0, got 0.0')
+  checkpoint_every = check_int('checkpoint_every', checkpoint_every, 0)
   if seq_len > config.max_seq_len:
     raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
   params = init_params(config, seed) if params is None else params
@@ -102,14 +111,29 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     return optax.apply_updates(params, updates), opt_state, loss
 
   rng = np.random.default_rng(seed)
+  loss, done = jnp.nan, 0
+  state = None
+  if checkpoint_dir is not None:
+    state = resume.TrainState(checkpoint_dir, dict(
+        steps=steps, batch_size=batch_size, seq_len=seq_len, learning_rate=learning_rate,
+        warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
+        num_params=config.num_params, train_tokens=int(len(train_tokens))))
+    restored = state.restore(params, opt_state)
+    if restored is not None:
+      params, opt_state, done, loss = restored
+      for _ in range(done):        # the sampler where the interrupted run left it
+        random_windows(train_tokens, batch_size, seq_len, rng)
   start = time.perf_counter()
-  bar = tqdm.trange(steps, desc=f'train {config.num_params / 1e6:.1f}M', disable=not progress)
-  loss = jnp.nan
+  bar = tqdm.trange(done, steps, desc=f'train {config.num_params / 1e6:.1f}M',
+                    disable=not progress)
   for i in bar:
     params, opt_state, loss = step(params, opt_state,
                                    random_windows(train_tokens, batch_size, seq_len, rng))
     if i % 20 == 0 or i == steps - 1:
       bar.set_postfix(loss=f'{float(loss):.3f}')
+    if state is not None and (i == steps - 1 or (checkpoint_every and
+                                                 (i + 1) % checkpoint_every == 0)):
+      state.save(params, opt_state, i + 1, float(loss))
   seconds = time.perf_counter() - start
   val_loss = evaluate(params, config, val_tokens, batch_size=batch_size, seq_len=seq_len,
                       num_batches=eval_batches)

@@ -1,0 +1,65 @@
+"""A resumable training state on disk: params, optimizer state, the steps done and the last
+loss, written with orbax beside the arguments that produced it (so a resume with other
+arguments is refused instead of silently mixing two runs)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Optional
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxspec.models.checkpoint import CheckpointError
+
+
+class TrainState:
+  """`DIR/state` (an orbax pytree checkpoint) and `DIR/args.json` of one training run.
+
+  Args:
+    path: the directory (created at the first `save`).
+    args: the run's arguments that must match on resume (JSON-serialisable: sizes, rates,
+      seed, the model's parameter count).
+  """
+
+  def __init__(self, path, args: dict):
+    self.path = pathlib.Path(path).absolute()
+    self.args = json.loads(json.dumps(args))        # as a reread args.json would be
+
+  def save(self, params, opt_state, step: int, loss: float) -> None:
+    """Write the state after `step` steps (replacing the previous one; waits for the write)."""
+    self.path.mkdir(parents=True, exist_ok=True)
+    state = dict(params=params, opt_state=opt_state, step=np.array(step, np.int64),
+                 loss=np.array(loss, np.float32))
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(self.path / 'state', state, force=True)
+    (self.path / 'args.json').write_text(json.dumps(self.args, indent=2) + '\n')
+
+  def restore(self, params, opt_state) -> Optional[tuple]:
+    """(params, opt_state, step, loss) of a saved state shaped like the given ones, or None
+    when there is none.
+
+    Raises:
+      CheckpointError: a state written with other arguments (naming them), or unreadable.
+    """
+    if not (self.path / 'state').exists():
+      return None
+    try:
+      saved = json.loads((self.path / 'args.json').read_text())
+    except (OSError, ValueError) as e:
+      raise CheckpointError(f'{self.path / "args.json"} is missing or unreadable: {e}') from e
+    differ = sorted(k for k in set(saved) | set(self.args) if saved.get(k) != self.args.get(k))
+    if differ:
+      changes = ', '.join(f'{k}: {saved.get(k)!r} -> {self.args.get(k)!r}' for k in differ)
+      raise CheckpointError(f'the training state in {self.path} was written with other '
+                            f'arguments ({changes}): resume with the same ones, or use another '
+                            f'checkpoint directory')
+    target = dict(params=params, opt_state=opt_state, step=np.array(0, np.int64),
+                  loss=np.array(0.0, np.float32))
+    try:
+      with ocp.StandardCheckpointer() as ckptr:
+        state = ckptr.restore(self.path / 'state', target)
+    except Exception as e:  # orbax raises many types for damaged files; name the path
+      raise CheckpointError(f'cannot read the training state at {self.path / "state"}: {e}') from e
+    return state['params'], state['opt_state'], int(state['step']), float(state['loss'])
