@@ -57,7 +57,7 @@ from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine
-from experiments.common import parse_workloads
+from experiments.common import check_fields, parse_workloads
 from experiments.speculative import load_pair
 
 # Engine arguments the experiment sets itself; a setting may not name them.
@@ -372,14 +372,10 @@ def run(config, results) -> None:
       the Engine refuses.
   """
   settings = parse_settings(config.settings)
-  for field in ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'):
-    if int(config[field]) < 1:
-      raise ValueError(f'config.{field} must be >= 1, got {config[field]}')
+  check_fields(config, ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'))
   if config.interleave not in ('steps', 'runs'):
     raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
-  for field in ('cost_rounds', 'min_requests'):
-    if int(config[field]) < 0:
-      raise ValueError(f'config.{field} must be >= 0, got {config[field]}')
+  check_fields(config, ('cost_rounds', 'min_requests'), minimum=0)
   workloads, (*_, tokenizer), engines = load_study(config)
   b = int(config.batch_size)
   n = max(int(config.requests_per_slot) * b, int(config.min_requests))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import importlib
 import json
 import math
 import os
@@ -257,6 +258,30 @@ def warn_if_busy(threshold: float = 0.5) -> Optional[float]:
           f'shares the machine, times and speedups read low (at a fixed K, α, β and τ do not '
           f'depend on load)', file=sys.stderr, flush=True)
   return load
+
+
+def import_experiment(name: str):
+  """The module experiments.NAME (`config.experiment`), for experiments.run and .sweep.
+
+  Raises:
+    ValueError: there is no experiments/NAME.py (an import that fails inside the module, e.g.
+      a missing dependency, raises as it is).
+  """
+  try:
+    return importlib.import_module(f'experiments.{name}')
+  except ModuleNotFoundError as error:
+    if error.name != f'experiments.{name}':
+      raise
+    raise ValueError(f'config.experiment={name!r} names no module experiments/{name}.py') from None
+
+
+def check_fields(config, names, minimum: int = 1) -> None:
+  """Raise ValueError('config.NAME must be >= MINIMUM, got VALUE') for the first of `names`
+  whose value in `config` is below `minimum` (sizes and counts an experiment checks before it
+  loads any model)."""
+  for name in names:
+    if config[name] < minimum:
+      raise ValueError(f'config.{name} must be >= {minimum}, got {config[name]}')
 
 
 def parse_workloads(config) -> list[str]:

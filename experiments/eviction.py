@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import empty_cache, parse_workloads
+from experiments.common import check_fields, empty_cache, parse_workloads
 from jaxspec.cache import init_eviction, make_policy
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import SamplingParams
@@ -162,13 +162,9 @@ def run(config, results) -> None:
   make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
   if config.mode == 'quality':
     parse_workloads(config)
-    for name in ('batch_size', 'num_sequences', 'seq_len'):
-      if config[name] < 1:
-        raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
-  else:
-    for name in ('worker_tokens', 'worker_chunk'):      # a chunk of 0 tokens never ends the run
-      if config[name] < 1:
-        raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+    check_fields(config, ('batch_size', 'num_sequences', 'seq_len'))
+  else:   # a chunk of 0 tokens never ends the run
+    check_fields(config, ('worker_tokens', 'worker_chunk'))
   model, params = load_model(config.target or shipped('target'))
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,

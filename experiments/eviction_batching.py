@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from experiments.common import empty_cache, parse_workloads
+from experiments.common import check_fields, empty_cache, parse_workloads
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding.evicting import score_tokens
@@ -64,10 +64,8 @@ def memory(config) -> dict:
   Raises:
     ValueError: a size < 1, plain_slots < 0.
   """
-  for name in ('num_requests', 'prompt_len', 'max_tokens', 'memory_requests', 'page_size',
-               'chunk_size', 'repeats'):
-    if config[name] < 1:
-      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  check_fields(config, ('num_requests', 'prompt_len', 'max_tokens', 'memory_requests',
+                        'page_size', 'chunk_size', 'repeats'))
   if config.plain_slots < 0:
     raise ValueError(f'config.plain_slots must be >= 0 (0: as many as the memory holds), got '
                      f'{config.plain_slots}')

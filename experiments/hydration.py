@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from experiments.common import check_fields
 from experiments.speculative import load_pair, ratio
 from jaxspec.data.tool_calls import tool_episodes
 from jaxspec.decoding import SamplingParams
@@ -40,12 +41,9 @@ def _check(config):
   strategies = _names(config.strategies, STRATEGIES, 'strategies')
   if config.extractor not in EXTRACTORS:
     raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
-  for name in ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens', 'page_size'):
-    if config[name] < 1:
-      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
-  for name in ('retries', 'alpha_prompts', 'extractor_k', 'shots'):
-    if config[name] < 0:
-      raise ValueError(f'config.{name} must be >= 0, got {config[name]}')
+  check_fields(config, ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens',
+                        'page_size'))
+  check_fields(config, ('retries', 'alpha_prompts', 'extractor_k', 'shots'), minimum=0)
   if config.extractor_k > MAX_K:
     raise ValueError(f'config.extractor_k must be in [0, {MAX_K}], got {config.extractor_k}')
   if config.alpha_prompts and config.extractor != 'oracle' and not 1 <= config.alpha_k <= MAX_K:

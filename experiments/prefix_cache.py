@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import report
+from experiments.common import check_fields
 from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
@@ -43,9 +44,7 @@ def run(config, results) -> None:
   settings = _settings(config)
   if config.k < 0:
     raise ValueError(f'speculation length K must be >= 0 (0 = off), got {config.k}')
-  for name in ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'):
-    if config[name] < 1:
-      raise ValueError(f'config.{name} must be >= 1, got {config[name]}')
+  check_fields(config, ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'))
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:
     draft = draft_params = None

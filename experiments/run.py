@@ -10,7 +10,6 @@ JAX_PROCESS_ID) every process runs the experiment as one program and process 0 a
 results.
 """
 
-import importlib
 import sys
 
 from absl import app, flags, logging
@@ -19,7 +18,7 @@ from ml_collections import config_flags
 import shutil
 
 from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_unknown_field,
-                                new_run_dir, parse_flags, warn_if_busy)
+                                import_experiment, new_run_dir, parse_flags, warn_if_busy)
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -41,11 +40,7 @@ def main(argv):
   try:
     # Before any device is touched; with 1 process a no-op.
     distributed.initialize(config.get('distributed'))
-    try:
-      module = importlib.import_module(f'experiments.{config.experiment}')
-    except ModuleNotFoundError as error:
-      raise ValueError(f'config.experiment={config.experiment!r} names no module '
-                       f'experiments/{config.experiment}.py') from error
+    module = import_experiment(config.experiment)
     if distributed.is_primary():
       try:
         run_dir = new_run_dir(_WORKDIR.value, config.experiment)

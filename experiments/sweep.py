@@ -21,7 +21,6 @@ import dataclasses
 import datetime
 import fcntl
 import gc
-import importlib
 import json
 import os
 import pathlib
@@ -37,7 +36,7 @@ from tqdm import tqdm
 
 from experiments import report, sweeps
 from experiments.common import (DEFAULT_CONFIG, Results, exit_unknown_field, format_record,
-                                parse_flags, read_results)
+                                import_experiment, parse_flags, read_results)
 from jaxspec.parallel import distributed
 
 
@@ -240,7 +239,7 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
   configs = sweeps.validate_sweep(base, cases)
   ids = [sweeps.case_id(c) for c in cases]
   picked = sweeps.select_cases(cases, only, shard)
-  experiment = importlib.import_module(f'experiments.{base.experiment}')
+  experiment = import_experiment(base.experiment)
 
   sweep_dir = pathlib.Path(workdir) / base.experiment / sweep_name
   sweep_dir.mkdir(parents=True, exist_ok=True)

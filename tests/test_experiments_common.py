@@ -8,7 +8,9 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.common import Results, empty_cache, parse_workloads
+from experiments import common
+from experiments.common import (Results, check_fields, empty_cache, import_experiment,
+                                parse_workloads)
 from jaxspec.data import WORKLOADS
 from jaxspec.models import ModelConfig
 
@@ -79,3 +81,22 @@ def test_a_run_records_the_versions_its_prompts_depend_on(tmp_path):
   assert env['packages']['botocore'] == importlib.metadata.version('botocore')
   assert env['packages']['jax'] == importlib.metadata.version('jax')
   assert env['devices'] and env['cpu_count'] >= 1
+
+
+def test_an_unknown_experiment_is_named_but_a_missing_dependency_is_not_hidden(monkeypatch):
+  with pytest.raises(ValueError, match="config.experiment='nope' names no module"):
+    import_experiment('nope')
+  def missing_dependency(name):
+    raise ModuleNotFoundError("No module named 'llguidance'", name='llguidance')
+  monkeypatch.setattr(common.importlib, 'import_module', missing_dependency)
+  with pytest.raises(ModuleNotFoundError, match='llguidance'):
+    import_experiment('hydration')
+
+
+def test_check_fields_names_the_first_field_below_its_minimum():
+  config = ml_collections.ConfigDict({'a': 1, 'b': 0, 'c': -1})
+  check_fields(config, ('a',))
+  with pytest.raises(ValueError, match='config.b must be >= 1, got 0'):
+    check_fields(config, ('a', 'b', 'c'))
+  with pytest.raises(ValueError, match='config.c must be >= 0, got -1'):
+    check_fields(config, ('b', 'c'), minimum=0)

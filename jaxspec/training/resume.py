@@ -28,13 +28,14 @@ class TrainState:
     self.args = json.loads(json.dumps(args))        # as a reread args.json would be
 
   def save(self, params, opt_state, step: int, loss: float) -> None:
-    """Write the state after `step` steps (replacing the previous one; waits for the write)."""
+    """Write the state after `step` steps (replacing the previous one; waits for the write).
+    args.json goes first: a state on disk always has the arguments it is checked against."""
     self.path.mkdir(parents=True, exist_ok=True)
+    (self.path / 'args.json').write_text(json.dumps(self.args, indent=2) + '\n')
     state = dict(params=params, opt_state=opt_state, step=np.array(step, np.int64),
                  loss=np.array(loss, np.float32))
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(self.path / 'state', state, force=True)
-    (self.path / 'args.json').write_text(json.dumps(self.args, indent=2) + '\n')
 
   def restore(self, params, opt_state) -> Optional[tuple]:
     """(params, opt_state, step, loss) of a saved state shaped like the given ones, or None
