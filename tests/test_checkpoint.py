@@ -1,6 +1,7 @@
 """Model directories: round trip, and clear errors for missing or corrupt checkpoints."""
 
 import json
+import re
 import shutil
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxspec.models import CheckpointError, ModelConfig, load_model, save_model
+from jaxspec.models.checkpoint import param_shapes, shipped
 from jaxspec.training import init_params
 
 
@@ -53,6 +55,55 @@ def test_corrupt_params_is_named(saved):
       f.write_bytes(b'\x00garbage' * 4)
   with pytest.raises(CheckpointError, match='cannot read the checkpoint'):
     load_model(path)
+
+
+def _largest_data_file(path):
+  files = [f for f in (path / 'params').rglob('*') if f.is_file() and f.parent.name == 'd']
+  return max(files, key=lambda f: f.stat().st_size)
+
+
+def test_a_flipped_byte_in_the_tensor_data_is_refused(saved):
+  path, _, _ = saved
+  load_model(path)                                   # whole: loads
+  data = _largest_data_file(path)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x10                         # one bit of one weight, mid-file
+  data.write_bytes(bytes(raw))
+  with pytest.raises(CheckpointError, match=r'does not match its checksum|cannot read'):
+    load_model(path)
+
+
+def test_a_checksum_mismatch_names_the_tensor(saved):
+  path, _, _ = saved
+  sums = json.loads((path / 'checksums.json').read_text())
+  name = "['params']['layer_0']['mlp']['down']['kernel']"
+  assert name in sums['sha256']
+  sums['sha256'][name] = '0' * 64
+  (path / 'checksums.json').write_text(json.dumps(sums))
+  with pytest.raises(CheckpointError, match=re.escape(f'tensor {name} does not match its '
+                                                      f'checksum in checksums.json (1 of')):
+    load_model(path)
+
+
+@pytest.mark.parametrize('text', ['{"sha256": [1]', '[]', '{"sha256": "x"}', '{}'])
+def test_a_malformed_checksums_file_is_named(saved, text):
+  path, _, _ = saved
+  (path / 'checksums.json').write_text(text)
+  with pytest.raises(CheckpointError, match='checksums.json is unreadable or malformed'):
+    load_model(path)
+
+
+def test_a_directory_without_checksums_loads_unverified(saved):
+  path, _, params = saved                      # as a directory saved before checksums existed
+  (path / 'checksums.json').unlink()
+  _, loaded = load_model(path)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+def test_shipped_models_carry_checksums():
+  for name in ('target', 'draft'):
+    sums = json.loads((shipped(name) / 'checksums.json').read_text())['sha256']
+    assert len(sums) == len(jax.tree.leaves(param_shapes(load_model(shipped(name))[0])))
 
 
 def test_bad_config_is_named(saved):

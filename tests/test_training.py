@@ -71,3 +71,16 @@ def test_an_interrupted_run_resumed_from_its_checkpoint_equals_an_uninterrupted_
   with pytest.raises(CheckpointError, match=r'other arguments \(learning_rate: 0.001 -> 0.002\)'):
     train(config, TOKENS, TOKENS, **dict(sizes, learning_rate=2e-3), progress=False,
           checkpoint_dir=tmp_path / 'ckpt')
+
+
+def test_a_damaged_training_state_is_refused(tmp_path):
+  config = ModelConfig.from_name('test-tiny')
+  train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')
+  files = [f for f in (tmp_path / 'ckpt' / 'state').rglob('*')
+           if f.is_file() and f.parent.name == 'd']
+  data = max(files, key=lambda f: f.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  data.write_bytes(bytes(raw))
+  with pytest.raises(CheckpointError, match=r'does not match its checksum|cannot read'):
+    train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')

@@ -1,14 +1,19 @@
 """Saving and loading a model directory: `config.json` (the ModelConfig), `params/` (an orbax
-checkpoint, stored in bfloat16 or float32) and optional `info.json` (how it was trained).
+checkpoint, stored in bfloat16 or float32), `checksums.json` (a SHA-256 per stored tensor) and
+optional `info.json` (how it was trained).
 
-Loading checks every tensor against the shapes the config implies, so a wrong or truncated
-checkpoint is reported by name instead of failing later inside a jitted step.
+Loading checks every tensor against the shapes the config implies and against its checksum, so
+a wrong, truncated or damaged checkpoint is reported by name instead of failing later inside a
+jitted step or, worse, loading with some weights changed (a flipped byte in orbax's data files
+otherwise restores without complaint).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
 import pathlib
 from typing import Optional
 
@@ -51,8 +56,11 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
+  # Old checksums go first: a save cut short leaves params unverified, never a false mismatch.
+  (path / CHECKSUMS).unlink(missing_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / 'params', stored, force=True)
+  write_checksums(path / CHECKSUMS, stored)
   (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
   if info is not None:
     (path / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
@@ -93,7 +101,9 @@ def load_model(path, dtype: str = 'float32'):
     ValueError: a dtype that is not a floating-point dtype, or float64 without jax_enable_x64
       (named).
     CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
-      has unknown or missing fields, or a tensor is missing or has the wrong shape (named).
+      has unknown or missing fields, a tensor is missing or has the wrong shape, or a tensor's
+      bytes differ from its checksum in checksums.json (named; a directory without
+      checksums.json, written before they existed, loads unverified).
   """
   floating_dtype(dtype)
   path = pathlib.Path(path).absolute()
@@ -121,6 +131,7 @@ def load_model(path, dtype: str = 'float32'):
   except Exception as e:  # orbax raises many types for damaged files; name the path
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
   _check_tree(expected, restored, f'checkpoint {path}')
+  verify_checksums(path / CHECKSUMS, restored)
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
   return config, params
 
@@ -141,6 +152,61 @@ def _check_tree(expected, restored, where: str) -> None:
   extra = sorted(set(got) - set(want))
   if extra:
     raise CheckpointError(f'{where} has unexpected tensors {extra[:5]}')
+
+
+CHECKSUMS = 'checksums.json'
+
+
+def tensor_checksums(tree) -> dict:
+  """SHA-256 (hex) of each leaf of `tree`, keyed by its pytree path (`jax.tree_util.keystr`):
+  over the leaf's dtype name, shape and C-order bytes, so a value, a dtype or a shape that
+  changed all change it. Leaves are brought to host memory (numpy) to be hashed."""
+  sums = {}
+  for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    array = np.ascontiguousarray(np.asarray(leaf))
+    digest = hashlib.sha256(f'{array.dtype.name}{array.shape}'.encode())
+    digest.update(array.tobytes())
+    sums[jax.tree_util.keystr(key)] = digest.hexdigest()
+  return sums
+
+
+def write_checksums(file, tree) -> None:
+  """Write `tensor_checksums(tree)` to `file` as JSON (through a temporary file and a rename,
+  so the file is whole or absent)."""
+  file = pathlib.Path(file)
+  text = json.dumps({'sha256': tensor_checksums(tree)}, indent=1, sort_keys=True) + '\n'
+  partial = file.with_name(file.name + '.partial')
+  partial.write_text(text)
+  os.replace(partial, file)
+
+
+def verify_checksums(file, tree) -> None:
+  """Check each leaf of `tree` (as restored: the stored dtype) against `file` written by
+  `write_checksums`; nothing to check when `file` does not exist.
+
+  Raises:
+    CheckpointError: `file` unreadable or malformed, a tensor whose bytes differ from its
+      checksum (the first one, by name), or tensors the file and the tree do not share.
+  """
+  file = pathlib.Path(file)
+  if not file.exists():
+    return
+  try:
+    want = json.loads(file.read_text())['sha256']
+    if not isinstance(want, dict):
+      raise ValueError(f"'sha256' is a {type(want).__name__}, not an object")
+  except (OSError, ValueError, KeyError, TypeError) as e:   # JSONDecodeError, UnicodeDecodeError
+    raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
+  got = tensor_checksums(tree)
+  if set(want) != set(got):
+    odd = sorted(set(want) ^ set(got))
+    raise CheckpointError(f'{file} does not list the same tensors as the checkpoint beside it '
+                          f'(differing: {odd[:5]})')
+  bad = [name for name in got if got[name] != want[name]]
+  if bad:
+    raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its checksum in '
+                          f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
+                          f'is damaged; write it again (or restore it from a copy)')
 
 
 ASSETS = pathlib.Path(__file__).resolve().parent.parent / 'assets'

@@ -1,6 +1,7 @@
 """A resumable training state on disk: params, optimizer state, the steps done and the last
 loss, written with orbax beside the arguments that produced it (so a resume with other
-arguments is refused instead of silently mixing two runs)."""
+arguments is refused instead of silently mixing two runs) and a checksum per array (so a damaged
+state is refused instead of silently resuming from changed weights)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from typing import Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.checkpoint import CheckpointError
+from jaxspec.models.checkpoint import CheckpointError, verify_checksums, write_checksums
 
 
 class TrainState:
-  """`DIR/state` (an orbax pytree checkpoint) and `DIR/args.json` of one training run.
+  """`DIR/state` (an orbax pytree checkpoint), `DIR/args.json` and `DIR/checksums.json` of one
+  training run.
 
   Args:
     path: the directory (created at the first `save`).
@@ -29,20 +31,25 @@ class TrainState:
 
   def save(self, params, opt_state, step: int, loss: float) -> None:
     """Write the state after `step` steps (replacing the previous one; waits for the write).
-    args.json goes first: a state on disk always has the arguments it is checked against."""
+    args.json goes first: a state on disk always has the arguments it is checked against; the
+    old checksums are removed before the state is replaced and the new ones written after it,
+    so a save cut short leaves a state unverified, never one refused as damaged."""
     self.path.mkdir(parents=True, exist_ok=True)
     (self.path / 'args.json').write_text(json.dumps(self.args, indent=2) + '\n')
     state = dict(params=params, opt_state=opt_state, step=np.array(step, np.int64),
                  loss=np.array(loss, np.float32))
+    (self.path / 'checksums.json').unlink(missing_ok=True)
     with ocp.StandardCheckpointer() as ckptr:
       ckptr.save(self.path / 'state', state, force=True)
+    write_checksums(self.path / 'checksums.json', state)
 
   def restore(self, params, opt_state) -> Optional[tuple]:
     """(params, opt_state, step, loss) of a saved state shaped like the given ones, or None
     when there is none.
 
     Raises:
-      CheckpointError: a state written with other arguments (naming them), or unreadable.
+      CheckpointError: a state written with other arguments (naming them), unreadable, or an
+        array whose bytes differ from its checksum (named).
     """
     if not (self.path / 'state').exists():
       return None
@@ -63,4 +70,5 @@ class TrainState:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
       raise CheckpointError(f'cannot read the training state at {self.path / "state"}: {e}') from e
+    verify_checksums(self.path / 'checksums.json', state)
     return state['params'], state['opt_state'], int(state['step']), float(state['loss'])
