@@ -19,8 +19,10 @@ rendered with "operations" first so that successive states share a long common p
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
-HTTP_METHODS = ('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD')
+# RFC 9110's methods and PATCH (RFC 5789); botocore's operations use the first six.
+HTTP_METHODS = ('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD', 'OPTIONS', 'TRACE', 'CONNECT')
 SKIPPED_KEYS = frozenset({'documentation', 'documentationUrl', 'deprecatedMessage'})
 MAX_CANDIDATE_CHARS = 200
 
@@ -29,7 +31,8 @@ def truth_record(result: dict) -> dict:
   """The record of an operation, read directly from its parsed tool result (the oracle).
 
   Raises ValueError if the result is not an object with a string "name" and an "http" object
-  with string method and requestUri.
+  with string method and requestUri, or if the method is not one of HTTP_METHODS (named: the
+  state's schema allows only those).
   """
   http = result.get('http') if isinstance(result, dict) else None
   if not isinstance(http, dict) or not isinstance(result.get('name'), str) or not all(
@@ -37,6 +40,9 @@ def truth_record(result: dict) -> dict:
     keys = sorted(result) if isinstance(result, dict) else type(result).__name__
     raise ValueError(f'not an operation record (needs name, http.method, http.requestUri): '
                      f'{keys}')
+  if http['method'] not in HTTP_METHODS:
+    raise ValueError(f'not an operation record: http.method {http["method"]!r} is not one of '
+                     f'{HTTP_METHODS}')
   record = {'name': result['name'],
             'http': {'method': http['method'], 'requestUri': http['requestUri']}}
   for key in ('input', 'output'):
@@ -48,8 +54,9 @@ def truth_record(result: dict) -> dict:
   return record
 
 
-def candidates(result) -> list[str]:
-  """Sorted distinct strings of a tool result (keys excluded, documentation skipped)."""
+def candidates(result, max_chars: Optional[int] = MAX_CANDIDATE_CHARS) -> list[str]:
+  """Sorted distinct strings of a tool result (keys excluded, documentation skipped), of at
+  most `max_chars` characters (None: any length)."""
   out = set()
 
   def walk(x):
@@ -60,7 +67,7 @@ def candidates(result) -> list[str]:
     elif isinstance(x, list):
       for v in x:
         walk(v)
-    elif isinstance(x, str) and len(x) <= MAX_CANDIDATE_CHARS:
+    elif isinstance(x, str) and (max_chars is None or len(x) <= max_chars):
       out.add(x)
   walk(result)
   return sorted(out)
@@ -86,13 +93,16 @@ def record_schema(result: dict) -> dict:
 
   Structure is read off the result, values are left to the extractor: the record has exactly
   the keys the result has (input / output / errors only when present) and as many errors; every
-  string must be one of `candidates(result)`, the method one of HTTP_METHODS.
+  string must be one of `candidates(result)` or of the true record's strings (a requestUri
+  longer than MAX_CANDIDATE_CHARS stays allowed), the method one of HTTP_METHODS, so the true
+  record always satisfies the schema.
 
   Raises:
     ValueError: the result is not an operation record (see `truth_record`).
   """
   shape = truth_record(result)
-  schema = _record_schema({'enum': candidates(result)}, {'enum': list(HTTP_METHODS)})
+  strings = set(candidates(result)) | set(candidates(shape, max_chars=None))
+  schema = _record_schema({'enum': sorted(strings)}, {'enum': list(HTTP_METHODS)})
   props = schema['properties']
   for key in ('input', 'output', 'errors'):
     if key in shape:
