@@ -60,6 +60,20 @@ def _score(model, params, policy, tokens, lengths, config):
   return scores, int(np.sum(lengths)) / seconds, live_peak, kv_bytes
 
 
+PASSAGE_TOKENS = 128        # retrieval: the scored passage
+MIN_RETRIEVAL_PROMPT = 48   # make_prompts' least retrieval prompt
+
+
+def _prompts(workload, tokenizer, config, prompt_len):
+  """make_prompts for this run, its errors in the config's terms (num_sequences, seq_len)."""
+  try:
+    return make_prompts(workload, tokenizer, config.num_sequences, prompt_len, split='test',
+                        seed=config.seed)
+  except ValueError as e:
+    raise ValueError(f'cannot draw config.num_sequences={config.num_sequences} {workload!r} '
+                     f'sequences with config.seq_len={config.seq_len}: {e}') from None
+
+
 def _sequences(workload, tokenizer, config):
   """tokens [N, seq_len] (right-padded), lengths [N] and the scored positions [N, seq_len] bool
   (position t scores the prediction of token t+1). code / json: windows of seq_len tokens, every
@@ -67,20 +81,18 @@ def _sequences(workload, tokenizer, config):
   passage's first tokens (<= seq_len - 128 tokens), then the real passage (<= 128 tokens); only
   the passage's tokens are scored, so the score measures copying from far back in the context."""
   if workload != 'retrieval':
-    prompts = make_prompts(workload, tokenizer, config.num_sequences, config.seq_len,
-                           split='test', seed=config.seed)
+    prompts = _prompts(workload, tokenizer, config, config.seq_len)
     tokens = np.array([p.tokens for p in prompts], np.int32)
     lengths = np.full((len(tokens),), config.seq_len, np.int32)
     scored = np.ones(tokens.shape, bool)
     scored[:, -1] = False
     return tokens, lengths, scored
-  prompts = make_prompts('retrieval', tokenizer, config.num_sequences, config.seq_len - 128,
-                         split='test', seed=config.seed)
+  prompts = _prompts('retrieval', tokenizer, config, config.seq_len - PASSAGE_TOKENS)
   tokens = np.zeros((len(prompts), config.seq_len), np.int32)
   lengths = np.zeros((len(prompts),), np.int32)
   scored = np.zeros(tokens.shape, bool)
   for i, p in enumerate(prompts):
-    seq = list(p.tokens) + list(p.reference[:128])
+    seq = list(p.tokens) + list(p.reference[:PASSAGE_TOKENS])
     tokens[i, :len(seq)], lengths[i] = seq, len(seq)
     scored[i, len(p.tokens) - 1:len(seq) - 1] = True
   return tokens, lengths, scored
@@ -95,9 +107,6 @@ def run_quality(config, results, model, params, tokenizer) -> None:
   policy = make_policy(config.policy, None if config.policy == 'full' else budget)
   for workload in parse_workloads(config):
     tokens, lengths, scored = _sequences(workload, tokenizer, config)
-    if len(tokens) % config.batch_size:
-      raise ValueError(f'num_sequences ({config.num_sequences}) must be a multiple of '
-                       f'batch_size ({config.batch_size})')
     key = (config.target, workload, config.seq_len, config.num_sequences, config.batch_size,
            config.page_size, config.seed, config.use_kernel)
     if key not in _FULL_REFERENCE:
@@ -106,9 +115,11 @@ def run_quality(config, results, model, params, tokenizer) -> None:
     got, tps, live_peak, kv_bytes = _score(model, params, policy, tokens, lengths, config)
     ppl, ppl_full = _perplexity(got['logprob'], scored), _perplexity(full['logprob'], scored)
     truth = np.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    full_cache = config.policy == 'full'      # keeps every token: the budget is the sequence
     results.write(dict(
-        workload=workload, policy=config.policy, budget_frac=float(config.budget_frac),
-        budget_tokens=budget, seq_len=int(config.seq_len), tokens_scored=int(scored.sum()),
+        workload=workload, policy=config.policy,
+        budget_frac=1.0 if full_cache else float(config.budget_frac),
+        budget_tokens=int(config.seq_len) if full_cache else budget, seq_len=int(config.seq_len), tokens_scored=int(scored.sum()),
         perplexity=ppl, perplexity_full=ppl_full,
         perplexity_increase_pct=100.0 * (ppl / ppl_full - 1.0),
         agreement=float((got['argmax'] == full['argmax'])[scored].mean()),
@@ -161,8 +172,16 @@ def run(config, results) -> None:
     raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
   make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
   if config.mode == 'quality':
-    parse_workloads(config)
+    workloads = parse_workloads(config)
     check_fields(config, ('batch_size', 'num_sequences', 'seq_len'))
+    if config.num_sequences % config.batch_size:
+      raise ValueError(f'config.num_sequences ({config.num_sequences}) must be a multiple of '
+                       f'config.batch_size ({config.batch_size})')
+    least = PASSAGE_TOKENS + MIN_RETRIEVAL_PROMPT
+    if 'retrieval' in workloads and config.seq_len < least:
+      raise ValueError(f'config.seq_len must be >= {least} with the retrieval workload (a '
+                       f'prompt of >= {MIN_RETRIEVAL_PROMPT} tokens, then the {PASSAGE_TOKENS}-'
+                       f'token passage scored), got {config.seq_len}')
   else:   # a chunk of 0 tokens never ends the run
     check_fields(config, ('worker_tokens', 'worker_chunk'))
   model, params = load_model(config.target or shipped('target'))

@@ -369,3 +369,11 @@ def test_prefill_calls_use_the_smallest_row_bucket(tiny, prefill_rows, buckets, 
   engine.add_request(_prompts([5], seed=30)[0], max_tokens=2)
   engine.step()                                        # a lone admission: one row
   assert widths == [1]
+
+
+def test_request_metrics_repr_shows_ttft_tpot_and_acceptance():
+  from jaxspec.engine.request import RequestMetrics  # pylint: disable=import-outside-toplevel
+  m = RequestMetrics(arrival_s=1.0, first_token_s=1.5, finish_s=2.5, num_tokens=5, proposed=4,
+                     accepted=3, accepted_lengths=[2, 3])
+  assert repr(m).startswith('RequestMetrics(ttft_s=0.5, tpot_s=0.25, acceptance_rate=0.75, '
+                            'mean_accepted_length=2.5, num_tokens=5,')

@@ -145,6 +145,11 @@ def test_model_config_rejects_non_positive_floats(field, value):
      "FATAL: config.workloads names no workload: ''"),
     (['--config=configs/eviction.py:worker', '--config.worker_chunk=0'],
      'FATAL: config.worker_chunk must be >= 1, got 0'),          # looped for ever, writing 0s
+    (['--config=configs/eviction.py:smoke', '--config.workloads=retrieval',
+      '--config.seq_len=100'],
+     'FATAL: config.seq_len must be >= 176 with the retrieval workload'),  # named prompt_len
+    (['--config=configs/eviction.py:smoke', '--config.num_sequences=3'],
+     'FATAL: config.num_sequences (3) must be a multiple of config.batch_size (2)'),
     (['--config=configs/train.py:smoke', '--config.learning_rate=nan'],
      'FATAL: learning_rate must be a finite number'),             # saved an all-NaN model
     (['--config=configs/speculative.py:smoke', '--config.experiment=nope'],

@@ -76,6 +76,16 @@ class RequestMetrics:
     n = len(self.accepted_lengths)
     return sum(self.accepted_lengths) / n if n else math.nan
 
+  def __repr__(self) -> str:
+    """The derived measures first (TTFT, TPOT in seconds, α, τ), then the counts; the raw
+    perf_counter stamps and the per-round list are left to the attributes."""
+    derived = ', '.join(f'{name}={getattr(self, name):.4g}' for name in
+                        ('ttft_s', 'tpot_s', 'acceptance_rate', 'mean_accepted_length'))
+    counts = ', '.join(f'{name}={getattr(self, name)}' for name in
+                       ('num_tokens', 'prompt_tokens', 'prefill_tokens', 'cached_tokens',
+                        'preemptions', 'proposed', 'accepted'))
+    return f'RequestMetrics({derived}, {counts})'
+
 
 @dataclasses.dataclass
 class RequestOutput:
