@@ -116,12 +116,14 @@ def test_single_process_initialize_starts_no_runtime():
 
 def test_joining_a_multi_process_run_says_which_before_it_waits(monkeypatch, capsys):
   joined = []
-  monkeypatch.setattr(jax.distributed, 'initialize', lambda *args: joined.append(args))
+  monkeypatch.setattr(jax.distributed, 'initialize',
+                      lambda *args, **kwargs: joined.append((args, kwargs)))
   env = {'JAX_COORDINATOR_ADDRESS': 'localhost:9876', 'JAX_NUM_PROCESSES': '2'}
   assert distributed.initialize(None, env).enabled
-  assert joined == [('localhost:9876', 2, 0)]
+  assert joined == [(('localhost:9876', 2, 0), {'initialization_timeout': 300})]
   err = capsys.readouterr().err
   assert 'joining a 2-process run as process 0 at coordinator localhost:9876' in err
+  assert 'within 300 s, JAX aborts this process' in err
   assert '$JAX_NUM_PROCESSES' in err
 
 

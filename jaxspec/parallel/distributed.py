@@ -82,6 +82,9 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
   return DistributedSettings(address, n, pid)
 
 
+JOIN_TIMEOUT_S = 300   # jax.distributed's initialization_timeout: seconds to wait for every process
+
+
 def initialize(config=None, environ: Optional[Mapping[str, str]] = None) -> DistributedSettings:
   """Join the multi-process run that `settings(config, environ)` describes; a no-op for a single
   process. Must run before anything touches a device. Returns the settings used."""
@@ -91,12 +94,15 @@ def initialize(config=None, environ: Optional[Mapping[str, str]] = None) -> Dist
     # variable (an exported JAX_NUM_PROCESSES) does not look like a silent hang.
     print(f'joining a {s.num_processes}-process run as process {s.process_id} at coordinator '
           f'{s.coordinator_address} (from config.distributed or $' +
-          ', $'.join(ENV.values()) + '); waiting for the other processes',
+          ', $'.join(ENV.values()) + f'); waiting for the other processes (if they have not all '
+          f'joined within {JOIN_TIMEOUT_S} s, JAX aborts this process with a C++ stack trace '
+          f'ending in DEADLINE_EXCEEDED)',
           file=sys.stderr, flush=True)
     if s.coordinator_address == 'auto':
-      jax.distributed.initialize()
+      jax.distributed.initialize(initialization_timeout=JOIN_TIMEOUT_S)
     else:
-      jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id)
+      jax.distributed.initialize(s.coordinator_address, s.num_processes, s.process_id,
+                                 initialization_timeout=JOIN_TIMEOUT_S)
   return s
 
 
