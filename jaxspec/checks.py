@@ -115,3 +115,14 @@ def _token_id(value, label: str, position: int) -> int:
   except TypeError:
     raise ValueError(f'{label} must be a flat sequence of int token ids, got {value!r} at '
                      f'position {position}') from None
+
+
+def check_seed(value) -> int:
+  """`value` as a Python int, if it is an int (as `check_int`) that fits a 64-bit PRNG seed.
+
+  Raises:
+    ValueError: 'seed must be a 64-bit int, got {value!r}'.
+  """
+  if not is_int_in(value, -2 ** 63, 2 ** 63 - 1):
+    raise ValueError(f'seed must be a 64-bit int, got {value!r}')
+  return int(value)

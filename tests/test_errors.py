@@ -102,6 +102,14 @@ def test_unknown_config_field_fails_loudly(tmp_path):
     (dict(page_size=-8), 'page_size must be an int >= 1, got -8'),
     (dict(max_new_tokens=3.5), r'max_new_tokens must be an int >= 1, got 3\.5'),
     (dict(k=4), 'k=4 / draft_params given without a draft model'),
+    (dict(seed=2 ** 63), 'seed must be a 64-bit int'),              # OverflowError in jax
+    (dict(seed=1.5), 'seed must be a 64-bit int, got 1.5'),
+    (dict(seed=True), 'seed must be a 64-bit int, got True'),       # ran as seed 1
+    (dict(sampling={'temperature': 1.0}), 'sampling must be a SamplingParams'),
+    (dict(sampling=None), 'sampling must be a SamplingParams, got None'),
+    (dict(stop_tokens=5), 'stop_tokens must be a sequence of token ids, got 5'),
+    (dict(stop_tokens=None), 'stop_tokens must be a sequence of token ids, got None'),
+    (dict(max_k='a'), "max_k must be an int >= 1, got 'a'"),
 ])
 def test_more_bad_generation_arguments(tiny, kwargs, match):
   config, params = tiny
@@ -114,7 +122,41 @@ def test_more_bad_generation_arguments(tiny, kwargs, match):
     generate(config, params, [[1.5, 2.0]], max_new_tokens=4)
 
 
-@pytest.mark.parametrize('temperature', [1e-40, float('inf'), float('nan')])
+def test_prompts_as_an_array_are_rows_and_a_generator_is_named(tiny):
+  config, params = tiny
+  rows = [[1, 2, 3], [4, 5, 6]]
+  listed = generate(config, params, rows, max_new_tokens=3).tokens
+  assert generate(config, params, np.array(rows), max_new_tokens=3).tokens == listed
+  assert generate(config, params, jnp.array(rows), max_new_tokens=3).tokens == listed
+  with pytest.raises(ValueError, match='prompts must be a list of token-id sequences .*generator'):
+    generate(config, params, (r for r in rows), max_new_tokens=3)
+
+
+def test_params_of_another_model_are_named_before_anything_runs(tiny):
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  from jaxspec.models import CheckpointError  # pylint: disable=import-outside-toplevel
+  from jaxspec.training import init_params  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  other = init_params(dataclasses.replace(config, d_model=config.d_model * 2), 0)
+  with pytest.raises(CheckpointError, match=r'target_params: tensor \[.*has shape'):
+    generate(config, other, [[1, 2]], max_new_tokens=2)
+  with pytest.raises(CheckpointError, match='draft_params'):
+    generate(config, params, [[1, 2]], max_new_tokens=2, draft=config, draft_params=other, k=2)
+  with pytest.raises(CheckpointError, match='target_params'):
+    Engine(config, other, num_slots=2, num_pages=16)
+
+
+@pytest.mark.parametrize('max_seq_len, k', [(2, 0), (4, 2)])
+def test_an_engine_whose_max_seq_len_admits_no_request_is_refused(tiny, max_seq_len, k):
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  spec = dict(drafter='ngram', k=k) if k else {}
+  with pytest.raises(ValueError, match=f'max_seq_len={max_seq_len} admits no request'):
+    Engine(config, params, num_slots=2, num_pages=16, max_seq_len=max_seq_len, **spec)
+  Engine(config, params, num_slots=2, num_pages=16, max_seq_len=max_seq_len + 1, **spec)
+
+
+@pytest.mark.parametrize('temperature', [1e-40, float('inf'), float('nan'), 1e7, 1e39])
 def test_temperatures_that_overflow_are_refused(temperature):
   from jaxspec.decoding import SamplingParams
   with pytest.raises(ValueError, match='temperature'):
@@ -184,3 +226,55 @@ def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):
   config, _ = tiny
   for stop in ((t for t in [5, 3]), jnp.asarray([5, 3]), np.array([3, 5], np.int64)):
     assert check_request(config, [[1, 2]], max_new_tokens=2, stop_tokens=stop)[2].tolist() == [3, 5]
+
+
+def test_the_loops_under_eviction_name_bad_arguments(tiny):
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxspec.cache import init_eviction, make_policy  # pylint: disable=import-outside-toplevel
+  from jaxspec.decoding import (SamplingParams, decode_autoregressive_evicting,  # pylint: disable=import-outside-toplevel
+                                decode_speculative_evicting, prefill_evicting)
+  from jaxspec.models import cache_for  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  policy = make_policy('h2o', 8, reuse_delay=3)
+
+  def fresh():
+    cache = cache_for(config, np.arange(1, 4)[None], 4, 8)
+    return cache, init_eviction(policy, cache)
+
+  tokens, rng, greedy = jnp.array([[1, 2, 3, 0]]), jax.random.PRNGKey(0), SamplingParams()
+  for lengths, match in (([0], r'prompt_lengths must lie in \[1, P=4\], got 0'),
+                         ([5], r'prompt_lengths must lie in \[1, P=4\], got 5'),
+                         ([3, 3], 'tokens must be .B, P. and prompt_lengths .B.')):
+    with pytest.raises(ValueError, match=match):
+      prefill_evicting(config, params, *fresh(), tokens, jnp.array(lengths), rng, sampling=greedy)
+  with pytest.raises(ValueError, match=f'tokens holds token id 999 outside the vocabulary'):
+    prefill_evicting(config, params, *fresh(), tokens.at[0, 1].set(999), jnp.array([3]), rng,
+                     sampling=greedy)
+  first, cache, eviction = prefill_evicting(config, params, *fresh(), tokens.at[0, 3].set(999),
+                                            jnp.array([3]), rng, sampling=greedy)  # padding
+  stop = jnp.full((1, 1), -1, jnp.int32)
+  with pytest.raises(ValueError, match='max_new_tokens must be an int >= 1, got -1'):
+    decode_autoregressive_evicting(config, params, cache, eviction, first, rng, stop,
+                                   sampling=greedy, max_new_tokens=-1)
+  with pytest.raises(ValueError, match='first_token holds token id 500'):
+    decode_autoregressive_evicting(config, params, cache, eviction, jnp.array([500]), rng, stop,
+                                   sampling=greedy, max_new_tokens=2)
+  draft_cache = cache_for(config, np.arange(1, 4)[None], 4, 8)
+  with pytest.raises(ValueError, match='speculation length K must be an int >= 1, got -1'):
+    decode_speculative_evicting(config, config, params, params, cache, eviction, draft_cache,
+                                first, rng, stop, k=-1, sampling=greedy, max_new_tokens=2)
+
+
+@pytest.mark.parametrize('change, match', [
+    (dict(prefix_caching='no'), "prefix_caching='no': prefix caching is not supported"),
+    (dict(host_pages=0.0), 'host_pages=0.0: the host tier is not supported'),
+    (dict(prefill_rows=2.0), r'prefill_rows=2.0 must equal num_slots=2'),
+    (dict(decode_buckets=[2.0]), r'decode_buckets=\[2.0\] must be None or \(num_slots,\)'),
+])
+def test_evicting_engine_names_the_value_it_refuses(tiny, change, match):
+  from jaxspec.cache import make_policy  # pylint: disable=import-outside-toplevel
+  from jaxspec.engine import EvictingEngine  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  with pytest.raises(ValueError, match=match):
+    EvictingEngine(config, params, policy=make_policy('h2o', 8), num_slots=2, num_pages=8,
+                   **change)

@@ -130,3 +130,58 @@ def test_allocator_accounting_and_errors():
   with pytest.raises(ValueError, match='not a pool page'):
     alloc.free([0])
   assert alloc.free(pages[:1]) == pages[:1] and alloc.num_free == 4
+
+
+def test_allocator_names_arguments_that_are_not_page_counts_or_ids():
+  alloc = PageAllocator(4)
+  for n in (True, 2.5, '2'):
+    with pytest.raises(ValueError, match=f'pages to allocate must be an int >= 0, got {n!r}'):
+      alloc.allocate(n)
+  pages = alloc.allocate(2)
+  for page in (-1, 99, 1.0):
+    with pytest.raises(ValueError, match=f'page {page!r} is not a page of the pool'):
+      alloc.ref_count(page)
+  assert alloc.ref_count(0) == 0 and alloc.ref_count(np.int64(pages[0])) == 1
+  with pytest.raises(ValueError, match='page True is not a pool page'):
+    alloc.free([True])                              # freed page 1
+  with pytest.raises(ValueError, match='listed twice'):
+    alloc.share([pages[0], pages[0]])               # added two holders; free() refused the same
+  assert alloc.ref_count(pages[0]) == 1 and alloc.num_free == 1
+
+
+@pytest.mark.parametrize('args, match', [
+    ((-5, 4), 'num_tokens must be an int >= 0, got -5'),
+    ((5, True), 'page_size must be an int >= 1, got True'),
+    ((5, 2.5), 'page_size must be an int >= 1, got 2.5'),
+])
+def test_pages_needed_names_bad_sizes(args, match):
+  with pytest.raises(ValueError, match=match):
+    pages_needed(*args)
+  assert pages_needed(17, 8) == 3 and pages_needed(np.int64(16), 8) == 2 and pages_needed(0, 8) == 0
+
+
+@pytest.mark.parametrize('change, match', [
+    (dict(page_table=[[1.7]]), 'page_table must hold integer page ids, got dtype float64'),
+    (dict(num_pages=True), 'num_pages must be an int >= 1, got True'),
+    (dict(num_kv_heads=-1), 'num_kv_heads must be an int >= 1, got -1'),
+    (dict(page_size=2.5), 'page_size must be an int >= 1, got 2.5'),
+    (dict(num_layers=0), 'num_layers must be an int >= 1, got 0'),
+])
+def test_init_cache_names_bad_sizes(change, match):
+  from jaxspec.cache import init_cache  # pylint: disable=import-outside-toplevel
+  sizes = dict(num_layers=1, num_kv_heads=1, head_dim=2, num_pages=3, page_size=4,
+               page_table=[[1]])
+  with pytest.raises(ValueError, match=match):
+    init_cache(**{**sizes, **change})
+
+
+def test_slots_past_capacity_map_to_the_null_page_and_rollback_clips_at_zero(tiny):
+  from jaxspec.cache import slot_address  # pylint: disable=import-outside-toplevel
+  table = jnp.array([[3, 5]], jnp.int32)                        # capacity 2 * 4 = 8 slots
+  pages, offsets = slot_address(table, jnp.array([[0, 7, 8, 100, -1, -5]], jnp.int32), 4)
+  assert pages.tolist() == [[3, 5, 0, 0, 0, 0]] and offsets.tolist() == [[0, 3, 0, 0, 0, 0]]
+  _, _, cache = _setup(tiny, 2)
+  cache = cache.replace(lengths=jnp.array([5, 3], jnp.int32))
+  assert rollback(cache, jnp.array([-4, 1])).lengths.tolist() == [0, 1]
+  with pytest.raises(ValueError, match=r'new_lengths must have shape \(2,\)'):
+    rollback(cache, jnp.array([1, 1, 1]))

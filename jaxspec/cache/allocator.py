@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from jaxspec.cache.paged import NULL_PAGE
-from jaxspec.checks import is_int_in
+from jaxspec.checks import check_int, is_int_in
 
 
 class OutOfPagesError(ValueError):
@@ -38,7 +38,13 @@ class PageAllocator:
     return len(self._free)
 
   def ref_count(self, page: int) -> int:
-    """Holders of `page` (0 when free)."""
+    """Holders of `page` (0 when free; the null page has none).
+
+    Raises:
+      ValueError: a page outside 0 .. num_pages-1 (named).
+    """
+    if not is_int_in(page, 0, self.num_pages - 1):
+      raise ValueError(f'page {page!r} is not a page of the pool (0 .. {self.num_pages - 1})')
     return self._refs[page]
 
   def allocate(self, n: int) -> list[int]:
@@ -46,10 +52,9 @@ class PageAllocator:
 
     Raises:
       OutOfPagesError: when fewer than `n` pages are free; nothing is taken then.
-      ValueError: for negative `n`.
+      ValueError: `n` not an int >= 0 (a bool or a float too).
     """
-    if n < 0:
-      raise ValueError(f'cannot allocate a negative number of pages: {n}')
+    n = check_int('pages to allocate', n, 0)
     if n > len(self._free):
       raise OutOfPagesError(
           f'cache out of pages: need {n}, {len(self._free)} free of {self.num_pages - 1}')
@@ -59,9 +64,12 @@ class PageAllocator:
     return pages
 
   def share(self, pages) -> None:
-    """Add one holder to each held page (a sequence reusing a cached prefix)."""
-    for p in pages:
-      self._check_held(p)
+    """Add one holder to each held page (a sequence reusing a cached prefix).
+
+    Raises:
+      ValueError: as `free` (a page not held, or listed twice); nothing is changed then.
+    """
+    pages = self._checked(pages)
     for p in pages:
       self._refs[p] += 1
 
@@ -74,11 +82,7 @@ class PageAllocator:
       ValueError: for the null page, a page outside the pool or a page that is already free
         (a double free); nothing is changed then.
     """
-    pages = list(pages)
-    for p in pages:
-      self._check_held(p)
-    if len(set(pages)) != len(pages):
-      raise ValueError(f'page listed twice in one free(): {pages}')
+    pages = self._checked(pages)
     released = []
     for p in pages:
       self._refs[p] -= 1
@@ -87,8 +91,15 @@ class PageAllocator:
         released.append(p)
     return released
 
-  def _check_held(self, p: int) -> None:
-    if not 0 < p < self.num_pages:
-      raise ValueError(f'page {p} is not a pool page (1 .. {self.num_pages - 1})')
-    if self._refs[p] == 0:
-      raise ValueError(f'page {p} is free (double free?)')
+  def _checked(self, pages) -> list[int]:
+    """`pages` as a list of ints, each a held pool page, none listed twice (ValueError)."""
+    pages = list(pages)
+    for p in pages:
+      if not is_int_in(p, 1, self.num_pages - 1):
+        raise ValueError(f'page {p!r} is not a pool page (1 .. {self.num_pages - 1})')
+      if self._refs[p] == 0:
+        raise ValueError(f'page {p} is free (double free?)')
+    pages = [int(p) for p in pages]
+    if len(set(pages)) != len(pages):
+      raise ValueError(f'page listed twice in one call: {pages}')
+    return pages

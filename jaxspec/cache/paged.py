@@ -7,21 +7,26 @@ null page: padded tokens write there and no sequence's page table points at it f
 
 from __future__ import annotations
 
-import math
-
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxspec.checks import check_int
 
 NULL_PAGE = 0
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
   """Pages that hold `num_tokens` tokens: ceil(num_tokens / page_size) (floor is the classic
-  bug)."""
-  if page_size < 1:
-    raise ValueError(f'page_size must be >= 1, got {page_size}')
-  return math.ceil(num_tokens / page_size)
+  bug).
+
+  Raises:
+    ValueError: num_tokens not an int >= 0 or page_size not an int >= 1 (named).
+  """
+  num_tokens = check_int('num_tokens', num_tokens, 0)
+  page_size = check_int('page_size', page_size, 1)
+  return -(-num_tokens // page_size)
 
 
 @flax.struct.dataclass
@@ -75,11 +80,16 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
     page_table: [B, pages_per_seq] int array mapping each sequence's logical pages to pool pages,
       as handed out by `PageAllocator`; unused entries hold NULL_PAGE.
   Raises:
-    ValueError: for a non-positive size or a page table entry outside the pool.
+    ValueError: a size that is not an int >= 1, a page table that is not a 2-D integer array,
+      or an entry outside the pool (named).
   """
-  for name, value in (('num_pages', num_pages), ('page_size', page_size)):
-    if value < 1:
-      raise ValueError(f'{name} must be >= 1, got {value}')
+  sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               num_pages=num_pages, page_size=page_size)
+  num_layers, num_kv_heads, head_dim, num_pages, page_size = (
+      check_int(name, value, 1) for name, value in sizes.items())
+  kind = np.asarray(page_table).dtype
+  if not np.issubdtype(kind, np.integer):
+    raise ValueError(f'page_table must hold integer page ids, got dtype {kind}')
   page_table = jnp.asarray(page_table, jnp.int32)
   if page_table.ndim != 2:
     raise ValueError(f'page_table must be [batch, pages_per_seq], got shape {page_table.shape}')
@@ -93,15 +103,17 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
 
 
 def slot_address(page_table, slots, page_size: int):
-  """(page, offset) of each slot: page_table[b, s // L], s % L; padding (-1) maps to the null page.
+  """(page, offset) of each slot: page_table[b, s // L], s % L; padding maps to the null page.
 
   Args:
     page_table: [B, pages_per_seq] int32.
-    slots: [B, T] int32, -1 for padding.
+    slots: [B, T] int32; a negative slot (-1 by convention) is padding. A slot at or past the
+      capacity (pages_per_seq * L) maps to the null page too, so its write is discarded: a
+      traced function cannot raise, and the callers check capacity on the host.
   Returns:
     pages, offsets: [B, T] int32 each.
   """
-  valid = slots >= 0
+  valid = (slots >= 0) & (slots < page_table.shape[1] * page_size)
   safe = jnp.where(valid, slots, 0)
   pages = jnp.take_along_axis(page_table, safe // page_size, axis=1)
   pages = jnp.where(valid, pages, NULL_PAGE)
@@ -143,6 +155,11 @@ def rollback(cache: PagedKVCache, new_lengths) -> PagedKVCache:
   slots are masked out of attention and overwritten by the next write.
 
   Args:
-    new_lengths: [B] int32, at most the current lengths (larger values are clipped to them).
+    new_lengths: [B] int32, in [0, current lengths] (values past either end are clipped).
+  Raises:
+    ValueError: new_lengths not of shape [B] (shapes are static, so this holds under jit).
   """
-  return cache.replace(lengths=jnp.minimum(jnp.asarray(new_lengths, jnp.int32), cache.lengths))
+  if jnp.shape(new_lengths) != cache.lengths.shape:
+    raise ValueError(f'new_lengths must have shape {cache.lengths.shape} (one per sequence), got '
+                     f'{jnp.shape(new_lengths)}')
+  return cache.replace(lengths=jnp.clip(jnp.asarray(new_lengths, jnp.int32), 0, cache.lengths))

@@ -19,8 +19,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxspec.cache import after_tokens, last_token, rollback
+from jaxspec.checks import check_int
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
@@ -78,17 +80,52 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   return dict(logprob=lp.T, argmax=am.T, live=live.T, cache=cache, eviction=eviction)
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'sampling'),
-                   donate_argnames=('cache', 'eviction'))
+def _concrete(x):
+  """`x` as a numpy array, or None when it is traced (inside a caller's jit: not checkable)."""
+  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_ids(name: str, ids, vocab_size: int) -> None:
+  """ValueError naming the first id of `ids` (a numpy array) outside [0, vocab_size)."""
+  bad = ids[(ids < 0) | (ids >= vocab_size)]
+  if bad.size:
+    raise ValueError(f'{name} holds token id {int(bad[0])} outside the vocabulary '
+                     f'[0, {vocab_size})')
+
+
 def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng, *,
                      sampling: SamplingParams):
   """Prefill under eviction, one token per step, and draw the first new token.
 
   Args:
-    tokens: [B, P] int32 right-padded prompts; prompt_lengths: [B] int32 (>= 1).
+    cache, eviction: empty cache and eviction state (donated).
+    tokens: [B, P] int32 right-padded prompts; prompt_lengths: [B] int32 in [1, P].
   Returns:
     (first_token [B] int32, cache, eviction).
+  Raises:
+    ValueError: a prompt length outside [1, P] or a prompt token id outside [0, vocab_size),
+      named (checked when the arguments are concrete; under a caller's jit they are traced and
+      not checked).
   """
+  shape = np.shape(tokens)
+  if len(shape) != 2 or np.shape(prompt_lengths) != shape[:1]:
+    raise ValueError(f'tokens must be [B, P] and prompt_lengths [B], got shapes {shape} and '
+                     f'{np.shape(prompt_lengths)}')
+  lengths, ids = _concrete(prompt_lengths), _concrete(tokens)
+  if lengths is not None:
+    bad = lengths[(lengths < 1) | (lengths > shape[1])]
+    if bad.size:
+      raise ValueError(f'prompt_lengths must lie in [1, P={shape[1]}], got {int(bad[0])}')
+    if ids is not None:
+      _check_ids('tokens', ids[np.arange(shape[1]) < lengths[:, None]], config.vocab_size)
+  return _prefill_evicting(config, params, cache, eviction, tokens, prompt_lengths, rng,
+                           sampling=sampling)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'sampling'),
+                   donate_argnames=('cache', 'eviction'))
+def _prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng,
+                      *, sampling: SamplingParams):
   def step(carry, t):
     cache, eviction, last = carry
     pos = jnp.where(t < prompt_lengths, t, -1).astype(jnp.int32)
@@ -103,15 +140,35 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   return sample(rng, probabilities(last, sampling)), cache, eviction
 
 
-@functools.partial(jax.jit, static_argnames=('config', 'sampling', 'max_new_tokens'),
-                   donate_argnames=('cache', 'eviction'))
 def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction, first_token, rng,
                                    stop_tokens, *, sampling: SamplingParams, max_new_tokens: int):
   """`decode_autoregressive` with the cache under eviction (finished rows change nothing).
 
+  Args:
+    cache, eviction: after `prefill_evicting` (donated).
+    first_token: [B] int32, the token `prefill_evicting` drew.
+    stop_tokens: [B, S] int32 stop ids per row, -1 padded.
+    max_new_tokens: tokens to emit per row, first_token included (>= 1).
   Returns:
     (Output, cache, eviction).
+  Raises:
+    ValueError: max_new_tokens not an int >= 1, or a first_token id outside the vocabulary
+      (checked when concrete).
   """
+  max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+  first = _concrete(first_token)
+  if first is not None:
+    _check_ids('first_token', first, config.vocab_size)
+  return _decode_autoregressive_evicting(config, params, cache, eviction, first_token, rng,
+                                         stop_tokens, sampling=sampling,
+                                         max_new_tokens=max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=('config', 'sampling', 'max_new_tokens'),
+                   donate_argnames=('cache', 'eviction'))
+def _decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction, first_token,
+                                    rng, stop_tokens, *, sampling: SamplingParams,
+                                    max_new_tokens: int):
   b = first_token.shape[0]
   out, _ = commit(Output.empty(b, max_new_tokens + 1), first_token[:, None],
                   jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
@@ -134,8 +191,6 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
   return out, cache, eviction
 
 
-@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),
-                   donate_argnames=('target_cache', 'eviction', 'draft_cache'))
 def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_params,
                                 draft_params, target_cache, eviction, draft_cache, first_token,
                                 rng, stop_tokens, *, k: int, sampling: SamplingParams,
@@ -146,14 +201,42 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   token inside it), accept/reject, then keep the target's eviction state after the committed
   tokens only. Requires eviction.policy.reuse_delay >= K + 1 (checked).
 
+  Args:
+    target_cache, eviction: after `prefill_evicting` (donated); draft_cache: the draft's full
+      cache after the same prompts (donated). Its capacity is not checked inside the jitted
+      loop: it must hold prompt + max_new_tokens + K tokens per row (a smaller one writes past
+      its pages and drops the draft's context, lowering α without an error).
+    first_token: [B] int32; stop_tokens: [B, S] int32, -1 padded.
+    k: speculation length K (>= 1); max_new_tokens: tokens to emit per row (>= 1).
   Returns:
     (Output, SpecStats, target_cache, eviction, draft_cache).
   Raises:
-    ValueError: reuse_delay < K + 1.
+    ValueError: k or max_new_tokens not an int >= 1, reuse_delay < K + 1, a draft whose
+      vocabulary differs from the target's, or a first_token id outside it (checked when
+      concrete).
   """
+  k = check_int('speculation length K', k, 1)
+  max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+  if draft.vocab_size != target.vocab_size:
+    raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
+                     f'vocabulary ({target.vocab_size})')
   if eviction.policy.reuse_delay < k + 1:
     raise ValueError(f'speculative decoding under eviction needs reuse_delay >= K + 1 = {k + 1}, '
                      f'got {eviction.policy.reuse_delay}')
+  first = _concrete(first_token)
+  if first is not None:
+    _check_ids('first_token', first, target.vocab_size)
+  return _decode_speculative_evicting(target, draft, target_params, draft_params, target_cache,
+                                      eviction, draft_cache, first_token, rng, stop_tokens, k=k,
+                                      sampling=sampling, max_new_tokens=max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=('target', 'draft', 'k', 'sampling', 'max_new_tokens'),
+                   donate_argnames=('target_cache', 'eviction', 'draft_cache'))
+def _decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_params,
+                                 draft_params, target_cache, eviction, draft_cache, first_token,
+                                 rng, stop_tokens, *, k: int, sampling: SamplingParams,
+                                 max_new_tokens: int):
   b = first_token.shape[0]
   out, _ = commit(Output.empty(b, max_new_tokens + k + 1), first_token[:, None],
                   jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.checks import check_int, token_ids
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.checks import check_int, check_seed, token_ids
+from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.steps import LOCAL_STEPS
-from jaxspec.models import ModelConfig
+from jaxspec.models import ModelConfig, check_params
 
 MAX_K = 16  # largest speculation length accepted by default
 
@@ -26,7 +26,9 @@ class GenerationResult:
 
   Attributes:
     tokens: per prompt, the emitted token ids (stop token included when hit).
-    ttft_s: seconds from the call to the first token of every row (prefill + first sample).
+    ttft_s: seconds from the start of prefill to the first token of every row (prefill and
+      first sample; argument checks, page allocation and the host-to-device copy of the
+      prompts come before it).
     decode_s: seconds of the compiled decode loop after the first token.
     prompt_tokens: prompt tokens of the batch; prefill_tokens: of those, the ones prefill
       computed (the rest came from the prefix cache: cached_tokens, promoted_tokens of them from
@@ -77,7 +79,10 @@ class GenerationResult:
 
 def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max_new_tokens',
                    one_request=False):
-  if not prompts:
+  if not isinstance(prompts, (list, tuple, np.ndarray, jax.Array)):
+    raise ValueError(f'prompts must be a list of token-id sequences (or a [B, T] int array), '
+                     f'got {type(prompts).__name__}')
+  if len(prompts) == 0:
     raise ValueError('no prompts given')
   for i, prompt in enumerate(prompts):
     label = 'prompt' if one_request else f'prompt {i}'
@@ -108,6 +113,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     ValueError: naming the bad value (see `generate`).
   """
   max_new_tokens = check_int(max_tokens_name, max_new_tokens, 1)
+  max_k = check_int('max_k', max_k, 1)
   if draft is None and (k is not None or draft_params is not None):
     raise ValueError(f'k={k} / draft_params given without a draft model')
   if draft is not None and draft_params is None:
@@ -129,8 +135,12 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
   if isinstance(stop_tokens, (str, bytes)):
     raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')
+  try:
+    listed = tuple(stop_tokens)   # read once: a generator would be empty the second time
+  except TypeError:
+    raise ValueError(f'stop_tokens must be a sequence of token ids, got {stop_tokens!r}') from None
   ids = []
-  for t in tuple(stop_tokens):    # read once: a generator would be empty the second time
+  for t in listed:
     try:           # int() would turn 2.7 into 2, '5' into 5; index() takes only integers
       if isinstance(t, (bool, np.bool_)):
         raise TypeError
@@ -181,7 +191,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
 
   Args:
     target, target_params: the target model.
-    prompts: B token-id sequences of any lengths >= 1.
+    prompts: B token-id sequences of any lengths >= 1 (a list or tuple, or a [B, T] int array).
     max_new_tokens: tokens to emit per prompt at most (>= 1), the first included.
     sampling: temperature / top-k / top-p, applied to target and draft alike.
     stop_tokens: ids that end a row (the stop token is emitted).
@@ -196,8 +206,12 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
     ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
       K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids (a
       prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
-      not an integer).
+      not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
+    CheckpointError: target_params (or draft_params) that are not the config's params (a
+      tensor missing, extra or of another shape, named).
   """
+  check_sampling(sampling)
+  seed = check_seed(seed)
   configs, slack, stop = check_request(target, prompts, max_new_tokens=max_new_tokens,
                                        stop_tokens=stop_tokens, draft=draft,
                                        draft_params=draft_params, k=k, max_k=max_k)
@@ -205,6 +219,9 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   k = int(k) if draft is not None else k         # checked: numpy integers and 0-d arrays too
   page_size = check_int('page_size', page_size, 1)
   prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
+  check_params(target, target_params, 'target_params')
+  if draft is not None:
+    check_params(draft, draft_params, 'draft_params')
 
   b = len(prompts)
   lengths = np.array([len(p) for p in prompts], np.int32)

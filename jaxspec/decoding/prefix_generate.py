@@ -17,11 +17,11 @@ import numpy as np
 from jaxspec.cache import NULL_PAGE, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import PrefixCache
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, check_seed
 from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.steps import LOCAL_STEPS
-from jaxspec.models import ModelConfig
+from jaxspec.models import ModelConfig, check_params
 
 
 class PrefixCachedGenerator:
@@ -43,8 +43,10 @@ class PrefixCachedGenerator:
       (target and its pages sharded over a mesh's 'model' axis, draft replicated; the mesh's
       'data' axis must be 1, since requests run one at a time).
   Raises:
-    ValueError: bad K, mismatched vocabularies, a bad size. A pool too small for a request is
-      reported by `generate` (OutOfPagesError), for that request.
+    ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
+      SamplingParams. A pool too small for a request is reported by `generate`
+      (OutOfPagesError), for that request.
+    CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_pages: int, page_size: int = 16,
@@ -55,6 +57,10 @@ class PrefixCachedGenerator:
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params, k=k,
                   max_k=max_k)
     prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
+    check_sampling(sampling)
+    check_params(target, target_params, 'target_params')
+    if draft is not None:
+      check_params(draft, draft_params, 'draft_params')
     k = None if k is None else int(k)          # checked by check_request
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
@@ -120,14 +126,14 @@ class PrefixCachedGenerator:
       GenerationResult with one row; ttft_s runs from after validation to the first token:
       hashing and matching, host-tier copies, prefill (target and draft) and the first sample.
     Raises:
-      ValueError: as `generate`; OutOfPagesError when the pool cannot hold the request even
+      ValueError: as `generate` (a seed that is not a 64-bit int too); OutOfPagesError when the pool cannot hold the request even
         after reclaiming every cached page (the pool is unchanged then).
     """
     _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, draft=self.draft,
                                    draft_params=self.draft_params, k=self.k, max_k=self.max_k)
     prompt, max_new_tokens = [int(t) for t in prompt], int(max_new_tokens)
-    rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
+    rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(check_seed(seed)))
     rng_prefill, rng_decode, stop = map(self.steps.put_replicated,
                                         (rng_prefill, rng_decode, stop))
     start = time.perf_counter()

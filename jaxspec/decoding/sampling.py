@@ -17,6 +17,9 @@ import numpy as np
 
 
 MIN_TEMPERATURE = 1e-4  # below this (and above 0) logits / temperature overflows float32
+# Above this, logits / temperature lose their order in float32 (from ~1e38 they flush to 0 and
+# top-k keeps every token); the distribution is uniform over the top-k / top-p set long before.
+MAX_TEMPERATURE = 1e6
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -25,7 +28,8 @@ class SamplingParams:
   """How a request samples. Hashable: it is a static argument of the jitted loops.
 
   Attributes:
-    temperature: 0 means greedy (argmax); must be >= 0.
+    temperature: 0 means greedy (argmax); otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]
+      (1e-4 .. 1e6: past either end float32 logits / temperature overflow or lose their order).
     top_k: keep the k most likely tokens (0 = all).
     top_p: keep the smallest set of tokens whose mass reaches top_p, in (0, 1] (Holtzman et al.).
 
@@ -47,9 +51,10 @@ class SamplingParams:
     temperature = _number(self.temperature)
     if temperature is None or not temperature >= 0:
       raise ValueError(f'temperature must be a number >= 0, got {self.temperature!r}')
-    if 0 < temperature < MIN_TEMPERATURE or temperature == float('inf'):
-      raise ValueError(f'temperature {self.temperature!r} would overflow the logits: use 0 for '
-                       f'greedy, or a value in [{MIN_TEMPERATURE}, inf)')
+    if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
+      raise ValueError(f'temperature {self.temperature!r} would overflow or flatten the float32 '
+                       f'logits: use 0 for greedy, or a value in [{MIN_TEMPERATURE}, '
+                       f'{MAX_TEMPERATURE:g}]')
     top_k = _number(self.top_k, integer=True)
     if top_k is None or top_k < 0:
       raise ValueError(f'top_k must be an int >= 0, got {self.top_k!r}')
@@ -79,6 +84,17 @@ def _number(value, integer: bool = False):
   if not integer and isinstance(value, (float, np.floating)):
     return float(value)
   return None
+
+
+def check_sampling(value) -> 'SamplingParams':
+  """`value` if it is a SamplingParams (the check `generate` and the engine share).
+
+  Raises:
+    ValueError: 'sampling must be a SamplingParams, got {value!r}'.
+  """
+  if not isinstance(value, SamplingParams):
+    raise ValueError(f'sampling must be a SamplingParams, got {value!r}')
+  return value
 
 
 @flax.struct.dataclass

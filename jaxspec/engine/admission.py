@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 from jaxspec.cache.prefix import salt_bytes
 from jaxspec.decoding.generate import check_request
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingParams, check_sampling
 
 
 def request_id(engine, request_id):
@@ -69,6 +69,5 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
     raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
                      f'needs {need} pages, the pool has {engine.prefix.num_pages - 1}')
   sampling = engine.sampling if sampling is None else sampling
-  if not isinstance(sampling, SamplingParams):
-    raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
+  check_sampling(sampling)
   return prompt, max_tokens, stop, salt_bytes(salt), sampling

@@ -27,16 +27,16 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
-from jaxspec.checks import check_int, is_int_in
+from jaxspec.checks import check_int, check_seed
 from jaxspec.decoding.generate import check_request
-from jaxspec.decoding.sampling import SamplingParams
+from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.engine import admission, device, draft_sync, speculation, timing
 from jaxspec.engine import rows as rows_lib
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
-from jaxspec.models import ModelConfig, cache_for
+from jaxspec.models import ModelConfig, cache_for, check_params
 
 
 # One compiled call per step instead of the ~10 ops of an eager `jax.random.split` (~90 us of
@@ -102,7 +102,9 @@ class Engine:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
       without speculation, draft and target vocabularies that differ, prefix_caching not a bool,
-      a seed that is not a 64-bit int.
+      a seed that is not a 64-bit int, a max_seq_len too short for any request (< K + 3),
+      sampling that is not a SamplingParams.
+    CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
@@ -128,11 +130,11 @@ class Engine:
                                                   has_draft_model=draft is not None, k=k)
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
                   k=k if draft is not None else None)
-    if not isinstance(sampling, SamplingParams):
-      raise ValueError(f'sampling must be a SamplingParams, got {sampling!r}')
-    if not is_int_in(seed, -2 ** 63, 2 ** 63 - 1):
-      raise ValueError(f'seed must be a 64-bit int, got {seed!r}')
-    seed = int(seed)
+    check_sampling(sampling)
+    seed = check_seed(seed)
+    check_params(target, target_params, 'target_params')
+    if draft is not None:
+      check_params(draft, draft_params, 'draft_params')
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k = draft, draft_params, k
     self.sampling = sampling
@@ -152,6 +154,9 @@ class Engine:
       if max_seq_len > context:
         raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
     self.max_seq_len = context if max_seq_len is None else max_seq_len
+    if self.max_seq_len < 2 + self.window:      # a 1-token prompt, 1 token, the round's slack
+      raise ValueError(f'max_seq_len={self.max_seq_len} admits no request: the shortest spans '
+                       f'1 prompt token + max_tokens=1 + K + 1 = {2 + self.window} tokens')
     self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
     self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     table, _ = device.idle_rows(1, self.pages_per_seq)

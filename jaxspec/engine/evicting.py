@@ -90,9 +90,10 @@ class EvictingScheduler(Scheduler):
 def _one_bucket(buckets, num_slots) -> bool:
   """Whether `buckets` is the one decode bucket (num_slots,)."""
   try:
-    return tuple(buckets) == (num_slots,)
+    made = tuple(buckets)
   except TypeError:
     return False
+  return len(made) == 1 and is_int_in(made[0], num_slots, num_slots)
 
 
 class EvictingEngine(Engine):
@@ -165,13 +166,15 @@ class EvictingEngine(Engine):
       raise ValueError(f'prompt lookup at K = {k} under eviction needs the policy\'s reuse_delay '
                        f'>= K + 1 = {k + 1} (make_policy(..., reuse_delay={k + 1})), got '
                        f'{policy.reuse_delay}')
-    if prefix_caching:
-      raise ValueError('prefix_caching=True is not supported under eviction (pages are '
-                       'rewritten in place; sharing them would need copy-on-write)')
-    if host_pages:
+    if prefix_caching is not False:
+      raise ValueError(f'prefix_caching={prefix_caching!r}: prefix caching is not supported under '
+                       'eviction (pages are rewritten in place; sharing them would need '
+                       'copy-on-write); pass False')
+    if not is_int_in(host_pages, 0, 0):
       raise ValueError(f'host_pages={host_pages!r}: the host tier is not supported under '
-                       'eviction (it holds prefix-cache pages)')
-    if prefill_rows is not None and prefill_rows != num_slots:
+                       'eviction (it holds prefix-cache pages); pass 0')
+    if prefill_rows is not None and not (is_int_in(num_slots, 1, math.inf) and
+                                         is_int_in(prefill_rows, num_slots, num_slots)):
       raise ValueError(f'prefill_rows={prefill_rows!r} must equal num_slots={num_slots!r} '
                        'under eviction (prefill row b is slot b)')
     if decode_buckets is not None and not _one_bucket(decode_buckets, num_slots):

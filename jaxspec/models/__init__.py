@@ -3,13 +3,14 @@ Face's: `load_model` reads either layout)."""
 
 from jaxspec.cache import init_cache
 
-from jaxspec.models.checkpoint import CheckpointError, load_model, param_shapes, save_model, shipped
+from jaxspec.models.checkpoint import (CheckpointError, check_params, load_model, param_shapes,
+                                      save_model, shipped)
 from jaxspec.models.config import PRESETS, ModelConfig
 from jaxspec.models.hf import is_pretrained, load_pretrained, save_pretrained, truncate_vocab
 from jaxspec.models.llama import Transformer, apply_rope, matmul_rows
 
-__all__ = ['CheckpointError', 'load_model', 'param_shapes', 'save_model', 'shipped', 'ModelConfig',
-           'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for', 'is_pretrained',
+__all__ = ['CheckpointError', 'check_params', 'load_model', 'param_shapes', 'save_model',
+           'shipped', 'ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for', 'is_pretrained',
            'load_pretrained', 'save_pretrained', 'truncate_vocab']
 
 

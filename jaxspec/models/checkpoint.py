@@ -11,6 +11,7 @@ otherwise restores without complaint).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -30,10 +31,23 @@ class CheckpointError(ValueError):
   """A model directory is missing, incomplete or does not match its config."""
 
 
+@functools.lru_cache(maxsize=16)
 def param_shapes(config: ModelConfig):
-  """The params pytree of `config` as jax.ShapeDtypeStruct leaves (float32), without allocating."""
+  """The params pytree of `config` as jax.ShapeDtypeStruct leaves (float32), without allocating
+  (cached per config: treat the result as read-only)."""
   tokens = jnp.zeros((1, 1), jnp.int32)
   return jax.eval_shape(lambda: Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens))
+
+
+def check_params(config: ModelConfig, params, name: str = 'params') -> None:
+  """Check that `params` are a params pytree of `config`: every tensor present at its shape and
+  nothing else (dtypes are not checked), so swapped or foreign params are named before a
+  jitted step fails inside flax.
+
+  Raises:
+    CheckpointError: naming `name` and the first tensor missing, extra or of another shape.
+  """
+  _check_tree(param_shapes(config), params, name)
 
 
 def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
