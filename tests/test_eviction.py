@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import (POLICIES, EvictionPolicy, init_cache, init_eviction, make_policy,
-                           pages_needed)
+from jaxspec.cache import (POLICIES, EvictionPolicy, EvictionState, after_tokens, init_cache,
+                           init_eviction, make_policy, pages_needed)
 from jaxspec.cache.eviction import attend_and_evict, last_token, priority
 from jaxspec.decoding import SamplingParams, prefill
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting,
@@ -27,11 +27,20 @@ from jaxspec.models import Transformer, apply_rope, cache_for
     ('h2o', 2.5, {}, 'got 2.5'),
     ('lru', 8, {}, "unknown eviction policy 'lru'"),
     ('full', 10, {}, "policy 'full' keeps every token and takes no budget, got budget=10"),
+    ('full', None, dict(sinks=3), "policy 'full' keeps every token and takes no sinks, got "
+                                  'sinks=3'),
+    ('full', None, dict(window=3), "policy 'full' keeps every token and takes no window, got "
+                                   'window=3'),
 ])
 def test_bad_budgets_raise(kind, budget, kwargs, needle):
   with pytest.raises(ValueError) as err:
     make_policy(kind, budget, **kwargs)
   assert needle in str(err.value)
+
+
+def test_full_policy_accepts_zero_sinks_window_and_a_reuse_delay():
+  policy = make_policy('full', sinks=0, window=0, reuse_delay=4)     # the delay: speculative
+  assert (policy.sinks, policy.window, policy.reuse_delay) == (0, 0, 4)
 
 
 def test_numpy_integer_budgets_are_accepted():
@@ -46,6 +55,8 @@ def test_numpy_integer_budgets_are_accepted():
     (('bogus', 8), "unknown eviction policy 'bogus'"),
     (('tova', 8, -1), 'sinks must be an int >= 0, got -1'),
     (('full', 8), "policy 'full' keeps every token and takes no budget"),
+    (('full', None, 3, 5), "policy 'full' keeps every token and takes no sinks, got sinks=3"),
+    (('full', None, 0, 5), "policy 'full' keeps every token and takes no window, got window=5"),
 ])
 def test_a_policy_built_directly_is_checked_like_make_policy(args, needle):
   # EvictionPolicy is public: built directly, a budget of 0 stalled every engine step and one
@@ -66,6 +77,54 @@ def test_compiled_kernels_on_cpu_and_non_bool_flags_are_refused_at_init(tiny):
     init_eviction(policy, cache, use_kernel='yes')
   with pytest.raises(ValueError, match='interpret must be True or False, got None'):
     init_eviction(policy, cache, interpret=None)
+
+
+def test_init_eviction_needs_a_policy_object(tiny):
+  config, _ = tiny
+  cache = cache_for(config, np.arange(1, 3)[None], 3, 8)
+  with pytest.raises(ValueError, match="needs an EvictionPolicy \\(from make_policy\\), got 'h2o'"):
+    init_eviction('h2o', cache)
+
+
+def _states(t=3, b=2):
+  """(before, history): before holds zeros, history's token i holds i + 1 everywhere."""
+  shape, policy = (1, b, 4), make_policy('h2o', 4)
+  before = EvictionState(key_pos=jnp.zeros(shape, jnp.int32), free_from=jnp.zeros(shape, jnp.int32),
+                         scores=jnp.zeros(shape, jnp.float32), policy=policy)
+  steps = jnp.arange(1, t + 1).reshape(t, 1, 1, 1) * jnp.ones(shape)
+  history = EvictionState(key_pos=steps.astype(jnp.int32), free_from=steps.astype(jnp.int32),
+                          scores=steps, policy=policy)
+  return before, history
+
+
+def test_after_tokens_keeps_the_state_after_each_rows_tokens():
+  before, history = _states()
+  got = after_tokens(before, history, np.array([0, 2], np.int32))
+  for field in ('key_pos', 'free_from', 'scores'):
+    np.testing.assert_array_equal(getattr(got, field)[0], [[0] * 4, [2] * 4])
+
+
+@pytest.mark.parametrize('num_tokens,needle', [
+    (np.array([4, 1]), 'num_tokens must lie in [0, T] = [0, 3], got [4, 1]'),
+    (np.array([0, -1]), 'num_tokens must lie in [0, T] = [0, 3], got [0, -1]'),
+    (jnp.array([1, 9]), 'num_tokens must lie in [0, T] = [0, 3], got [1, 9]'),
+    (np.array([1, 2, 3]), 'num_tokens must be a [B] = [2] integer array, got shape (3,)'),
+    (np.array([1.0, 2.0]), 'num_tokens must be a [B] = [2] integer array, got shape (2,) dtype '
+                           'float'),
+])
+def test_after_tokens_refuses_concrete_counts_outside_0_t(num_tokens, needle):
+  # num_tokens > T read past the history (key_pos -2**31, NaN scores); < 0 silently kept before.
+  before, history = _states()
+  with pytest.raises(ValueError) as err:
+    after_tokens(before, history, num_tokens)
+  assert needle in str(err.value)
+
+
+def test_after_tokens_clamps_traced_counts_to_0_t():
+  before, history = _states()
+  got = jax.jit(after_tokens)(before, history, jnp.array([-2, 7], jnp.int32))
+  for field in ('key_pos', 'free_from', 'scores'):
+    np.testing.assert_array_equal(getattr(got, field)[0], [[0] * 4, [3] * 4])
 
 
 def test_cache_smaller_than_budget_plus_delay_raises(tiny):
@@ -225,7 +284,8 @@ def test_model_with_kernels_matches_references(tiny):
 
 
 def test_scores_accumulate_attention_mass():
-  """H2O scores sum the mass every query gave each key (each query spreads N = 4 heads' worth);
+  """H2O scores sum the mass every query gave each key (each query spreads N = 4 query heads'
+  worth: each of the 2 KV heads' mass already sums its G = 2 query heads);
   TOVA keeps only the last query's; h2o_norm divides by the queries that saw the key."""
   rng = np.random.default_rng(2)
   states = {}

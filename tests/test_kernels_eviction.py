@@ -2,15 +2,17 @@
 reference, outputs and per-key attention mass, over a grid of shapes."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.kernels import (BlockSizes, SelectParams, paged_attention_with_mass,
-                             paged_attention_with_mass_reference, select_slots,
-                             select_slots_reference)
+from jaxspec.kernels import (BlockSizes, SelectParams, gqa_attention, gqa_attention_per_query,
+                             paged_attention_with_mass, paged_attention_with_mass_reference,
+                             select_slots, select_slots_reference)
+from jaxspec.kernels.paged_attention import attention_with_mass
 
 
 def _paged_case(seed, *, batch, t, kv_heads, group, head_dim, page_size, pages_per_seq, length,
@@ -133,3 +135,175 @@ def test_select_treats_nan_priority_as_lowest_in_kernel_and_reference():
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
   assert int(np.asarray(got[2])[0]) == 2                         # the NaN slot is evicted
+
+
+def test_select_with_inf_priorities_evicts_a_candidate_in_kernel_and_reference():
+  # Every candidate at +inf: the reference's argmin landed on slot 0, the sink, and evicted it.
+  priority = np.array([[0, np.inf, np.inf]], np.float32)
+  key_pos, free_from = np.array([[0, 1, 2]], np.int32), np.zeros((1, 3), np.int32)
+  params, positions = SelectParams(budget=3, sinks=1), np.array([3], np.int32)
+  got = select_slots(priority, key_pos, free_from, positions, params, interpret=True)
+  want = select_slots_reference(priority, key_pos, free_from, positions, params)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+  np.testing.assert_array_equal(want[0], [[0, 3, 2]])             # the sink kept, slot 1 reused
+  assert int(want[2][0]) == 1
+
+
+@pytest.mark.parametrize('select', [
+    functools.partial(select_slots, interpret=True), select_slots_reference])
+@pytest.mark.parametrize('shapes', [
+    ((1, 2), (1, 3), (1, 3), (1,)),          # priority
+    ((1, 3), (1, 3), (2, 3), (1,)),          # free_from
+    ((1, 3), (1, 3), (1, 3), (2,)),          # positions
+    ((3,), (3,), (3,), (1,)),                # not [B, S]
+])
+def test_select_rejects_mismatched_shapes(select, shapes):
+  prio, key_pos, free_from, positions = (np.zeros(shape, dt) for shape, dt in
+                                         zip(shapes, (np.float32, np.int32, np.int32, np.int32)))
+  with pytest.raises(ValueError, match=re.escape(f'priority {shapes[0]}, key_pos {shapes[1]} '
+                                                 f'and free_from {shapes[2]}')):
+    select(prio, key_pos, free_from, positions, SelectParams(budget=3))
+
+
+def _old_gqa_attention(q, k, v, mask):
+  """gqa_attention as it was: jax.nn.softmax over scores with invisible keys set to -1e30."""
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h).astype(jnp.float32)
+  scores = jnp.einsum('BTKGH,BSKH->BKGTS', qg, k.astype(jnp.float32)) * (h ** -0.5)
+  scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1)
+  v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)
+  out = jnp.einsum('BKGTS,BKHS->BKGTH', probs, v_t)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+
+
+def _old_mass(q, keys, key_pos, q_pos):
+  """attention_with_mass's mass as it was (softmax over -1e30-masked scores, times the mask)."""
+  b, t, n, h = q.shape
+  kv_heads = keys.shape[2]
+  visible = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[:, :, None])
+  seen = visible.any(axis=-1)
+  qg = q.reshape(b, t, kv_heads, n // kv_heads, h).astype(jnp.float32)
+  s = jnp.einsum('BTKGH,BSKH->BKGTS', qg, keys.astype(jnp.float32)) * (h ** -0.5)
+  s = jnp.where(visible[:, None, None], s, -1e30)
+  p = jax.nn.softmax(s, axis=-1) * (visible & seen[:, :, None])[:, None, None]
+  return p.sum(axis=(2, 3))
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('seed,t,group', [(0, 1, 1), (1, 5, 3), (2, 3, 2)])
+def test_references_round_ordinary_rows_exactly_as_before(seed, t, group, dtype):
+  """Masking with -inf (so invisible keys never get weight) leaves every row that sees a key
+  bit-identical to the old -1e30 + jax.nn.softmax formula, eager and jitted: the greedy-equality
+  tests and README numbers depend on it. Scores are scaled up so some rows are peaked."""
+  rng = np.random.default_rng(seed)
+  b, s, kv_heads, h = 3, 24, 2, 16
+  q = jnp.asarray(rng.normal(size=(b, t, kv_heads * group, h)) * 4, dtype)
+  k = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)) * 4, dtype)
+  v = jnp.asarray(rng.normal(size=(b, s, kv_heads, h)), dtype)
+  key_pos = np.where(rng.random((b, s)) < 0.2, -1, rng.permutation(s)).astype(np.int32)
+  key_pos[:, 0] = 0                                                    # every query sees a key
+  q_pos = jnp.asarray(rng.integers(0, s, size=(b, t)), jnp.int32)
+  key_pos = jnp.asarray(key_pos)
+  mask = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[:, :, None])
+  for wrap in (lambda f: f, jax.jit):
+    np.testing.assert_array_equal(wrap(gqa_attention)(q, k, v, mask),
+                                  wrap(_old_gqa_attention)(q, k, v, mask))
+    np.testing.assert_array_equal(wrap(gqa_attention_per_query)(q, k, v, mask),
+                                  jnp.concatenate([wrap(_old_gqa_attention)(
+                                      q[:, i:i + 1], k, v, mask[:, i:i + 1]) for i in range(t)],
+                                      axis=1))
+    out, mass = wrap(attention_with_mass)(q, k, v, key_pos, q_pos)
+    np.testing.assert_array_equal(out, wrap(_old_gqa_attention)(q, k, v, mask))
+    np.testing.assert_array_equal(mass, wrap(_old_mass)(q, k, key_pos, q_pos))
+
+
+def _tiny_paged(q_value, k_value):
+  """One sequence, one KV head, pages of 2 slots: slot 0 at position 0 (visible to the query at
+  position 0), slot 1 at position 5 (the future); value of slot j = [2j + 4, 2j + 5]."""
+  q = jnp.full((1, 1, 1, 2), q_value, jnp.float32)
+  k_pages = jnp.full((1, 2, 2, 2), k_value, jnp.float32)
+  v_pages = jnp.arange(8.0).reshape(1, 2, 2, 2)
+  return (q, k_pages, v_pages, jnp.array([[1]], jnp.int32), jnp.array([[0, 5]], jnp.int32),
+          jnp.array([[0]], jnp.int32))
+
+
+@pytest.mark.parametrize('k_value,want_out,want_mass', [
+    (1e20, [0.0, 0.0], [0.0, 0.0]),        # visible score -inf: the query sees nothing
+    (1e17, [4.0, 5.0], [1.0, 0.0]),        # visible score -1.4e37, finite below -1e30
+])
+def test_invisible_keys_never_get_weight(k_value, want_out, want_mass):
+  """The old references masked with -1e30, so a visible score of -inf (or a finite one below
+  -1e30) left the future token all the weight; the old kernel returned 0 for the finite one."""
+  args = _tiny_paged(-1e20, k_value)
+  for out, mass in (paged_attention_with_mass(*args, interpret=True),
+                    paged_attention_with_mass_reference(*args)):
+    np.testing.assert_array_equal(out[0, 0, 0], want_out)
+    np.testing.assert_array_equal(mass[0, 0], want_mass)
+  q, k = args[0], args[1][:, 1][None].transpose(0, 2, 1, 3)             # slots of page 1
+  mask = jnp.array([[[True, False]]])
+  for attend in (gqa_attention, gqa_attention_per_query):
+    np.testing.assert_array_equal(attend(q, k, args[2][:, 1][None].transpose(0, 2, 1, 3),
+                                         mask)[0, 0, 0], want_out)
+
+
+def test_a_query_that_sees_nothing_gives_zero():
+  """Padding queries (and any with no visible key) give 0, in the references as the kernel
+  (the old references gave them the mean of every value)."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.normal(size=(1, 2, 2, 4)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(1, 3, 1, 4)), jnp.float32)
+  mask = jnp.array([[[True, True, False], [False, False, False]]])
+  for attend in (gqa_attention, gqa_attention_per_query):
+    out = np.asarray(attend(q, k, k, mask))
+    assert np.all(out[0, 1] == 0) and np.all(out[0, 0] != 0)
+
+
+def test_nan_query_puts_no_mass_on_empty_or_invisible_slots():
+  """With grouped heads, a NaN query head made the reference's mass NaN x 0 = NaN on every slot;
+  the docstring (and the kernel) say 0 on empty / invisible ones."""
+  q = jnp.ones((1, 1, 2, 2)).at[0, 0, 0, 0].set(jnp.nan)
+  pool = jnp.ones((1, 3, 2, 2))
+  args = (q, pool, pool, jnp.array([[1, 2]], jnp.int32), jnp.array([[0, 1, 2, -1]], jnp.int32),
+          jnp.array([[1]], jnp.int32))
+  for _, mass in (paged_attention_with_mass(*args, interpret=True),
+                  paged_attention_with_mass_reference(*args)):
+    mass = np.asarray(mass[0, 0])
+    assert np.isnan(mass[:2]).all() and np.all(mass[2:] == 0)
+
+
+@pytest.mark.parametrize('attend', [
+    functools.partial(paged_attention_with_mass, interpret=True),
+    paged_attention_with_mass_reference])
+@pytest.mark.parametrize('index,name', [(3, 'page_table'), (4, 'key_pos'), (5, 'q_pos')])
+def test_paged_attention_rejects_non_integer_positions_and_pages(attend, index, name):
+  args = list(_paged_case(0, batch=1, t=1, kv_heads=1, group=1, head_dim=8, page_size=4,
+                          pages_per_seq=2, length=5, shuffled=False))
+  args[index] = args[index].astype(jnp.float32) + 0.5
+  with pytest.raises(ValueError, match=f'{name} must be an integer array, got dtype float32'):
+    attend(*args)
+
+
+@pytest.mark.parametrize('field,value', [('pages_per_block', 2.0), ('pages_per_block', True),
+                                         ('pages_per_block', 0), ('min_rows', 2.5),
+                                         ('min_rows', -16)])
+def test_block_sizes_are_checked(field, value):
+  with pytest.raises(ValueError, match=re.escape(f'{field} must be an int >= 1, got {value!r}')):
+    BlockSizes(**{field: value})
+
+
+def test_block_sizes_store_python_ints():
+  assert BlockSizes(np.int64(2), np.int32(16)) == BlockSizes(2, 16)
+  assert type(BlockSizes(np.int64(2)).pages_per_block) is int
+
+
+def test_paged_attention_of_an_empty_batch_is_empty_as_the_reference():
+  args = _paged_case(0, batch=1, t=2, kv_heads=2, group=2, head_dim=8, page_size=4,
+                     pages_per_seq=2, length=5, shuffled=False)
+  args = [x if i in (1, 2) else x[:0] for i, x in enumerate(args)]     # pools keep their pages
+  got = paged_attention_with_mass(*args, interpret=True)
+  want = paged_attention_with_mass_reference(*args)
+  for g, w, shape in zip(got, want, [(0, 2, 4, 8), (0, 2, 8)]):
+    assert g.shape == w.shape == shape and g.dtype == w.dtype

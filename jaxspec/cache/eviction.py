@@ -54,7 +54,8 @@ class EvictionPolicy:
       (`jaxspec.decoding.evicting`), 0 otherwise. The cache needs budget + reuse_delay slots.
 
   Raises:
-    ValueError: unknown kind; a budget given to 'full'; for the others a budget missing, zero,
+    ValueError: unknown kind; a budget, or sinks or window other than 0, given to 'full' (it
+      never evicts: it would hold values it never uses); for the others a budget missing, zero,
       negative or not an int; budget smaller than sinks + window + 1 (no token would ever be
       evictable); negative or non-int sinks / window / delay. Checked at construction, so a
       policy built directly is held to what `make_policy` checks (a budget of 0 stalled every
@@ -78,6 +79,10 @@ class EvictionPolicy:
       if self.budget is not None:
         raise ValueError(f"policy 'full' keeps every token and takes no budget, got "
                          f'budget={self.budget!r} (size its cache for the whole sequence)')
+      for name in ('sinks', 'window'):
+        if fields[name]:
+          raise ValueError(f"policy 'full' keeps every token and takes no {name}, got "
+                           f'{name}={getattr(self, name)!r}')
     else:
       if self.budget is None:
         raise ValueError(f'eviction policy {kind!r} needs a budget (tokens), got None')
@@ -109,8 +114,9 @@ def make_policy(kind: str, budget: Optional[int] = None, *, sinks: Optional[int]
   Raises:
     ValueError: as `EvictionPolicy` (which checks every policy, however built).
   """
-  if kind == 'full' or kind not in POLICIES or budget is None:
-    return EvictionPolicy(kind, budget, 0, 0, reuse_delay)     # its checks name the problem
+  if kind == 'full' or kind not in POLICIES or budget is None:   # its checks name the problem
+    return EvictionPolicy(kind, budget, 0 if sinks is None else sinks,
+                          0 if window is None else window, reuse_delay)
   if sinks is None:
     sinks = STREAMING_SINKS if kind == 'sinks' else 0
   if window is None:
@@ -127,7 +133,8 @@ class EvictionState:
   Fields:
     key_pos: [layers, B, S] int32 absolute position of the token in each slot, -1 = empty.
     free_from: [layers, B, S] int32 first position allowed to write each empty slot.
-    scores: [layers, B, S] float32 attention mass (summed over KV heads): accumulated over every
+    scores: [layers, B, S] float32 attention mass summed over all N query heads (each KV head's
+      G query heads, then the K KV heads), so one query adds up to N: accumulated over every
       query so far (H2O), or the last query's (TOVA).
     policy: static `EvictionPolicy`.
     use_kernel: static; Pallas kernels (True) or their jnp references (False).
@@ -152,10 +159,13 @@ def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kern
   """An empty eviction state for `cache` (every slot free).
 
   Raises:
-    ValueError: the cache has fewer slots per sequence than budget + reuse_delay; use_kernel or
-      interpret not a bool; compiled kernels (use_kernel, not interpret) on a CPU backend,
-      which runs Pallas only in interpret mode (refused here, not at the first step).
+    ValueError: policy not an `EvictionPolicy` (build one with `make_policy`); the cache has
+      fewer slots per sequence than budget + reuse_delay; use_kernel or interpret not a bool;
+      compiled kernels (use_kernel, not interpret) on a CPU backend, which runs Pallas only in
+      interpret mode (refused here, not at the first step).
   """
+  if not isinstance(policy, EvictionPolicy):
+    raise ValueError(f'init_eviction needs an EvictionPolicy (from make_policy), got {policy!r}')
   for name, value in (('use_kernel', use_kernel), ('interpret', interpret)):
     if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f'{name} must be True or False, got {value!r}')
@@ -252,12 +262,25 @@ def after_tokens(before: EvictionState, history: EvictionState, num_tokens) -> E
   Args:
     before: the state passed to the model call.
     history: the model call's per-token states (arrays [T, layers, B, S]).
-    num_tokens: [B] int32 in [0, T]; 0 keeps `before`.
+    num_tokens: [B] integer array, each in [0, T]; 0 keeps `before`, T the state after every
+      token. Concrete values outside [0, T] raise; traced ones (inside jit, as the decode loops
+      call it) cannot be checked and are clamped to [0, T].
   Returns:
     EvictionState (arrays [layers, B, S]). Rejected speculative tokens thereby leave no trace:
     their scores, evictions and slots are those of the state before them.
+  Raises:
+    ValueError: num_tokens not a [B] integer array, or (when concrete) a value outside [0, T].
   """
-  n = jnp.asarray(num_tokens, jnp.int32)
+  t, b = history.key_pos.shape[0], before.key_pos.shape[1]
+  shape, dtype = jnp.shape(num_tokens), jnp.result_type(num_tokens)
+  if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f'num_tokens must be a [B] = [{b}] integer array, got shape {shape} dtype '
+                     f'{dtype}')
+  if not isinstance(num_tokens, jax.core.Tracer):
+    values = np.asarray(num_tokens)
+    if b and (values.min() < 0 or values.max() > t):
+      raise ValueError(f'num_tokens must lie in [0, T] = [0, {t}], got {values.tolist()}')
+  n = jnp.clip(jnp.asarray(num_tokens, jnp.int32), 0, t)
 
   def pick(b, h):
     row = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[None, None, :, None], axis=0)[0]

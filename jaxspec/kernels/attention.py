@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
-
-_MASKED = -1e30  # finite, so a fully masked (padding) row gives a harmless uniform softmax
 
 
 def slot_causal_mask(q_slots, num_keys: int, window: Optional[int] = None):
@@ -30,6 +27,30 @@ def slot_causal_mask(q_slots, num_keys: int, window: Optional[int] = None):
   return visible
 
 
+def masked_softmax(scores, visible):
+  """Softmax over the last axis restricted to the visible keys.
+
+  The operations of jax.nn.softmax, exp(x - max) / sum, in the same order: a row with a visible
+  key whose score is finite and >= -1e30 rounds bit for bit as jax.nn.softmax did on the scores
+  with invisible keys set to -1e30 (how this was computed before). Invisible keys get exactly 0,
+  however small the visible scores (no finite stand-in that a visible score could undercut), and
+  a row with no visible key, or only -inf scores, is all 0 (as the Pallas kernel). A NaN score
+  makes its row NaN on the visible keys only.
+
+  Args:
+    scores: [..., S] float32.
+    visible: bool, broadcastable to scores.shape.
+  Returns:
+    [..., S] float32.
+  """
+  x = jnp.where(visible, scores, -jnp.inf)
+  x_max = jnp.max(x, axis=-1, keepdims=True)
+  x_max = jnp.where(x_max == -jnp.inf, 0.0, x_max)        # no visible finite score: exp gives 0
+  unnormalized = jnp.where(visible, jnp.exp(x - x_max), 0.0)
+  total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  return jnp.where(visible, unnormalized / jnp.where(total > 0, total, 1.0), 0.0)
+
+
 def gqa_attention(q, k, v, mask):
   """Softmax attention with grouped-query heads, computed in float32.
 
@@ -38,7 +59,8 @@ def gqa_attention(q, k, v, mask):
     k, v: [B, S, K, H] keys (after RoPE) and values; N must be a multiple of K.
     mask: [B, T, S] bool, True where the key is visible.
   Returns:
-    [B, T, N, H] in q's dtype.
+    [B, T, N, H] in q's dtype: 0 for a query that sees no key (padding) or whose visible scores
+    are all -inf (`masked_softmax`; invisible keys never get weight).
   Raises:
     ValueError: when N is not a multiple of K.
   """
@@ -49,8 +71,7 @@ def gqa_attention(q, k, v, mask):
   g = n // kv_heads
   qg = q.reshape(b, t, kv_heads, g, h).astype(jnp.float32)
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', qg, k.astype(jnp.float32)) * (h ** -0.5)
-  scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-  probs = jax.nn.softmax(scores, axis=-1)
+  probs = masked_softmax(scores, mask[:, None, None, :, :])
   # Contract over the minor axis of both operands: XLA:CPU then rounds each query row the same
   # way whatever T is, so one-token decode and K+1-token verification agree bit for bit.
   v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)                   # [B, K, H, S]

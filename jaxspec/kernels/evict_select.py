@@ -81,6 +81,14 @@ def _kernel(priority_ref, key_pos_ref, free_from_ref, pos_ref,
   slot_out[...] = jnp.full((1,), slot, jnp.int32)
 
 
+def _check(priority, key_pos, free_from, positions):
+  shapes = [jnp.shape(x) for x in (priority, key_pos, free_from, positions)]
+  if len(shapes[1]) != 2 or shapes[0] != shapes[1] or shapes[2] != shapes[1] or \
+      shapes[3] != shapes[1][:1]:
+    raise ValueError(f'priority {shapes[0]}, key_pos {shapes[1]} and free_from {shapes[2]} must '
+                     f'be one shape [B, S] and positions {shapes[3]} [B]')
+
+
 @functools.partial(jax.jit, static_argnames=('params', 'interpret'))
 def select_slots(priority, key_pos, free_from, positions, params: SelectParams, *,
                  interpret: bool = False):
@@ -96,7 +104,10 @@ def select_slots(priority, key_pos, free_from, positions, params: SelectParams, 
   Returns:
     key_pos [B, S] (victim -1, new slot = its position), free_from [B, S], victim [B] int32 and
     slot [B] int32 (-1 when nothing was evicted / no slot is free).
+  Raises:
+    ValueError: priority, key_pos and free_from not all of one shape [B, S], or positions not [B].
   """
+  _check(priority, key_pos, free_from, positions)
   b, s = key_pos.shape
   pad = (1 << max(0, (s - 1).bit_length())) - s     # power-of-two blocks for Triton
   never = jnp.iinfo(jnp.int32).max                   # padded slots: empty, never writable
@@ -124,7 +135,10 @@ def _select_reference(priority, key_pos, free_from, p, params: SelectParams):
   must_evict = (p >= 0) & (live.sum() >= params.budget)
   candidate = live & (key_pos >= params.sinks) & (key_pos < p - params.window)
   priority = jnp.where(jnp.isnan(priority), -jnp.inf, priority)    # NaN: lowest (as the kernel)
-  victim = jnp.argmin(jnp.where(candidate, priority, jnp.inf))     # first index among ties
+  masked = jnp.where(candidate, priority, jnp.inf)
+  # The first candidate of lowest priority; argmin alone would pick slot 0 (maybe no candidate)
+  # when every candidate's priority is +inf.
+  victim = jnp.argmax(candidate & (masked == masked.min()))
   victim = jnp.where(must_evict & candidate.any(), victim, -1)
   key_pos = key_pos.at[victim].set(jnp.where(victim >= 0, -1, key_pos[victim]))
   free_from = free_from.at[victim].set(
@@ -136,8 +150,9 @@ def _select_reference(priority, key_pos, free_from, p, params: SelectParams):
 
 
 def select_slots_reference(priority, key_pos, free_from, positions, params: SelectParams):
-  """Pure-jnp reference of `select_slots` (argmin / argmax, vmapped over the batch): same args
-  and results."""
+  """Pure-jnp reference of `select_slots` (argmax, vmapped over the batch): same args, results
+  and errors."""
+  _check(priority, key_pos, free_from, positions)
   return jax.vmap(lambda a, b, c, d: _select_reference(a, b, c, d, params))(
       priority.astype(jnp.float32), key_pos.astype(jnp.int32), free_from.astype(jnp.int32),
       positions.astype(jnp.int32))

@@ -29,9 +29,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxspec.kernels.attention import gqa_attention
+from jaxspec.checks import check_int
+from jaxspec.kernels.attention import gqa_attention, masked_softmax
 
-_MASKED = -1e30  # finite, so a row with no visible key in a block gives no NaN
+# Invisible keys score -inf (never a finite stand-in a visible score could undercut); a row whose
+# running max is still -inf (nothing visible with a finite score yet) subtracts 0 instead, so
+# exp(-inf - 0) = 0 and no inf - inf NaN arises.
+_MASKED = -jnp.inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +47,17 @@ class BlockSizes:
       must divide pages_per_seq rounded up to a power of two (the slot axis is padded so).
     min_rows: query rows per program are padded to a power of two at least this (Triton's dot
       needs 16).
+
+  Raises:
+    ValueError: either not an int >= 1 (bools and floats refused).
   """
 
   pages_per_block: int = 1
   min_rows: int = 16
+
+  def __post_init__(self):
+    for name in ('pages_per_block', 'min_rows'):   # numpy ints stored as Python ints (hash alike)
+      object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
 
 def _kernel(q_ref, q_pos_ref, k_pages_ref, v_pages_ref, page_table_ref, key_pos_ref,
@@ -74,13 +85,16 @@ def _kernel(q_ref, q_pos_ref, k_pages_ref, v_pages_ref, page_table_ref, key_pos_
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
     return jnp.where(visible, s, _MASKED), visible, pages
 
+  def safe(m):                 # the max to subtract: 0 while a row has no finite visible score
+    return jnp.where(m == _MASKED, 0.0, m)
+
   def online_softmax(i, carry):
     o, m, l = carry
     s, visible, pages = scores(i)
     v = v_pages_ref[pages].reshape(block_k, head_dim).astype(jnp.float32)
     m_next = jnp.maximum(m, s.max(axis=1))
-    correction = jnp.exp(m - m_next)
-    p = jnp.where(visible, jnp.exp(s - m_next[:, None]), 0.0)
+    correction = jnp.exp(m - safe(m_next))
+    p = jnp.where(visible, jnp.exp(s - safe(m_next)[:, None]), 0.0)
     l_next = correction * l + p.sum(axis=1)
     o_next = correction[:, None] * o + jnp.dot(p, v, preferred_element_type=jnp.float32)
     return o_next, m_next, l_next
@@ -88,6 +102,7 @@ def _kernel(q_ref, q_pos_ref, k_pages_ref, v_pages_ref, page_table_ref, key_pos_
   init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
           jnp.zeros((rows,), jnp.float32))
   o, m, l = jax.lax.fori_loop(0, num_blocks, online_softmax, init)
+  m = safe(m)
   inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)     # rows that see nothing: 0
   o_ref[...] = (o * inv_l[:, None]).astype(o_ref.dtype)
 
@@ -104,7 +119,10 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes):
+def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
+  for name, x in (('page_table', page_table), ('key_pos', key_pos), ('q_pos', q_pos)):
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f'{name} must be an integer array, got dtype {x.dtype}')
   b, t, n, h = q.shape
   kv_heads, _, page_size, h_k = k_pages.shape
   if v_pages.shape != k_pages.shape or h_k != h:
@@ -116,6 +134,8 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes):
                      f'batch {b} and page size {page_size}')
   if q_pos.shape != (b, t):
     raise ValueError(f'q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}')
+  if block_sizes is None:
+    return
   padded = _next_pow2(page_table.shape[1])
   if block_sizes.pages_per_block < 1 or padded % block_sizes.pages_per_block:
     raise ValueError(f'pages_per_block={block_sizes.pages_per_block} must divide the '
@@ -139,15 +159,19 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
   Returns:
     out: [B, T, N, H] in q's dtype; mass: [B, K, S] float32, sum over the T queries and the G
     heads of KV head k of softmax probability on slot s (0 for empty / invisible slots).
+    A query that sees no key, or only keys of score -inf, gives 0 and puts no mass anywhere.
+    A batch of B = 0 gives empty results.
   Raises:
-    ValueError: on inconsistent shapes or a pages_per_block that does not divide NP rounded up
-      to a power of two.
+    ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, or
+      a pages_per_block that does not divide NP rounded up to a power of two.
   """
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
   b, t, n, h = q.shape
   kv_heads, _, page_size, _ = k_pages.shape
   g = n // kv_heads
   s = key_pos.shape[1]
+  if b == 0:                                   # a grid of no programs: nothing to compute
+    return jnp.zeros((0, t, n, h), q.dtype), jnp.zeros((0, kv_heads, s), jnp.float32)
   rows = _next_pow2(max(t * g, block_sizes.min_rows))
   pad_pages = _next_pow2(page_table.shape[1]) - page_table.shape[1]
   page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad_pages)))
@@ -204,7 +228,9 @@ def attention_with_mass(q, keys, values, key_pos, q_pos):
     q: [B, T, N, H]; keys, values: [B, S, K, H]; key_pos: [B, S] int32 (-1 empty);
     q_pos: [B, T] int32 (-1 padding).
   Returns:
-    out: [B, T, N, H] (rows of padding queries are 0); mass: [B, K, S] float32.
+    out: [B, T, N, H] (rows of padding queries are 0); mass: [B, K, S] float32, exactly 0 on
+    empty and invisible slots (also when a query is NaN). A query that sees no key, or only keys
+    of score -inf, gives 0 and puts no mass anywhere (`attention.masked_softmax`).
   """
   b, t, n, h = q.shape
   kv_heads = keys.shape[2]
@@ -214,12 +240,13 @@ def attention_with_mass(q, keys, values, key_pos, q_pos):
   out = jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
   qg = q.reshape(b, t, kv_heads, n // kv_heads, h).astype(jnp.float32)
   s = jnp.einsum('BTKGH,BSKH->BKGTS', qg, keys.astype(jnp.float32)) * (h ** -0.5)
-  s = jnp.where(visible[:, None, None], s, _MASKED)
-  p = jax.nn.softmax(s, axis=-1) * (visible & seen[:, :, None])[:, None, None]
+  p = masked_softmax(s, visible[:, None, None])
   return out, p.sum(axis=(2, 3))
 
 
 def paged_attention_with_mass_reference(q, k_pages, v_pages, page_table, key_pos, q_pos):
-  """Pure-jnp reference of `paged_attention_with_mass`: same args (no tiling) and results."""
+  """Pure-jnp reference of `paged_attention_with_mass`: same args (no tiling), results and
+  errors."""
+  _check(q, k_pages, v_pages, page_table, key_pos, q_pos)
   return attention_with_mass(q, gather_pages(k_pages, page_table),
                              gather_pages(v_pages, page_table), key_pos, q_pos)
