@@ -31,10 +31,14 @@ class CheckpointError(ValueError):
   """A model directory is missing, incomplete or does not match its config."""
 
 
-@functools.lru_cache(maxsize=16)
 def param_shapes(config: ModelConfig):
   """The params pytree of `config` as jax.ShapeDtypeStruct leaves (float32), without allocating
-  (cached per config: treat the result as read-only)."""
+  (traced once per config; each call returns its own containers, free to edit)."""
+  return jax.tree.map(lambda leaf: leaf, _param_shapes(config))
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: ModelConfig):
   tokens = jnp.zeros((1, 1), jnp.int32)
   return jax.eval_shape(lambda: Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens))
 
