@@ -19,6 +19,7 @@ import numpy as np
 from experiments.common import check_fields, empty_cache, parse_workloads
 from jaxspec.cache import init_eviction, make_policy
 from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
                                        score_tokens)
@@ -61,7 +62,6 @@ def _score(model, params, policy, tokens, lengths, config):
 
 
 PASSAGE_TOKENS = 128        # retrieval: the scored passage
-MIN_RETRIEVAL_PROMPT = 48   # make_prompts' least retrieval prompt
 
 
 def _prompts(workload, tokenizer, config, prompt_len):
@@ -119,7 +119,8 @@ def run_quality(config, results, model, params, tokenizer) -> None:
     results.write(dict(
         workload=workload, policy=config.policy,
         budget_frac=1.0 if full_cache else float(config.budget_frac),
-        budget_tokens=int(config.seq_len) if full_cache else budget, seq_len=int(config.seq_len), tokens_scored=int(scored.sum()),
+        budget_tokens=int(config.seq_len) if full_cache else budget, seq_len=int(config.seq_len),
+        tokens_scored=int(scored.sum()),
         perplexity=ppl, perplexity_full=ppl_full,
         perplexity_increase_pct=100.0 * (ppl / ppl_full - 1.0),
         agreement=float((got['argmax'] == full['argmax'])[scored].mean()),

@@ -8,6 +8,7 @@ import numbers
 import operator
 from typing import Optional
 
+import jax
 import numpy as np
 
 
@@ -126,3 +127,13 @@ def check_seed(value) -> int:
   if not is_int_in(value, -2 ** 63, 2 ** 63 - 1):
     raise ValueError(f'seed must be a 64-bit int, got {value!r}')
   return int(value)
+
+
+def concrete(x) -> Optional[np.ndarray]:
+  """`x` as a numpy array, or None when its values cannot be read here: traced (inside a
+  caller's jit) or spread over processes (not fully addressable). Reading a device array waits
+  for it and copies it to the host, so checks that call this belong once per call, not per step.
+  """
+  if isinstance(x, jax.core.Tracer) or not getattr(x, 'is_fully_addressable', True):
+    return None
+  return np.asarray(x)

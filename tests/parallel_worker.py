@@ -195,6 +195,12 @@ def main():
     same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a), np.asarray(b)))
                         and a.sharding.is_equivalent_to(b.sharding, a.ndim), restored, sharded)
     out['load_sharded_equal'] = all(jax.tree.leaves(same))
+    save_model(f'{tmp}/b', CONFIG, params)                          # bfloat16, as shipped
+    load_sharded(f'{tmp}/b', mesh)                                  # its checksums hold
+    sums = json.loads(pathlib.Path(f'{tmp}/b/checksums.json').read_text())
+    sums['sha256']['params/layer_0/mlp/down/kernel'] = '0' * 64     # as a damaged file reads
+    pathlib.Path(f'{tmp}/b/checksums.json').write_text(json.dumps(sums))
+    out['error_load_sharded_checksum'] = error(lambda: load_sharded(f'{tmp}/b', mesh))
     fields = json.loads(pathlib.Path(f'{tmp}/m/config.json').read_text())
     pathlib.Path(f'{tmp}/m/config.json').write_text(json.dumps({**fields, 'd_ff': 128}))
     out['error_load_sharded'] = error(lambda: load_sharded(f'{tmp}/m', mesh))

@@ -231,7 +231,8 @@ def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):
 def test_the_loops_under_eviction_name_bad_arguments(tiny):
   import jax  # pylint: disable=import-outside-toplevel
   from jaxspec.cache import init_eviction, make_policy  # pylint: disable=import-outside-toplevel
-  from jaxspec.decoding import (SamplingParams, decode_autoregressive_evicting,  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxspec.decoding import (SamplingParams, decode_autoregressive_evicting,
                                 decode_speculative_evicting, prefill_evicting)
   from jaxspec.models import cache_for  # pylint: disable=import-outside-toplevel
   config, params = tiny

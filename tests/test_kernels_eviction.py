@@ -218,6 +218,11 @@ def test_references_round_ordinary_rows_exactly_as_before(seed, t, group, dtype)
     out, mass = wrap(attention_with_mass)(q, k, v, key_pos, q_pos)
     np.testing.assert_array_equal(out, wrap(_old_gqa_attention)(q, k, v, mask))
     np.testing.assert_array_equal(mass, wrap(_old_mass)(q, k, key_pos, q_pos))
+  if dtype == jnp.float32:          # training differentiates it: the gradients are unchanged too
+    loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, mask)))
+    for new, old_ in zip(jax.grad(loss(gqa_attention), argnums=(0, 1, 2))(q, k, v),
+                         jax.grad(loss(_old_gqa_attention), argnums=(0, 1, 2))(q, k, v)):
+      np.testing.assert_array_equal(new, old_)
 
 
 def _tiny_paged(q_value, k_value):

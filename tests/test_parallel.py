@@ -204,6 +204,8 @@ def test_checkpoint_loads_straight_into_its_shardings(worker):
   assert worker['load_sharded_equal']
   assert ("tensor ['params']['layer_0']['mlp']['down']['kernel'] has shape (64, 32), config "
           "implies (128, 32)") in worker['error_load_sharded']
+  assert ('tensor params/layer_0/mlp/down/kernel does not match its checksum' in
+          worker['error_load_sharded_checksum'])
 
 
 def test_mesh_errors_name_the_sizes(worker):

@@ -82,5 +82,5 @@ def test_a_damaged_training_state_is_refused(tmp_path):
   raw = bytearray(data.read_bytes())
   raw[len(raw) // 2] ^= 0x10
   data.write_bytes(bytes(raw))
-  with pytest.raises(CheckpointError, match=r'does not match its checksum|cannot read'):
+  with pytest.raises(CheckpointError, match='does not match its checksum'):
     train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import paged
-from jaxspec.checks import check_int, is_int_in
+from jaxspec.checks import check_int, concrete, is_int_in
 from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
 from jaxspec.kernels.paged_attention import attention_with_mass, paged_attention_with_mass
 
@@ -276,10 +276,9 @@ def after_tokens(before: EvictionState, history: EvictionState, num_tokens) -> E
   if shape != (b,) or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f'num_tokens must be a [B] = [{b}] integer array, got shape {shape} dtype '
                      f'{dtype}')
-  if not isinstance(num_tokens, jax.core.Tracer):
-    values = np.asarray(num_tokens)
-    if b and (values.min() < 0 or values.max() > t):
-      raise ValueError(f'num_tokens must lie in [0, T] = [0, {t}], got {values.tolist()}')
+  values = concrete(num_tokens)
+  if values is not None and b and (values.min() < 0 or values.max() > t):
+    raise ValueError(f'num_tokens must lie in [0, T] = [0, {t}], got {values.tolist()}')
   n = jnp.clip(jnp.asarray(num_tokens, jnp.int32), 0, t)
 
   def pick(b, h):

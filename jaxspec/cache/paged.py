@@ -72,6 +72,23 @@ class PagedKVCache:
     return self.k_pages.nbytes + self.v_pages.nbytes
 
 
+def check_page_table(page_table, num_pages: int) -> None:
+  """Check a page table before a cache is built over it (host side, once per cache).
+
+  Raises:
+    ValueError: not a 2-D integer array [batch, pages_per_seq], or an entry outside
+      [0, num_pages) (named).
+  """
+  table = np.asarray(page_table)        # a small int table: the copy is cheap
+  if not np.issubdtype(table.dtype, np.integer):
+    raise ValueError(f'page_table must hold integer page ids, got dtype {table.dtype}')
+  if table.ndim != 2:
+    raise ValueError(f'page_table must be [batch, pages_per_seq], got shape {table.shape}')
+  if table.size and (table.min() < 0 or table.max() >= num_pages):
+    raise ValueError(f'page_table entries must lie in [0, {num_pages}), got '
+                     f'[{table.min()}, {table.max()}]')
+
+
 def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                page_size: int, page_table, dtype=jnp.float32) -> PagedKVCache:
   """An empty cache over a pool of `num_pages` pages (page 0 is the null page).
@@ -87,15 +104,8 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
                num_pages=num_pages, page_size=page_size)
   num_layers, num_kv_heads, head_dim, num_pages, page_size = (
       check_int(name, value, 1) for name, value in sizes.items())
-  kind = np.asarray(page_table).dtype
-  if not np.issubdtype(kind, np.integer):
-    raise ValueError(f'page_table must hold integer page ids, got dtype {kind}')
+  check_page_table(page_table, num_pages)
   page_table = jnp.asarray(page_table, jnp.int32)
-  if page_table.ndim != 2:
-    raise ValueError(f'page_table must be [batch, pages_per_seq], got shape {page_table.shape}')
-  if page_table.size and (int(page_table.min()) < 0 or int(page_table.max()) >= num_pages):
-    raise ValueError(f'page_table entries must lie in [0, {num_pages}), got '
-                     f'[{int(page_table.min())}, {int(page_table.max())}]')
   shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
   return PagedKVCache(
       k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),

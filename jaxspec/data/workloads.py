@@ -29,6 +29,7 @@ WORKLOADS = ('json', 'code', 'retrieval')
 REFERENCE_LEN = 256  # Tokens of real continuation kept in Prompt.reference.
 QUOTE_LEN = 8  # Most tokens quoted to start a retrieval passage.
 MIN_QUOTE_LEN = 4
+MIN_RETRIEVAL_PROMPT = 48  # Least retrieval prompt_len: instruction + quote take 25-45 tokens.
 CHUNK_FRACTION = 0.8  # Retrieval: document chunk ~ this fraction of prompt_len.
 SEPARATOR = '\n\n# Quote the passage that starts with: "{quote}"\n'
 
@@ -122,7 +123,7 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
     raise ValueError(f'unknown workload {workload!r}; expected one of {WORKLOADS}')
   if num_prompts < 1:
     raise ValueError(f'num_prompts must be >= 1, got {num_prompts}')
-  min_len = 48 if workload == 'retrieval' else 1
+  min_len = MIN_RETRIEVAL_PROMPT if workload == 'retrieval' else 1
   if prompt_len < min_len:
     raise ValueError(f'prompt_len must be >= {min_len} for {workload!r}, got {prompt_len}')
   kinds = corpus.KINDS if workload == 'retrieval' else (workload,)

@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
-from jaxspec.checks import check_int, token_ids
+from jaxspec.checks import check_int, check_seed, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import SamplingParams, check_sampling, probabilities, sample
 from jaxspec.decoding.speculative import proposals_in_reach
-from jaxspec.models import ModelConfig, Transformer, cache_for
+from jaxspec.models import ModelConfig, Transformer, cache_for, check_params
 
 PREFILL_CHUNK = 64  # tokens per jitted prefill call (one compile per cache shape)
 
@@ -154,10 +154,14 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
       never stops before max_new_tokens (unconstrained runs only).
     k: speculation length >= 1 (with a draft).
   Raises:
-    ValueError: bad arguments or a prompt that does not fit the context.
+    ValueError: bad arguments (a seed that is not a 64-bit int, sampling that is not a
+      SamplingParams too) or a prompt that does not fit the context.
+    CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+  check_sampling(sampling)
+  seed = check_seed(seed)
   prompt = token_ids(prompt, 'prompt', target.vocab_size)
   if not prompt:
     raise ValueError('prompt is empty')
@@ -174,6 +178,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   if constraint is not None and constraint.vocab_size != target.vocab_size:
     raise ValueError(f'constraint masks have {constraint.vocab_size} entries, the model '
                      f'vocabulary {target.vocab_size}')
+  check_params(target, target_params, 'target_params')
+  if draft is not None:
+    check_params(draft, draft_params, 'draft_params')
   vocab = target.vocab_size
   slack = 1 if draft is None else k + 1
   capacity = len(prompt) + max_new_tokens + slack

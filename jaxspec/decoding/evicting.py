@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import after_tokens, last_token, rollback
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, concrete
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
@@ -80,11 +80,6 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   return dict(logprob=lp.T, argmax=am.T, live=live.T, cache=cache, eviction=eviction)
 
 
-def _concrete(x):
-  """`x` as a numpy array, or None when it is traced (inside a caller's jit: not checkable)."""
-  return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
-
-
 def _check_ids(name: str, ids, vocab_size: int) -> None:
   """ValueError naming the first id of `ids` (a numpy array) outside [0, vocab_size)."""
   bad = ids[(ids < 0) | (ids >= vocab_size)]
@@ -111,7 +106,7 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   if len(shape) != 2 or np.shape(prompt_lengths) != shape[:1]:
     raise ValueError(f'tokens must be [B, P] and prompt_lengths [B], got shapes {shape} and '
                      f'{np.shape(prompt_lengths)}')
-  lengths, ids = _concrete(prompt_lengths), _concrete(tokens)
+  lengths, ids = concrete(prompt_lengths), concrete(tokens)
   if lengths is not None:
     bad = lengths[(lengths < 1) | (lengths > shape[1])]
     if bad.size:
@@ -147,7 +142,7 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
   Args:
     cache, eviction: after `prefill_evicting` (donated).
     first_token: [B] int32, the token `prefill_evicting` drew.
-    stop_tokens: [B, S] int32 stop ids per row, -1 padded.
+    stop_tokens: [S] int32 stop ids shared by every row, or [B, S] per row, -1 padded.
     max_new_tokens: tokens to emit per row, first_token included (>= 1).
   Returns:
     (Output, cache, eviction).
@@ -156,7 +151,7 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
       (checked when concrete).
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
-  first = _concrete(first_token)
+  first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first, config.vocab_size)
   return _decode_autoregressive_evicting(config, params, cache, eviction, first_token, rng,
@@ -206,7 +201,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
       cache after the same prompts (donated). Its capacity is not checked inside the jitted
       loop: it must hold prompt + max_new_tokens + K tokens per row (a smaller one writes past
       its pages and drops the draft's context, lowering α without an error).
-    first_token: [B] int32; stop_tokens: [B, S] int32, -1 padded.
+    first_token: [B] int32; stop_tokens: [S] int32 shared, or [B, S] per row, -1 padded.
     k: speculation length K (>= 1); max_new_tokens: tokens to emit per row (>= 1).
   Returns:
     (Output, SpecStats, target_cache, eviction, draft_cache).
@@ -223,7 +218,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   if eviction.policy.reuse_delay < k + 1:
     raise ValueError(f'speculative decoding under eviction needs reuse_delay >= K + 1 = {k + 1}, '
                      f'got {eviction.policy.reuse_delay}')
-  first = _concrete(first_token)
+  first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first, target.vocab_size)
   return _decode_speculative_evicting(target, draft, target_params, draft_params, target_cache,

@@ -26,9 +26,9 @@ class GenerationResult:
 
   Attributes:
     tokens: per prompt, the emitted token ids (stop token included when hit).
-    ttft_s: seconds from the start of prefill to the first token of every row (prefill and
-      first sample; argument checks, page allocation and the host-to-device copy of the
-      prompts come before it).
+    ttft_s: seconds from the start of prefill to the first token of every row: allocating and
+      zeroing the KV pools, prefill (target, and the draft's) and the first sample (argument
+      checks, page allocation and the host-to-device copy of the prompts come before it).
     decode_s: seconds of the compiled decode loop after the first token.
     prompt_tokens: prompt tokens of the batch; prefill_tokens: of those, the ones prefill
       computed (the rest came from the prefix cache: cached_tokens, promoted_tokens of them from

@@ -126,8 +126,9 @@ class PrefixCachedGenerator:
       GenerationResult with one row; ttft_s runs from after validation to the first token:
       hashing and matching, host-tier copies, prefill (target and draft) and the first sample.
     Raises:
-      ValueError: as `generate` (a seed that is not a 64-bit int too); OutOfPagesError when the pool cannot hold the request even
-        after reclaiming every cached page (the pool is unchanged then).
+      ValueError: as `generate` (a seed that is not a 64-bit int too); OutOfPagesError when
+        the pool cannot hold the request even after reclaiming every cached page (the pool is
+        unchanged then).
     """
     _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, draft=self.draft,

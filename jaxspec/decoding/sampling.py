@@ -17,8 +17,8 @@ import numpy as np
 
 
 MIN_TEMPERATURE = 1e-4  # below this (and above 0) logits / temperature overflows float32
-# Above this, logits / temperature lose their order in float32 (from ~1e38 they flush to 0 and
-# top-k keeps every token); the distribution is uniform over the top-k / top-p set long before.
+# Above this the distribution is already uniform over the top-k / top-p set to float32 precision;
+# from ~1e38, logits / temperature underflow to 0 and top-k would keep every token.
 MAX_TEMPERATURE = 1e6
 INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -29,7 +29,8 @@ class SamplingParams:
 
   Attributes:
     temperature: 0 means greedy (argmax); otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]
-      (1e-4 .. 1e6: past either end float32 logits / temperature overflow or lose their order).
+      (1e-4 .. 1e6: below, float32 logits / temperature overflow; above, the distribution is
+      already uniform over the kept tokens, and from ~1e38 the logits underflow to 0).
     top_k: keep the k most likely tokens (0 = all).
     top_p: keep the smallest set of tokens whose mass reaches top_p, in (0, 1] (Holtzman et al.).
 
@@ -52,8 +53,8 @@ class SamplingParams:
     if temperature is None or not temperature >= 0:
       raise ValueError(f'temperature must be a number >= 0, got {self.temperature!r}')
     if 0 < temperature < MIN_TEMPERATURE or temperature > MAX_TEMPERATURE:
-      raise ValueError(f'temperature {self.temperature!r} would overflow or flatten the float32 '
-                       f'logits: use 0 for greedy, or a value in [{MIN_TEMPERATURE}, '
+      raise ValueError(f'temperature {self.temperature!r} would overflow or underflow the '
+                       f'float32 logits: use 0 for greedy, or a value in [{MIN_TEMPERATURE}, '
                        f'{MAX_TEMPERATURE:g}]')
     top_k = _number(self.top_k, integer=True)
     if top_k is None or top_k < 0:

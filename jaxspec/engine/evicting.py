@@ -166,7 +166,7 @@ class EvictingEngine(Engine):
       raise ValueError(f'prompt lookup at K = {k} under eviction needs the policy\'s reuse_delay '
                        f'>= K + 1 = {k + 1} (make_policy(..., reuse_delay={k + 1})), got '
                        f'{policy.reuse_delay}')
-    if prefix_caching is not False:
+    if not isinstance(prefix_caching, (bool, np.bool_)) or prefix_caching:
       raise ValueError(f'prefix_caching={prefix_caching!r}: prefix caching is not supported under '
                        'eviction (pages are rewritten in place; sharing them would need '
                        'copy-on-write); pass False')

@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 from typing import Optional
 
-# RFC 9110's methods and PATCH (RFC 5789); botocore's operations use the first six.
-HTTP_METHODS = ('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD', 'OPTIONS', 'TRACE', 'CONNECT')
+# The methods botocore's operations use (the schemas constrain the extractor's output to them).
+HTTP_METHODS = ('GET', 'POST', 'PUT', 'DELETE', 'PATCH', 'HEAD')
 SKIPPED_KEYS = frozenset({'documentation', 'documentationUrl', 'deprecatedMessage'})
 MAX_CANDIDATE_CHARS = 200
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 
@@ -44,10 +45,14 @@ def masked_softmax(scores, visible):
     [..., S] float32.
   """
   x = jnp.where(visible, scores, -jnp.inf)
-  x_max = jnp.max(x, axis=-1, keepdims=True)
+  # As jax.nn.softmax, the max is a constant to the gradient (training's gradients stay as they
+  # were, bit for bit).
+  x_max = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
   x_max = jnp.where(x_max == -jnp.inf, 0.0, x_max)        # no visible finite score: exp gives 0
   unnormalized = jnp.where(visible, jnp.exp(x - x_max), 0.0)
   total = jnp.sum(unnormalized, axis=-1, keepdims=True)
+  # The outer where changes no value, but without it XLA:CPU fuses the division differently and
+  # the mass sums round differently from before (tests/test_kernels_eviction.py compares them).
   return jnp.where(visible, unnormalized / jnp.where(total > 0, total, 1.0), 0.0)
 
 

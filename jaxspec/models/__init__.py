@@ -10,8 +10,8 @@ from jaxspec.models.hf import is_pretrained, load_pretrained, save_pretrained, t
 from jaxspec.models.llama import Transformer, apply_rope, matmul_rows
 
 __all__ = ['CheckpointError', 'check_params', 'load_model', 'param_shapes', 'save_model',
-           'shipped', 'ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows', 'cache_for', 'is_pretrained',
-           'load_pretrained', 'save_pretrained', 'truncate_vocab']
+           'shipped', 'ModelConfig', 'PRESETS', 'Transformer', 'apply_rope', 'matmul_rows',
+           'cache_for', 'is_pretrained', 'load_pretrained', 'save_pretrained', 'truncate_vocab']
 
 
 def cache_for(config: ModelConfig, page_table, num_pages: int, page_size: int):

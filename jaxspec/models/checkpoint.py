@@ -175,24 +175,37 @@ def _check_tree(expected, restored, where: str) -> None:
 CHECKSUMS = 'checksums.json'
 
 
+def _leaves(tree) -> dict:
+  """{'params/layer_0/attn/q/kernel': numpy array} of `tree`'s leaves, on the host."""
+  return {jax.tree_util.keystr(key, simple=True, separator='/'): np.asarray(leaf)
+          for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def tensor_checksums(tree) -> dict:
-  """SHA-256 (hex) of each leaf of `tree`, keyed by its pytree path (`jax.tree_util.keystr`):
-  over the leaf's dtype name, shape and C-order bytes, so a value, a dtype or a shape that
-  changed all change it. Leaves are brought to host memory (numpy) to be hashed."""
+  """SHA-256 (hex) of each leaf of `tree`, keyed by its '/'-joined pytree path: over the leaf's
+  dtype name, shape and C-order bytes, so a value, a dtype or a shape that changed all change
+  it. Leaves are brought to host memory (numpy) to be hashed."""
+  return _digests(_leaves(tree))
+
+
+def _digests(leaves: dict) -> dict:
   sums = {}
-  for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    array = np.ascontiguousarray(np.asarray(leaf))
+  for name, array in leaves.items():
+    array = np.ascontiguousarray(array)
     digest = hashlib.sha256(f'{array.dtype.name}{array.shape}'.encode())
     digest.update(array.tobytes())
-    sums[jax.tree_util.keystr(key)] = digest.hexdigest()
+    sums[name] = digest.hexdigest()
   return sums
 
 
 def write_checksums(file, tree) -> None:
-  """Write `tensor_checksums(tree)` to `file` as JSON (through a temporary file and a rename,
-  so the file is whole or absent)."""
+  """Write `tensor_checksums(tree)` and each leaf's dtype to `file` as JSON (through a temporary
+  file and a rename, so the file is whole or absent)."""
   file = pathlib.Path(file)
-  text = json.dumps({'sha256': tensor_checksums(tree)}, indent=1, sort_keys=True) + '\n'
+  leaves = _leaves(tree)
+  dtypes = {name: array.dtype.name for name, array in leaves.items()}
+  text = json.dumps({'sha256': _digests(leaves), 'dtype': dtypes}, indent=1,
+                    sort_keys=True) + '\n'
   partial = file.with_name(file.name + '.partial')
   partial.write_text(text)
   os.replace(partial, file)
@@ -203,23 +216,30 @@ def verify_checksums(file, tree) -> None:
   `write_checksums`; nothing to check when `file` does not exist.
 
   Raises:
-    CheckpointError: `file` unreadable or malformed, a tensor whose bytes differ from its
-      checksum (the first one, by name), or tensors the file and the tree do not share.
+    CheckpointError: `file` unreadable or malformed, a tensor restored in another dtype than it
+      was saved in, a tensor whose bytes differ from its checksum (the first one, by name), or
+      tensors the file and the tree do not share.
   """
   file = pathlib.Path(file)
   if not file.exists():
     return
   try:
-    want = json.loads(file.read_text())['sha256']
-    if not isinstance(want, dict):
-      raise ValueError(f"'sha256' is a {type(want).__name__}, not an object")
+    listed = json.loads(file.read_text())
+    want, dtypes = listed['sha256'], listed.get('dtype', {})
+    if not isinstance(want, dict) or not isinstance(dtypes, dict):
+      raise ValueError("'sha256' and 'dtype' must be objects")
   except (OSError, ValueError, KeyError, TypeError) as e:   # JSONDecodeError, UnicodeDecodeError
     raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
-  got = tensor_checksums(tree)
+  leaves = _leaves(tree)
+  got = _digests(leaves)
   if set(want) != set(got):
     odd = sorted(set(want) ^ set(got))
     raise CheckpointError(f'{file} does not list the same tensors as the checkpoint beside it '
                           f'(differing: {odd[:5]})')
+  for name, array in leaves.items():
+    if name in dtypes and dtypes[name] != array.dtype.name:
+      raise CheckpointError(f'{file.parent}: tensor {name} was saved as {dtypes[name]} and '
+                            f'restored as {array.dtype.name}: restore it in its saved dtype')
   bad = [name for name in got if got[name] != want[name]]
   if bad:
     raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its checksum in '

@@ -9,12 +9,13 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import ModelConfig, param_shapes
 # pylint: disable-next=protected-access
-from jaxspec.models.checkpoint import CheckpointError, _check_tree
+from jaxspec.models.checkpoint import CHECKSUMS, CheckpointError, _check_tree, verify_checksums
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -31,7 +32,9 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     (ModelConfig, params) with params global jax.Arrays on the mesh.
   Raises:
     CheckpointError: missing or unreadable directory, config or tensors; a tensor whose shape
-      differs from what the config implies (named).
+      differs from what the config implies, or (in one process, where every tensor is whole
+      here) whose bytes differ from its checksum in checksums.json (named). Across processes
+      the checksums are not checked: no process holds the tensors whole.
     ValueError: the mesh's model axis does not divide the target's heads / d_ff / vocabulary.
   """
   path = pathlib.Path(path).absolute()
@@ -58,4 +61,8 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     raise
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
+  if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
+    # Back in the stored dtype (a cast from bfloat16 and back is exact) to check the checksums.
+    saved = jax.tree.map(lambda x, meta: np.asarray(x).astype(meta.dtype), params, stored)
+    verify_checksums(path / CHECKSUMS, saved)
   return config, params

@@ -21,6 +21,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.cache import PagedKVCache
+from jaxspec.cache.paged import check_page_table
+from jaxspec.checks import check_int
 from jaxspec.decoding import autoregressive, speculative
 from jaxspec.models import ModelConfig
 from jaxspec.parallel import specs
@@ -115,15 +117,10 @@ class ShardedSteps:
       ValueError: bad sizes or page table entries outside [0, num_pages); KV heads or batch not
         divisible by the mesh.
     """
+    num_pages = check_int('num_pages', num_pages, 1)
+    page_size = check_int('page_size', page_size, 1)
+    check_page_table(page_table, num_pages)
     table = np.asarray(page_table)
-    if table.ndim != 2 or not np.issubdtype(table.dtype, np.integer):
-      raise ValueError(f'page_table must be [batch, pages_per_seq] ints, got shape {table.shape} '
-                       f'dtype {table.dtype}')
-    if num_pages < 1 or page_size < 1:
-      raise ValueError(f'num_pages ({num_pages}) and page_size ({page_size}) must be >= 1')
-    if table.size and (table.min() < 0 or table.max() >= num_pages):
-      raise ValueError(f'page_table entries must lie in [0, {num_pages}), got '
-                       f'[{table.min()}, {table.max()}]')
     if not draft:
       check_model_fits(config, self.mesh.shape[MODEL])
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
