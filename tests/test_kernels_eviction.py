@@ -312,3 +312,11 @@ def test_paged_attention_of_an_empty_batch_is_empty_as_the_reference():
   want = paged_attention_with_mass_reference(*args)
   for g, w, shape in zip(got, want, [(0, 2, 4, 8), (0, 2, 8)]):
     assert g.shape == w.shape == shape and g.dtype == w.dtype
+
+
+def test_select_slots_of_an_empty_batch_is_empty_as_the_reference():
+  args = (jnp.zeros((0, 4)), jnp.zeros((0, 4), jnp.int32), jnp.zeros((0, 4), jnp.int32),
+          jnp.zeros((0,), jnp.int32), SelectParams(budget=3))
+  got, want = select_slots(*args, interpret=True), select_slots_reference(*args)
+  for g, w, shape in zip(got, want, [(0, 4), (0, 4), (0,), (0,)]):
+    assert g.shape == w.shape == shape and g.dtype == w.dtype == jnp.int32

@@ -103,12 +103,16 @@ def select_slots(priority, key_pos, free_from, positions, params: SelectParams, 
     interpret: run in the Pallas interpreter (CPU).
   Returns:
     key_pos [B, S] (victim -1, new slot = its position), free_from [B, S], victim [B] int32 and
-    slot [B] int32 (-1 when nothing was evicted / no slot is free).
+    slot [B] int32 (-1 when nothing was evicted / no slot is free). A batch of B = 0 gives
+    empty results.
   Raises:
     ValueError: priority, key_pos and free_from not all of one shape [B, S], or positions not [B].
   """
   _check(priority, key_pos, free_from, positions)
   b, s = key_pos.shape
+  if b == 0:                                   # a grid of no programs: nothing to select
+    empty = jnp.zeros((0,), jnp.int32)
+    return key_pos.astype(jnp.int32), free_from.astype(jnp.int32), empty, empty
   pad = (1 << max(0, (s - 1).bit_length())) - s     # power-of-two blocks for Triton
   never = jnp.iinfo(jnp.int32).max                   # padded slots: empty, never writable
   priority = jnp.pad(priority.astype(jnp.float32), ((0, 0), (0, pad)))
