@@ -320,3 +320,10 @@ def test_select_slots_of_an_empty_batch_is_empty_as_the_reference():
   got, want = select_slots(*args, interpret=True), select_slots_reference(*args)
   for g, w, shape in zip(got, want, [(0, 4), (0, 4), (0,), (0,)]):
     assert g.shape == w.shape == shape and g.dtype == w.dtype == jnp.int32
+
+
+def test_a_pool_without_kv_heads_is_named():
+  q, pages = jnp.ones((1, 1, 2, 4)), jnp.ones((0, 2, 2, 4))
+  with pytest.raises(ValueError, match=r'query heads 2 not a multiple of kv heads 0 \(>= 1\)'):
+    paged_attention_with_mass_reference(q, pages, pages, jnp.array([[1]]), jnp.array([[0, 1]]),
+                                        jnp.array([[1]]))

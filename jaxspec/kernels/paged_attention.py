@@ -127,8 +127,8 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
   kv_heads, _, page_size, h_k = k_pages.shape
   if v_pages.shape != k_pages.shape or h_k != h:
     raise ValueError(f'k_pages {k_pages.shape} / v_pages {v_pages.shape} do not match q {q.shape}')
-  if n % kv_heads:
-    raise ValueError(f'query heads {n} not a multiple of kv heads {kv_heads}')
+  if kv_heads < 1 or n % kv_heads:
+    raise ValueError(f'query heads {n} not a multiple of kv heads {kv_heads} (>= 1)')
   if page_table.shape[0] != b or key_pos.shape != (b, page_table.shape[1] * page_size):
     raise ValueError(f'page_table {page_table.shape} / key_pos {key_pos.shape} do not match '
                      f'batch {b} and page size {page_size}')
