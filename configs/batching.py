@@ -43,7 +43,7 @@ def get_config(arg=None):
   c.experiment = 'batching'
   c.target = ''            # model directory (ours or Hugging Face); '' = the shipped target
   c.draft = ''             # '' = the shipped draft
-  c.tokenizer = ''         # '' = the target's own (Hugging Face dir) or the shipped one
+  c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
   c.dtype = 'float32'
   c.exact_verify = False
   c.settings = ';'.join([STATIC, ADAPTIVE, NGRAM])

@@ -18,7 +18,7 @@ def get_config(arg=None):
   c.experiment = 'benchmark'
   c.target = ''
   c.draft = ''
-  c.tokenizer = ''
+  c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
   c.workload = 'json'
   c.ks = '1,2,4,8'
   c.temperature = 0.0

@@ -21,7 +21,7 @@ def get_config(arg=None):
   c.experiment = 'hydration'
   c.target = ''            # the big model; '' = shipped target
   c.draft = ''             # the small model; '' = shipped draft
-  c.tokenizer = ''
+  c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
   c.num_episodes = 3
   c.num_turns = 10
   c.max_result_tokens = 400  # tool results longer than this are skipped (not cut)

@@ -27,7 +27,7 @@ def get_config(arg=None):
   c.experiment = 'prefix_cache'
   c.target = ''            # model directory; '' = the shipped target
   c.draft = ''             # used only when k > 0
-  c.tokenizer = ''         # '' = the target's own (Hugging Face dir) or the shipped one
+  c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
   c.dtype = 'float32'
   c.k = 0                  # speculation length K; 0 = autoregressive replies
   c.settings = 'off,on,on_small,on_host'

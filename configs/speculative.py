@@ -22,7 +22,7 @@ def get_config(arg=None):
   c.experiment = 'speculative'
   c.target = ''          # model directory (ours or Hugging Face); '' = the shipped target
   c.draft = ''           # model directory (ours or Hugging Face); '' = the shipped draft
-  c.tokenizer = ''       # tokenizer.json; '' = the target's own (Hugging Face dir) or shipped
+  c.tokenizer = ''       # tokenizer.json; '' = the target's own, else the shipped one
   c.dtype = 'float32'    # params and activations of both models ('bfloat16' halves the memory)
   c.workloads = 'json,code,retrieval'
   c.k = 4                # speculation length K

@@ -25,8 +25,9 @@ import ml_collections
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.data import WORKLOADS
-from jaxspec.models import cache_for
+from jaxspec.data import WORKLOADS, Tokenizer
+from jaxspec.models import cache_for, is_pretrained, shipped
+from jaxspec.models.checkpoint import ASSETS
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
@@ -162,6 +163,8 @@ def parse_flags(argv):
     rest = flags.FLAGS(argv)
     _exit_unloaded_config()
     return rest
+  except OSError as e:   # an override of a config file that could not be loaded
+    _exit_config_error(e)
   except flags.Error as e:
     text = str(e)
     if 'Traceback (most recent call last)' in text:   # a config file's get_config raised:
@@ -181,13 +184,22 @@ def _exit_unloaded_config() -> None:
   try:
     flags.FLAGS['config'].value.keys()
   except OSError as error:
-    reason = str(error).strip().splitlines()[-1].strip()
-    path = str(getattr(flags.FLAGS['config'], 'config_filename', '')).split(':')[0]
-    hint = ''
-    if path and not os.path.isabs(path) and not os.path.exists(path) and \
-        not os.path.isdir('configs'):
-      hint = f'; config paths are relative to the repository root, and {os.getcwd()} is not it'
-    sys.exit(f'FATAL: cannot load the config file ({reason}){hint}')
+    _exit_config_error(error)
+
+
+def _exit_config_error(error: OSError) -> None:
+  """Ends the program with one line saying why the `--config` file could not be loaded."""
+  reason = str(error).strip().splitlines()[-1].strip()
+  try:
+    path = str(flags.FLAGS['config'].config_filename or '')
+  except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
+    path = next((a.partition('=')[2] for a in sys.argv if a.startswith('--config=')), '')
+  path = path.split(':')[0]
+  hint = ''
+  if path and not os.path.isabs(path) and not os.path.exists(path) and \
+      not os.path.isdir('configs'):
+    hint = f'; config paths are relative to the repository root, and {os.getcwd()} is not it'
+  sys.exit(f'FATAL: cannot load the config file ({reason}){hint}')
 
 
 def exit_unknown_field(error: Exception, argv) -> None:
@@ -207,6 +219,50 @@ def exit_unknown_field(error: Exception, argv) -> None:
   also = f'; also unknown: {", ".join(others)}' if others else ''
   sys.exit(f'FATAL: unknown config field {name!r}{hint}{also} in {bad}; the config file lists '
            f'every field')
+
+
+def _own_tokenizer(path) -> Optional[pathlib.Path]:
+  """The tokenizer a model directory was trained with: its own tokenizer.json, the shipped one
+  for the shipped models (which share jaxspec/assets/tokenizer.json), else None (unknown)."""
+  own = pathlib.Path(path) / 'tokenizer.json'
+  if own.is_file():
+    return own
+  if pathlib.Path(path).resolve().parent == ASSETS:
+    return shipped('tokenizer.json')
+  return None
+
+
+def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
+  """The tokenizer of a target (and its draft): `tokenizer_path` if given, else the target's own
+  (a Hugging Face or experiments.train directory's tokenizer.json), else the shipped one.
+
+  Raises FileNotFoundError naming a given tokenizer file that is missing; ValueError naming the
+  file when a Hugging Face target has no tokenizer.json and none is given, or when a model's own
+  tokenizer (its directory's tokenizer.json; the shipped one for the shipped models) differs from
+  the one in use: a Hugging Face target left with the shipped draft is such a pair."""
+  if tokenizer_path:
+    source = pathlib.Path(tokenizer_path)
+  elif is_pretrained(target_path):
+    source = pathlib.Path(target_path) / 'tokenizer.json'
+    if not source.is_file():
+      raise ValueError(f'{source} is missing: give the tokenizer with --config.tokenizer')
+  else:
+    source = _own_tokenizer(target_path) or shipped('tokenizer.json')
+  tokenizer = Tokenizer.load(source)
+  for name, path in (('target', target_path), ('draft', draft_path)):
+    own = None if path is None else _own_tokenizer(path)
+    if own is None or own.resolve() == source.resolve():
+      continue
+    diff = tokenizer.vocabulary_difference(Tokenizer.load(own))
+    if diff:
+      hint = ''
+      if pathlib.Path(path).resolve().parent == ASSETS:
+        hint = (f'; the shipped {name} speaks the shipped tokenizer: give a {name} of the '
+                f'same family with --config.{name}')
+      raise ValueError(f'the {name} tokenizer {own} differs from the tokenizer in use '
+                       f'({source}): {diff}. Draft and target must share one vocabulary '
+                       f'(the draft proposes token ids that the target verifies){hint}')
+  return tokenizer
 
 
 DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and experiments.sweep

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import check_fields, empty_cache, parse_workloads
+from experiments.common import check_fields, empty_cache, load_tokenizer, parse_workloads
 from jaxspec.cache import init_eviction, make_policy
-from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
@@ -185,7 +185,7 @@ def run(config, results) -> None:
                        f'token passage scored), got {config.seq_len}')
   else:   # a chunk of 0 tokens never ends the run
     check_fields(config, ('worker_tokens', 'worker_chunk'))
+  tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
   model, params = load_model(config.target or shipped('target'))
-  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,
                                                             tokenizer)

@@ -36,9 +36,9 @@ import time
 
 import numpy as np
 
-from experiments.common import check_fields, empty_cache, parse_workloads
+from experiments.common import check_fields, empty_cache, load_tokenizer, parse_workloads
 from jaxspec.cache import init_eviction, make_policy, pages_needed
-from jaxspec.data import Tokenizer, make_prompts
+from jaxspec.data import make_prompts
 from jaxspec.decoding.evicting import score_tokens
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine import Engine, EvictingEngine
@@ -199,8 +199,8 @@ def run(config, results) -> None:
   """Serve the requests with every setting, interleaved `repeats` times; one record each."""
   mem = memory(config)
   workloads = parse_workloads(config)
+  tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
   model, params = load_model(config.target or shipped('target'))
-  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   prompts = []
   for i, workload in enumerate(workloads):
     n = config.num_requests // len(workloads) + (i < config.num_requests % len(workloads))

@@ -16,6 +16,7 @@ from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
 from jaxspec.decoding import PrefixCachedGenerator
+from jaxspec.decoding.generate import MAX_K
 
 SETTINGS = ('off', 'on', 'on_small', 'on_host')
 REPORT_TURNS = (2, 5, 10)  # 1-based turns whose TTFT ratio the summary states
@@ -42,8 +43,9 @@ def _generator(setting, config, models, pool_pages):
 def run(config, results) -> None:
   """Replay the conversations under every setting; write per-turn and per-setting records."""
   settings = _settings(config)
-  if config.k < 0:
-    raise ValueError(f'speculation length K must be >= 0 (0 = off), got {config.k}')
+  if not 0 <= config.k <= MAX_K:
+    raise ValueError(f'speculation length K must be an int in [0, {MAX_K}] (0 = off), got '
+                     f'{config.k}')
   check_fields(config, ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'))
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:

@@ -28,8 +28,9 @@ try:  # with the default config file, overrides are applied here, at definition
 except (AttributeError, KeyError) as _error:
   exit_unknown_field(_error, sys.argv)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
-_TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input ValueError '
-                               '(default: one FATAL line naming the bad value).')
+_TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input error '
+                               '(ValueError, FileNotFoundError; default: one FATAL line naming '
+                               'the bad value).')
 
 
 def main(argv):
@@ -64,7 +65,8 @@ def main(argv):
     if not results.records:               # nothing measured: leave no empty run directory
       shutil.rmtree(run_dir, ignore_errors=True)
       removed = f'; nothing was measured, {run_dir} removed'
-    if isinstance(error, ValueError) and not _TRACEBACK.value:   # bad input: one line
+    # Bad input (a bad value, a missing file named in the config): one line.
+    if isinstance(error, (ValueError, FileNotFoundError)) and not _TRACEBACK.value:
       sys.exit(f'FATAL: {error} (--traceback shows where{removed})')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)

@@ -7,14 +7,13 @@ compile-only warm-up, so the speedup is a ratio taken under the same machine con
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 
 import numpy as np
 
-from experiments.common import parse_workloads
-from jaxspec.data import Tokenizer, make_prompts
+from experiments.common import load_tokenizer, parse_workloads
+from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
-from jaxspec.models import is_pretrained, load_model, shipped, truncate_vocab
+from jaxspec.models import load_model, shipped, truncate_vocab
 from jaxspec.parallel import place_pair
 
 
@@ -26,17 +25,19 @@ def load_pair(config):
 
   The tokenizer is `config.tokenizer` if given, else the target's tokenizer.json when the target
   is a Hugging Face directory, else the shipped one. Draft and target must share one vocabulary:
-  a model directory holding a tokenizer.json that differs from the one in use is an error. When
+  a model whose own tokenizer (its directory's tokenizer.json, written by experiments.train and
+  Hugging Face; the shipped one for the shipped models) differs from the one in use is an error. When
   the two embedding matrices are padded to different sizes past the tokenizer (Qwen2.5-0.5B vs
   7B), the larger is cut to the smaller (`jaxspec.models.truncate_vocab`).
 
-  Raises CheckpointError / ValueError when missing, corrupt, or the vocabularies disagree."""
+  Raises CheckpointError / ValueError when missing, corrupt, or the vocabularies disagree;
+  FileNotFoundError naming a missing `config.tokenizer`."""
   target_path = config.target or shipped('target')
   draft_path = config.draft or shipped('draft')
   dtype = str(config.get('dtype', 'float32'))
+  tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)   # cheap: checked first
   target_cfg, target_params = load_model(target_path, dtype)
   draft_cfg, draft_params = load_model(draft_path, dtype)
-  tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)
   for name, cfg in (('target', target_cfg), ('draft', draft_cfg)):
     if cfg.vocab_size < tokenizer.vocab_size:
       raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) is smaller than the tokenizer '
@@ -49,30 +50,6 @@ def load_pair(config):
   target_cfg = dataclasses.replace(target_cfg, exact_verify=exact, dtype=dtype)
   draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact, dtype=dtype)
   return target_cfg, target_params, draft_cfg, draft_params, tokenizer
-
-
-def load_tokenizer(tokenizer_path, target_path, draft_path) -> Tokenizer:
-  """The tokenizer for a target/draft pair (see `load_pair`). Raises ValueError naming the file
-  when a Hugging Face target has no tokenizer.json and none is given, or when a model
-  directory's own tokenizer.json differs from the one in use."""
-  if tokenizer_path:
-    source = pathlib.Path(tokenizer_path)
-  elif is_pretrained(target_path):
-    source = pathlib.Path(target_path) / 'tokenizer.json'
-    if not source.is_file():
-      raise ValueError(f'{source} is missing: give the tokenizer with --config.tokenizer')
-  else:
-    source = shipped('tokenizer.json')
-  tokenizer = Tokenizer.load(source)
-  for name, path in (('target', target_path), ('draft', draft_path)):
-    own = pathlib.Path(path) / 'tokenizer.json'
-    if own.is_file() and own.resolve() != source.resolve():
-      diff = tokenizer.vocabulary_difference(Tokenizer.load(path))
-      if diff:
-        raise ValueError(f'the {name} tokenizer {own} differs from the tokenizer in use '
-                         f'({source}): {diff}. Draft and target must share one vocabulary '
-                         '(the draft proposes token ids that the target verifies)')
-  return tokenizer
 
 
 def run(config, results) -> None:

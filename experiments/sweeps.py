@@ -223,7 +223,12 @@ def select_cases(cases: list[dict], only: Iterable[str] = (), shard: Optional[st
   picked = [i for i, case in enumerate(cases) if matches(case, filters)
             and (shard_in is None or i % shard_in[1] == shard_in[0])]
   if not picked:
-    raise ValueError(f'no case matches --only={list(only or ())} --shard={shard}')
+    values = '; '.join(
+        f'{field}: ' + ', '.join(dict.fromkeys(format_value(c[field]) for c in cases
+                                               if field in c))
+        for field in sorted(filters))
+    swept_values = f' (swept values: {values})' if values else ''
+    raise ValueError(f'no case matches --only={list(only or ())} --shard={shard}{swept_values}')
   return picked
 
 

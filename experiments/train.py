@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import shutil
 
 from jaxspec.data import Tokenizer, train_mixture
 from jaxspec.models import ModelConfig, save_model, shipped
@@ -18,7 +19,8 @@ def run(config, results) -> None:
     raise ValueError(f'config.out={config.out!r} is a file, not a model directory')
   if config.max_docs < 0:
     raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
-  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
+  tokenizer_file = pathlib.Path(config.tokenizer or shipped('tokenizer.json'))
+  tokenizer = Tokenizer.load(tokenizer_file)
   max_docs = config.max_docs or None
   train_tokens = train_mixture(tokenizer, 'train', max_docs=max_docs)
   val_tokens = train_mixture(tokenizer, 'val', max_docs=max_docs)
@@ -33,4 +35,9 @@ def run(config, results) -> None:
   out = config.out or results.dir / 'model'
   info = dict(model=config.model, corpus_train_tokens=int(len(train_tokens)), **info)
   save_model(out, model, params, dtype=config.store_dtype, info=info)
+  # The model's vocabulary travels with it: experiments pairing it with a draft or target check
+  # their tokenizers against this one (experiments.speculative.load_tokenizer).
+  if tokenizer_file.is_dir():
+    tokenizer_file = tokenizer_file / 'tokenizer.json'
+  shutil.copyfile(tokenizer_file, pathlib.Path(out) / 'tokenizer.json')
   results.write(dict(info, out=str(out)))

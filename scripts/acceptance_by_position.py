@@ -4,7 +4,7 @@ round. An i.i.d. acceptance gives the same value at every j; the (α, β) model 
 policy (`jaxspec.engine.acceptance`) one value at j = 1, one per request for the later j, and a
 global profile over the later j (`AlphaTracker.profile`).
 
-    PYTHONPATH=$PWD python scripts/acceptance_by_position.py [--k 8] [--requests 8]
+    python scripts/acceptance_by_position.py [--k 8] [--requests 8]
         [--workloads json,code,retrieval]
 
 One engine at batch size 1 with the shipped pair (`configs/batching.py`'s shape), greedy, the

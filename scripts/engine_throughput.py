@@ -1,7 +1,7 @@
 """Throughput of the continuous-batching engine, speculative (K) against plain (K = 0), with the
 shipped pair on held-out JSON prompts; ratios are taken within this one run.
 
-    PYTHONPATH=$PWD python scripts/engine_throughput.py [--batch 1,4] [--k 4] [--requests 8]
+    python scripts/engine_throughput.py [--batch 1,4] [--k 4] [--requests 8]
         [--drafter model|ngram] [--k_policy fixed|schedule|goodput]
 
 For each batch size B: one engine per K (compiled by `warm_up` before timing), the same requests
@@ -29,8 +29,8 @@ from jaxspec.models import load_model, shipped
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--batch', default='1,4')
+  parser = argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split()))
+  parser.add_argument('--batch', default='1,4', help='batch sizes B (slots), comma-separated')
   parser.add_argument('--k', default='4', help='fixed K values, comma-separated')
   parser.add_argument('--drafter', default='model', choices=['model', 'ngram'])
   parser.add_argument('--k_policy', default='fixed', choices=['fixed', 'schedule', 'goodput'])

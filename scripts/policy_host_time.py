@@ -2,7 +2,7 @@
 call, the K choice (`speculation.choose`: the policy, probes and catch-ups) and gathering the
 queue and split inputs (`speculation.horizon`), against plain continuous batching, in one run.
 
-    PYTHONPATH=$PWD python scripts/policy_host_time.py [--batch 4] [--workload code]
+    python scripts/policy_host_time.py [--batch 4] [--workload code]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
         [--set 'goodput.draft_sync.probe_every=None' ...] [--per-pass] [--costs]
 

@@ -19,7 +19,7 @@ to it (the engine sees what the draft did past a stop token). Prints, per worklo
 policy's speedup over K = 0 (table seconds), its fraction of the best static K and its rounds
 per K (with --batch > 1, the requests each prefill call admitted).
 
-    PYTHONPATH=$PWD python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
+    python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
         [--live runs/batching/sweep/results.jsonl]
 

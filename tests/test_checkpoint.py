@@ -54,8 +54,18 @@ def test_corrupt_params_is_named(saved):
   for f in (path / 'params').rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
       f.write_bytes(b'\x00garbage' * 4)
-  with pytest.raises(CheckpointError, match='cannot read the checkpoint'):
+  with pytest.raises(CheckpointError, match='cannot read the checkpoint') as error:
     load_model(path)
+  assert 'tensorstore_spec' not in str(error.value) and len(str(error.value)) < 500
+
+
+def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):
+  # tensorstore appends its whole spec (~800 characters of JSON) to the reason.
+  path, _, _ = saved
+  (path / 'params' / 'manifest.ocdbt').write_bytes(b'garbage')
+  with pytest.raises(CheckpointError, match='manifest.ocdbt') as error:
+    load_model(path)
+  assert 'tensorstore_spec' not in str(error.value) and len(str(error.value)) < 500
 
 
 def _largest_data_file(path):
@@ -97,7 +107,8 @@ def test_a_malformed_checksums_file_is_named(saved, text):
 def test_a_directory_without_checksums_loads_unverified(saved):
   path, _, params = saved                      # as a directory saved before checksums existed
   (path / 'checksums.json').unlink()
-  _, loaded = load_model(path)
+  with pytest.warns(UserWarning, match='has no checksums.json: its tensors are loaded unverified'):
+    _, loaded = load_model(path)
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 

@@ -199,6 +199,13 @@ def test_model_config_rejects_non_positive_floats(field, value):
     (['--config=configs/batchng.py'],
      "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
      "'configs/batchng.py')"),
+    (['--config=configs/batchng.py', '--config.k=3'],       # an override: was a traceback
+     "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
+     "'configs/batchng.py')"),
+    (['--config=configs/speculative.py:smoke', '--config.tokenizer=nothere.json'],
+     'FATAL: tokenizer file not found: nothere.json'),
+    (['--config=configs/prefix_cache.py:smoke', '--config.k=40'],   # was: small_pool_pages
+     'FATAL: speculation length K must be an int in [0, 16] (0 = off), got 40'),
 ])
 def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],

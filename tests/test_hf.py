@@ -147,6 +147,26 @@ def test_draft_tokenizer_that_differs_is_a_clear_error(tmp_path):
     load_pair(config)
 
 
+def test_hugging_face_target_left_with_the_shipped_draft_is_a_clear_error():
+  # Paired silently before: the shipped draft (4096 ids) cut to the target's 300, α = 0.
+  from experiments.speculative import load_pair
+  config = ml_collections.ConfigDict(dict(target=str(FIXTURES / 'llama'), draft='',
+                                          tokenizer=''))
+  with pytest.raises(ValueError, match=r'draft tokenizer .*assets/tokenizer.json differs .*'
+                                       r'vocabularies of 299 and 4096 tokens.*the shipped draft '
+                                       r'speaks the shipped tokenizer: give a draft .*'
+                                       r'--config.draft'):
+    load_pair(config)
+
+
+def test_a_missing_tokenizer_is_named_before_any_model_loads(monkeypatch):
+  from experiments import speculative
+  monkeypatch.setattr(speculative, 'load_model', lambda *a: pytest.fail('loaded a model'))
+  config = ml_collections.ConfigDict(dict(target='', draft='', tokenizer='/nothere.json'))
+  with pytest.raises(FileNotFoundError, match='tokenizer file not found: /nothere.json'):
+    speculative.load_pair(config)
+
+
 def test_embeddings_padded_differently_are_cut_to_the_smaller(loaded, tmp_path):
   from experiments.speculative import load_pair
   dc, dp, golden = loaded['llama-draft']

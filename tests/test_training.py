@@ -84,3 +84,19 @@ def test_a_damaged_training_state_is_refused(tmp_path):
   data.write_bytes(bytes(raw))
   with pytest.raises(CheckpointError, match='does not match its checksum'):
     train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')
+
+
+def test_a_trained_model_directory_carries_its_tokenizer(tmp_path):
+  # Pairing checks (experiments.common.load_tokenizer) compare a model's own tokenizer.json with
+  # the one in use, so the train experiment writes it beside the weights.
+  from configs.train import get_config
+  from experiments import train as train_experiment
+  from experiments.common import Results, load_tokenizer
+  from jaxspec.data import Tokenizer
+  from jaxspec.models import shipped
+  config = get_config('smoke')
+  config.out = str(tmp_path / 'model')
+  train_experiment.run(config, Results(tmp_path / 'run', config, verbose=False))
+  own = Tokenizer.load(tmp_path / 'model')
+  assert own.vocabulary_difference(Tokenizer.load(shipped('tokenizer.json'))) is None
+  assert load_tokenizer('', config.out, shipped('draft')).vocab_size == own.vocab_size

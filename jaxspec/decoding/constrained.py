@@ -187,7 +187,8 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   for config in (target,) if draft is None else (target, draft):
     if capacity > config.max_seq_len:
       raise ValueError(f'prompt of {len(prompt)} + max_new_tokens={max_new_tokens} + {slack} '
-                       f'slack tokens exceeds the context of {config.max_seq_len}')
+                       f'slack token{"s" if slack != 1 else ""} exceeds the context of '
+                       f'{config.max_seq_len}')
 
   rng = jax.random.PRNGKey(seed)
   start = time.perf_counter()

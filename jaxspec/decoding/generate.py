@@ -94,7 +94,8 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
       if need > config.max_seq_len:
         raise ValueError(
             f'{label} of {len(prompt)} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
-            f'tokens of decoding slack = {need} exceeds the context of {config.max_seq_len}')
+            f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds the context '
+            f'of {config.max_seq_len}')
 
 
 def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,

@@ -16,7 +16,9 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 from typing import Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -147,7 +149,8 @@ def load_model(path, dtype: str = 'float32'):
     with ocp.StandardCheckpointer() as ckptr:
       restored = ckptr.restore(path / 'params')
   except Exception as e:  # orbax raises many types for damaged files; name the path
-    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
+    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
+                          f'{orbax_reason(e)}') from e
   _check_tree(expected, restored, f'checkpoint {path}')
   verify_checksums(path / CHECKSUMS, restored)
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
@@ -170,6 +173,13 @@ def _check_tree(expected, restored, where: str) -> None:
   extra = sorted(set(got) - set(want))
   if extra:
     raise CheckpointError(f'{where} has unexpected tensors {extra[:5]}')
+
+
+def orbax_reason(error: Exception, limit: int = 400) -> str:
+  """The readable part of an error orbax / tensorstore raised on a damaged checkpoint: without
+  the tensorstore spec it appends (~800 characters of JSON), cut to `limit` characters."""
+  text = re.sub(r'\s*\[tensorstore_spec=.*?\]\s*$', '', str(error), flags=re.S).strip()
+  return text if len(text) <= limit else text[:limit - 3] + '...'
 
 
 CHECKSUMS = 'checksums.json'
@@ -213,7 +223,7 @@ def write_checksums(file, tree) -> None:
 
 def verify_checksums(file, tree) -> None:
   """Check each leaf of `tree` (as restored: the stored dtype) against `file` written by
-  `write_checksums`; nothing to check when `file` does not exist.
+  `write_checksums`; when `file` does not exist, a warning says the tensors are unverified.
 
   Raises:
     CheckpointError: `file` unreadable or malformed, a tensor restored in another dtype than it
@@ -222,6 +232,8 @@ def verify_checksums(file, tree) -> None:
   """
   file = pathlib.Path(file)
   if not file.exists():
+    warnings.warn(f'{file.parent} has no {file.name}: its tensors are loaded unverified (written '
+                  'before checksums existed, or the file was removed)', stacklevel=3)
     return
   try:
     listed = json.loads(file.read_text())

@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import ModelConfig, param_shapes
 # pylint: disable-next=protected-access
-from jaxspec.models.checkpoint import CHECKSUMS, CheckpointError, _check_tree, verify_checksums
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_tree, orbax_reason,
+                                       verify_checksums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -60,7 +61,8 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except CheckpointError:
     raise
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
-    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: {e}') from e
+    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
+                          f'{orbax_reason(e)}') from e
   if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
     # Back in the stored dtype (a cast from bfloat16 and back is exact) to check the checksums.
     saved = jax.tree.map(lambda x, meta: np.asarray(x).astype(meta.dtype), params, stored)

@@ -12,7 +12,8 @@ from typing import Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.checkpoint import CheckpointError, verify_checksums, write_checksums
+from jaxspec.models.checkpoint import (CheckpointError, orbax_reason, verify_checksums,
+                                       write_checksums)
 
 
 class TrainState:
@@ -69,6 +70,7 @@ class TrainState:
       with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
-      raise CheckpointError(f'cannot read the training state at {self.path / "state"}: {e}') from e
+      raise CheckpointError(f'cannot read the training state at {self.path / "state"}: '
+                          f'{orbax_reason(e)}') from e
     verify_checksums(self.path / 'checksums.json', state)
     return state['params'], state['opt_state'], int(state['step']), float(state['loss'])
