@@ -136,8 +136,11 @@ def run_worker(config, results, model, params, tokenizer) -> None:
   worker_budget tokens; one record per chunk (cached tokens, KV bytes, tokens/s)."""
   policy = make_policy(config.policy, None if config.policy == 'full' else
                        int(config.worker_budget))
-  slots = config.worker_tokens + 64 if policy.slots is None else policy.slots
   prompt = make_prompts('code', tokenizer, 1, 256, split='test', seed=config.seed)[0].tokens
+  chunks = -(-config.worker_tokens // config.worker_chunk)
+  # 'full' keeps every token: the prompt, every chunk's tokens and the one pending between them.
+  slots = (len(prompt) + chunks * config.worker_chunk + 1 if policy.slots is None
+           else policy.slots)
   cache, kv_bytes = empty_cache(model, 1, slots, config.page_size)
   eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)
   greedy = SamplingParams(temperature=0.0)
@@ -159,7 +162,8 @@ def run_worker(config, results, model, params, tokenizer) -> None:
     token = out.tokens[:, n]
     generated += n
     results.write(dict(
-        mode='worker', policy=config.policy, budget_tokens=policy.budget,
+        mode='worker', policy=config.policy,   # 'full' keeps every token: its budget is all
+        budget_tokens=slots if policy.budget is None else policy.budget,
         tokens_generated=generated, context_tokens=len(prompt) + generated,
         live_tokens=int(eviction.num_live.max()), kv_bytes=int(kv_bytes),
         kv_bytes_full_cache=int(model.kv_bytes_per_token(cache.k_pages.dtype.itemsize)

@@ -473,3 +473,11 @@ def test_lookup_and_run_refuse_bad_values(tiny):
     engine.run(max_steps=-1)
   with pytest.raises(ValueError, match="stop_tokens must be token ids, got the string '12'"):
     engine.add_request([3, 4], max_tokens=2, stop_tokens='12')
+
+
+def test_model_drafter_names_a_bad_probe_setting_and_takes_numpy_numbers():
+  assert ModelDrafter(probe_budget=np.float32(0.25)).probe_budget == 0.25
+  assert type(ModelDrafter(probe_budget=np.float32(0.25)).probe_budget) is float
+  for bad in (0, 1.5, np.True_, '0.1', float('nan')):
+    with pytest.raises(ValueError, match=r'probe_budget must be None or a number in \(0, 1\]'):
+      ModelDrafter(probe_budget=bad)

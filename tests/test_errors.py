@@ -273,6 +273,45 @@ def test_the_loops_under_eviction_name_bad_arguments(tiny):
                                 first, rng, stop, k=-1, sampling=greedy, max_new_tokens=2)
 
 
+def test_a_full_policy_cache_too_small_for_the_sequence_is_named(tiny):
+  # A token with no slot went to the null page: the worker experiment's 'full' run silently kept
+  # 576 of 768 tokens.
+  import jax  # pylint: disable=import-outside-toplevel
+  from jaxspec.cache import init_eviction, make_policy  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from jaxspec.decoding import (SamplingParams, decode_autoregressive_evicting,
+                                decode_speculative_evicting, generate, prefill_evicting)
+  from jaxspec.models import cache_for  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  greedy, rng, stop = SamplingParams(), jax.random.PRNGKey(0), jnp.full((1, 1), -1, jnp.int32)
+
+  def prefilled(pages):
+    cache = cache_for(config, np.arange(1, pages + 1)[None], pages + 1, 8)   # 8 slots a page
+    return prefill_evicting(config, params, cache, init_eviction(make_policy('full'), cache),
+                            jnp.array([[5, 6, 7]]), jnp.array([3]), rng, sampling=greedy)
+
+  with pytest.raises(ValueError, match=r"the prompts under policy 'full' needs 3 cache slots "
+                                       r'per sequence, the cache holds 0'):
+    prefilled(0)
+  first, cache, eviction = prefilled(3)                      # 24 slots: 3 + 22 - 1 tokens fit
+  out, _, _ = decode_autoregressive_evicting(config, params, cache, eviction, first, rng, stop,
+                                             sampling=greedy, max_new_tokens=22)
+  want = generate(config, params, [[5, 6, 7]], max_new_tokens=22, page_size=8).tokens[0]
+  assert np.asarray(out.tokens)[0, :int(out.num_tokens[0])].tolist() == want
+  first, cache, eviction = prefilled(3)
+  with pytest.raises(ValueError, match=r"max_new_tokens=23 under policy 'full' needs 25 cache "
+                                       r'slots per sequence, the cache holds 24'):
+    decode_autoregressive_evicting(config, params, cache, eviction, first, rng, stop,
+                                   sampling=greedy, max_new_tokens=23)
+  draft_cache = cache_for(config, np.arange(4, 7)[None], 7, 8)
+  with pytest.raises(ValueError, match=r"the target's cache, decoding max_new_tokens=21 at K=2 "
+                                       r"under policy 'full' needs 25 cache slots"):
+    decode_speculative_evicting(config, config, params, params, cache,
+                                init_eviction(make_policy('full', reuse_delay=3), cache),
+                                draft_cache, first, rng, stop, k=2, sampling=greedy,
+                                max_new_tokens=21)
+
+
 @pytest.mark.parametrize('change, match', [
     (dict(prefix_caching='no'), "prefix_caching='no': prefix caching is not supported"),
     (dict(host_pages=0.0), 'host_pages=0.0: the host tier is not supported'),

@@ -256,6 +256,11 @@ def test_rope_scaling_forms_and_errors():
       ModelConfig.from_name('test-tiny', rope_scaling=bad)
   with pytest.raises(ValueError, match='sliding_window must be None or a positive int, got 0'):
     ModelConfig.from_name('test-tiny', sliding_window=0)
+  # numpy scalars (as a config built with numpy arithmetic holds) are numbers, stored as Python's
+  as_numpy = {k: np.float32(v) if isinstance(v, float) else v for k, v in llama3.items()}
+  assert ModelConfig.from_name('test-tiny', rope_scaling=as_numpy) == config
+  with pytest.raises(ValueError, match="rope_scaling factor must be a positive finite number"):
+    ModelConfig.from_name('test-tiny', rope_scaling={**llama3, 'factor': np.True_})
 
 
 def test_tensor_names_cover_every_param():

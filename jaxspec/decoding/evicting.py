@@ -88,6 +88,19 @@ def _check_ids(name: str, ids, vocab_size: int) -> None:
                      f'[0, {vocab_size})')
 
 
+def _check_fits(what: str, cache, tokens_after) -> None:
+  """ValueError when a sequence would hold more than `cache.capacity` tokens: `tokens_after`,
+  [B] concrete counts of tokens the cache must hold (or None: traced, not checked). Inside the
+  jitted loops a token with no slot is written to the null page and lost without an error."""
+  if tokens_after is None:
+    return
+  need = int(np.max(tokens_after)) if np.size(tokens_after) else 0
+  if need > cache.capacity:
+    raise ValueError(f'{what} needs {need} cache slots per sequence, the cache holds '
+                     f'{cache.capacity}: a token with no slot would be lost (size the cache '
+                     'for the whole sequence, or use a policy with a budget)')
+
+
 def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng, *,
                      sampling: SamplingParams):
   """Prefill under eviction, one token per step, and draw the first new token.
@@ -98,8 +111,9 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   Returns:
     (first_token [B] int32, cache, eviction).
   Raises:
-    ValueError: a prompt length outside [1, P] or a prompt token id outside [0, vocab_size),
-      named (checked when the arguments are concrete; under a caller's jit they are traced and
+    ValueError: a prompt length outside [1, P], a prompt token id outside [0, vocab_size), or
+      under policy 'full' a prompt longer than the cache's capacity, named (checked when the
+      arguments are concrete; under a caller's jit they are traced and
       not checked).
   """
   shape = np.shape(tokens)
@@ -113,6 +127,8 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
       raise ValueError(f'prompt_lengths must lie in [1, P={shape[1]}], got {int(bad[0])}')
     if ids is not None:
       _check_ids('tokens', ids[np.arange(shape[1]) < lengths[:, None]], config.vocab_size)
+    if eviction.policy.kind == 'full':
+      _check_fits("the prompts under policy 'full'", cache, lengths)
   return _prefill_evicting(config, params, cache, eviction, tokens, prompt_lengths, rng,
                            sampling=sampling)
 
@@ -147,13 +163,18 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
   Returns:
     (Output, cache, eviction).
   Raises:
-    ValueError: max_new_tokens not an int >= 1, or a first_token id outside the vocabulary
+    ValueError: max_new_tokens not an int >= 1, a first_token id outside the vocabulary, or,
+      under policy 'full', a cache without room for lengths + max_new_tokens - 1 tokens per row
       (checked when concrete).
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
   first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first, config.vocab_size)
+  if eviction.policy.kind == 'full':
+    lengths = concrete(cache.lengths)
+    _check_fits(f"decoding max_new_tokens={max_new_tokens} under policy 'full'", cache,
+                None if lengths is None else lengths + max_new_tokens - 1)
   return _decode_autoregressive_evicting(config, params, cache, eviction, first_token, rng,
                                          stop_tokens, sampling=sampling,
                                          max_new_tokens=max_new_tokens)
@@ -207,8 +228,8 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
     (Output, SpecStats, target_cache, eviction, draft_cache).
   Raises:
     ValueError: k or max_new_tokens not an int >= 1, reuse_delay < K + 1, a draft whose
-      vocabulary differs from the target's, or a first_token id outside it (checked when
-      concrete).
+      vocabulary differs from the target's, a first_token id outside it, or a cache too small
+      (as above; checked when concrete).
   """
   k = check_int('speculation length K', k, 1)
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
@@ -221,6 +242,12 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first, target.vocab_size)
+  for name, c, full in (('target', target_cache, eviction.policy.kind == 'full'),
+                        ('draft', draft_cache, True)):
+    lengths = concrete(c.lengths) if full else None
+    _check_fits(f"the {name}'s cache, decoding max_new_tokens={max_new_tokens} at K={k}"
+                + (" under policy 'full'" if name == 'target' else ''), c,
+                None if lengths is None else lengths + max_new_tokens + k - 1)
   return _decode_speculative_evicting(target, draft, target_params, draft_params, target_cache,
                                       eviction, draft_cache, first_token, rng, stop_tokens, k=k,
                                       sampling=sampling, max_new_tokens=max_new_tokens)

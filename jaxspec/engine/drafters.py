@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from typing import Optional, Sequence
 
 import numpy as np
@@ -134,10 +135,12 @@ class ModelDrafter(Drafter):
       probe_every = check_int('probe_every', probe_every, 1)
     probe_rows = check_int('probe_rows', probe_rows, 1)
     observe_tokens = check_int('observe_tokens', observe_tokens, 1)
-    if probe_budget is not None and (isinstance(probe_budget, bool) or
-                                     not isinstance(probe_budget, (int, float)) or
-                                     not 0 < probe_budget <= 1):
-      raise ValueError(f'probe_budget must be None or a number in (0, 1], got {probe_budget!r}')
+    if probe_budget is not None:
+      if (isinstance(probe_budget, (bool, np.bool_)) or
+          not isinstance(probe_budget, numbers.Real) or not 0 < probe_budget <= 1):
+        raise ValueError(f'probe_budget must be None or a number in (0, 1], got '
+                         f'{probe_budget!r}')
+      probe_budget = float(probe_budget)
     self.lazy, self.probe_every, self.probe_rows = lazy, probe_every, probe_rows
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import math
+import numbers
 import statistics
 from typing import Optional, Sequence
 
@@ -55,7 +56,7 @@ def line_through(table: dict) -> dict:
   or more."""
   ks = sorted(k for k in table if k >= 1)
   if len(ks) < LINE_POINTS or not all(
-      isinstance(table[k], (int, float)) and table[k] > 0 for k in ks):
+      isinstance(table[k], numbers.Real) and table[k] > 0 for k in ks):
     return dict(table)
   slopes = [(table[b] - table[a]) / (b - a) for i, a in enumerate(ks) for b in ks[i + 1:]]
   slope = max(0.0, statistics.median(slopes))

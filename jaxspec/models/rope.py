@@ -19,9 +19,11 @@ attention logits ('yarn', 'longrope') are rejected by `normalize_scaling` with t
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 # Keys each supported type needs (besides 'rope_type').
 SCALING_KEYS = {
@@ -60,10 +62,10 @@ def normalize_scaling(scaling) -> tuple:
     if key not in fields:
       raise ValueError(f'rope_scaling of type {kind!r} is missing {key!r}')
     value = fields[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not (
         0 < value < float('inf')):
       raise ValueError(f'rope_scaling {key} must be a positive finite number, got {value!r}')
-    out[key] = value
+    out[key] = int(value) if isinstance(value, numbers.Integral) else float(value)
   if out['factor'] < 1:
     raise ValueError(f'rope_scaling factor must be >= 1, got {out["factor"]!r}')
   if kind == 'llama3' and not out['high_freq_factor'] > out['low_freq_factor']:
