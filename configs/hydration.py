@@ -26,8 +26,8 @@ def get_config(arg=None):
   c.num_turns = 10
   c.max_result_tokens = 400  # tool results longer than this are skipped (not cut)
   c.extractor = 'draft'    # 'draft' | 'target' | 'oracle'
-  c.extractor_k = 0        # > 0: the extractor decodes speculatively (draft proposes, target
-                           #   checks)
+  c.extractor_k = 0        # > 0 (with extractor='target'): the extractor decodes speculatively
+                           #   (draft proposes, target checks)
   c.constrained = True     # False: extraction without the schema constraint (ablation)
   c.shots = 1              # demonstrations (tool result -> record) in the extractor's prompt
   c.max_extract_tokens = 256

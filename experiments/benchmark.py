@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.common import comma_list
+from experiments.speculative import load_pair, ratio
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.models import Transformer, cache_for
 from jaxspec.eval import (decode_step_bytes, expected_speedup, expected_tokens_per_round, mbu,
                           measure_bandwidth)
-from experiments.speculative import load_pair, ratio
 
 
 def _timed(runs_per_repeat):
@@ -54,9 +55,7 @@ def forward_seconds(config, params, context: int, num_tokens: int, page_size: in
 
 def run(config, results) -> None:
   """Measure configs/benchmark.py; one record per K, then one MBU record."""
-  ks = [int(k) for k in str(config.ks).split(',') if k.strip()]
-  if not ks:
-    raise ValueError(f'config.ks names no K: {config.ks!r}')
+  ks = comma_list(config, 'ks', convert=int, what='K')
   sampling = SamplingParams(temperature=float(config.temperature))
   target, tparams, draft, dparams, tokenizer = load_pair(config)
   prompts = [p.tokens for p in make_prompts(config.workload, tokenizer, config.num_prompts,

@@ -340,26 +340,49 @@ def check_fields(config, names, minimum: int = 1) -> None:
       raise ValueError(f'config.{name} must be >= {minimum}, got {config[name]}')
 
 
-def parse_workloads(config) -> list[str]:
-  """The workload names of `config.workloads`, a comma-separated string such as 'json,code'.
+def comma_list(config, field: str, known=None, convert=None, what: str = 'value') -> list:
+  """The items of the comma-separated string `config.FIELD`, blanks dropped, each checked.
 
-  Returns:
-    the names in order, blanks dropped (each one of `jaxspec.data.WORKLOADS`).
+  Args:
+    known: the allowed items (None: any); convert: applied to each item (e.g. int), a
+      ValueError from it naming the item; what: the word for an item in errors.
+  Raises:
+    ValueError: naming the field and its value when it lists nothing, an item not in `known` or
+      that `convert` refuses, or an item twice (its records would repeat).
+  """
+  text = config[field]
+  items = [s.strip() for s in str(text).split(',') if s.strip()]
+  if not items:
+    raise ValueError(f'config.{field} names no {what}: {text!r}')
+  if known is not None:
+    unknown = [n for n in items if n not in known]
+    if unknown:
+      raise ValueError(f'unknown {what}(s) {unknown} in config.{field}={text!r}; known: '
+                       f'{", ".join(map(str, known))}')
+  if convert is not None:
+    converted = []
+    for item in items:
+      try:
+        converted.append(convert(item))
+      except ValueError:
+        raise ValueError(f'config.{field}={text!r}: {item!r} is not a valid {what}') from None
+    items = converted
+  repeated = [n for i, n in enumerate(items) if n in items[:i]]
+  if repeated:
+    raise ValueError(f'config.{field}={text!r} names {sorted(set(map(str, repeated)))} more '
+                     f'than once (its records would repeat)')
+  return items
+
+
+def parse_workloads(config) -> list[str]:
+  """The workload names of `config.workloads`, a comma-separated string such as 'json,code'
+  (`comma_list` with the known `jaxspec.data.WORKLOADS`; config.repeats measures one again).
+
   Raises:
     ValueError: the string names no workload, names one not in WORKLOADS (the message names
       the bad value and the known workloads), or names one twice (its records would repeat).
   """
-  names = [w.strip() for w in str(config.workloads).split(',') if w.strip()]
-  if not names:
-    raise ValueError(f'config.workloads names no workload: {config.workloads!r}')
-  unknown = [n for n in names if n not in WORKLOADS]
-  if unknown:
-    raise ValueError(f'unknown workload(s) {unknown} in config.workloads; known: {WORKLOADS}')
-  repeated = sorted({n for n in names if names.count(n) > 1})
-  if repeated:
-    raise ValueError(f'config.workloads names {repeated} more than once: {config.workloads!r} '
-                     f'(config.repeats measures a workload again)')
-  return names
+  return comma_list(config, 'workloads', WORKLOADS, what='workload')
 
 
 def empty_cache(model, batch: int, slots: int, page_size: int):

@@ -36,7 +36,8 @@ import time
 
 import numpy as np
 
-from experiments.common import check_fields, empty_cache, load_tokenizer, parse_workloads
+from experiments.common import (check_fields, comma_list, empty_cache, load_tokenizer,
+                                parse_workloads)
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import make_prompts
 from jaxspec.decoding.evicting import score_tokens
@@ -45,13 +46,10 @@ from jaxspec.engine import Engine, EvictingEngine
 from jaxspec.models import load_model, shipped
 
 
-def _ints(text: str, name: str) -> list[int]:
-  try:
-    values = [int(x) for x in text.split(',') if x.strip()]
-  except ValueError:
-    raise ValueError(f'config.{name} must be comma-separated ints, got {text!r}') from None
-  if not values or min(values) < 1:
-    raise ValueError(f'config.{name} must list ints >= 1, got {text!r}')
+def _ints(config, name: str) -> list[int]:
+  values = comma_list(config, name, convert=int, what='int')
+  if min(values) < 1:
+    raise ValueError(f'config.{name} must list ints >= 1, got {config[name]!r}')
   return values
 
 
@@ -99,8 +97,8 @@ def _settings(config, mem, model, params):
   if k:
     settings.append((f'plain+ngram{k}', None, Engine(
         model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared, **lookup)))
-  cases = [(kind.strip(), b) for kind in config.policies.split(',') if kind.strip()
-           for b in _ints(config.budgets, 'budgets')]
+  cases = [(kind, b) for kind in comma_list(config, 'policies', what='policy')
+           for b in _ints(config, 'budgets')]
   if config.control:
     cases.append(('window', mem['span']))
   for kind, budget in cases:

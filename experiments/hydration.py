@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from experiments.common import check_fields
+from experiments.common import check_fields, comma_list
 from experiments.speculative import load_pair, ratio
 from jaxspec.data.tool_calls import tool_episodes
 from jaxspec.decoding import SamplingParams
@@ -29,16 +29,8 @@ STRATEGIES = ('stuffing', 'stuffing_prefix_cache', 'hydration', 'hydration_prefi
 EXTRACTORS = ('draft', 'target', 'oracle')
 
 
-def _names(text: str, known, what: str) -> list[str]:
-  names = [s.strip() for s in str(text).split(',') if s.strip()]
-  bad = [n for n in names if n not in known]
-  if not names or bad:
-    raise ValueError(f'config.{what}={text!r}: unknown {bad}; known {list(known)}')
-  return names
-
-
 def _check(config):
-  strategies = _names(config.strategies, STRATEGIES, 'strategies')
+  strategies = comma_list(config, 'strategies', STRATEGIES, what='strategy')
   if config.extractor not in EXTRACTORS:
     raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
   check_fields(config, ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens',
@@ -46,19 +38,19 @@ def _check(config):
   check_fields(config, ('retries', 'alpha_prompts', 'extractor_k', 'shots'), minimum=0)
   if config.extractor_k > MAX_K:
     raise ValueError(f'config.extractor_k must be in [0, {MAX_K}], got {config.extractor_k}')
+  if config.extractor_k and config.extractor != 'target':
+    raise ValueError(f'config.extractor_k={config.extractor_k} needs config.extractor=target (the '
+                     f'target verifies what the draft proposes), got {config.extractor!r}')
   if config.alpha_prompts and config.extractor != 'oracle' and not 1 <= config.alpha_k <= MAX_K:
     raise ValueError(f'config.alpha_k (the α phase\'s speculation length K) must be in '
                      f'[1, {MAX_K}], got {config.alpha_k}')
   temps = []
-  for text in str(config.alpha_temperatures).split(','):
-    if text.strip():
-      try:
-        temps.append(float(text))
-      except ValueError:
-        temps.append(math.nan)
-      if not 0.0 <= temps[-1] < math.inf:
-        raise ValueError(f'config.alpha_temperatures: {text.strip()!r} is not a temperature '
-                         f'(a finite number >= 0), in {config.alpha_temperatures!r}')
+  if str(config.alpha_temperatures).strip(' ,'):
+    temps = comma_list(config, 'alpha_temperatures', convert=float, what='temperature')
+  bad = [t for t in temps if not 0.0 <= t < math.inf]
+  if bad:
+    raise ValueError(f'config.alpha_temperatures: {bad[0]} is not a temperature (a finite '
+                     f'number >= 0), in {config.alpha_temperatures!r}')
   return strategies, temps
 
 
@@ -73,8 +65,7 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
   model, params = (draft, draft_params) if config.extractor == 'draft' else (target,
                                                                              target_params)
   spec = {}
-  if config.extractor_k:
-    model, params = target, target_params
+  if config.extractor_k:                        # extractor 'target' (_check): draft proposes
     spec = dict(draft=draft, draft_params=draft_params, k=config.extractor_k)
   return ModelExtractor(model, params, tokenizer, config.tokenizer or shipped('tokenizer.json'),
                         max_new_tokens=config.max_extract_tokens, retries=config.retries,
@@ -102,8 +93,10 @@ def run(config, results) -> None:
   hydrated = [hydrate(ep, extractor) for ep in episodes]
   # The big model only prefills: positions past its training length (max_seq_len) are allowed
   # here, since only context costs are measured, not its replies.
-  max_tokens = max(len(tokenizer.encode(t.stuffing_prompt)) for turns, _ in hydrated
-                   for t in turns)
+  # Both kinds of prompt: a hydrated one whose extractions fell back carries every raw tool
+  # result and the state's headers, so it can be the longer.
+  max_tokens = max(len(tokenizer.encode(prompt)) for turns, _ in hydrated for t in turns
+                   for prompt in (t.stuffing_prompt, t.hydrated_prompt))
   big = dataclasses.replace(target, max_seq_len=max(target.max_seq_len, max_tokens))
   sessions = {s: ContextSession(big, target_params, max_tokens=max_tokens,
                                 page_size=config.page_size, prefix_cache=s.endswith('cache'))

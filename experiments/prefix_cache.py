@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import report
-from experiments.common import check_fields
+from experiments.common import check_fields, comma_list
 from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
@@ -23,11 +23,8 @@ REPORT_TURNS = (2, 5, 10)  # 1-based turns whose TTFT ratio the summary states
 
 
 def _settings(config) -> list[str]:
-  names = [s.strip() for s in str(config.settings).split(',') if s.strip()]
-  unknown = [s for s in names if s not in SETTINGS]
-  if not names or unknown:
-    raise ValueError(f'config.settings={config.settings!r}: unknown {unknown}; known: {SETTINGS}')
-  return names
+  # Each once: the same generator would run each turn twice, hitting its own pages.
+  return comma_list(config, 'settings', SETTINGS, what='setting')
 
 
 def _generator(setting, config, models, pool_pages):

@@ -204,6 +204,12 @@ def test_model_config_rejects_non_positive_floats(field, value):
      "'configs/batchng.py')"),
     (['--config=configs/speculative.py:smoke', '--config.tokenizer=nothere.json'],
      'FATAL: tokenizer file not found: nothere.json'),
+    (['--config=configs/prefix_cache.py:smoke', '--config.settings=off,on,on'],  # doubled 'on'
+     "FATAL: config.settings='off,on,on' names ['on'] more than once"),
+    (['--config=configs/hydration.py:smoke', '--config.extractor_k=2'],  # ran the target as 'draft'
+     "FATAL: config.extractor_k=2 needs config.extractor=target"),
+    (['--config=configs/eviction_batching.py:smoke', '--config.budgets=64,x'],
+     "FATAL: config.budgets='64,x': 'x' is not a valid int"),
     (['--config=configs/prefix_cache.py:smoke', '--config.k=40'],   # was: small_pool_pages
      'FATAL: speculation length K must be an int in [0, 16] (0 = off), got 40'),
 ])

@@ -223,3 +223,38 @@ def test_bad_experiment_config_fails_before_loading_models():
 def test_truth_record_names_a_result_that_is_not_an_operation(result):
   with pytest.raises(ValueError, match='not an operation record'):
     truth_record(result)
+
+
+def test_the_true_record_satisfies_its_schema_when_shapes_are_not_strings():
+  # record_schema promises the true record always validates; a null shape used to be copied in.
+  import jsonschema  # pylint: disable=import-outside-toplevel
+  result = {'name': 'Op', 'http': {'method': 'GET', 'requestUri': '/'},
+            'input': {'shape': None}, 'output': {'shape': 'Out'},
+            'errors': [{'shape': 3}, {'shape': 'Oops'}]}
+  record = truth_record(result)
+  assert record == {'name': 'Op', 'http': {'method': 'GET', 'requestUri': '/'},
+                    'output': {'shape': 'Out'}, 'errors': [{'shape': 'Oops'}]}
+  jsonschema.validate(record, record_schema(result))
+
+
+@pytest.mark.parametrize('old, new', [([0], [False]), ([1], [True]), ([False], [0])])
+def test_a_change_between_false_and_0_inside_a_list_is_recorded(old, new):
+  # jsonpatch compares list items with ==, so the patch was empty and replay() lost the change.
+  store = StateStore({}, {'v': old})
+  assert store.update({'v': new})
+  assert json.dumps(store.replay()) == json.dumps(store.state) == json.dumps({'v': new})
+
+
+def test_the_experiment_finishes_when_every_extraction_falls_back(tmp_path):
+  # A hydrated prompt of fallbacks (headers + every raw result) outgrows the stuffed one: the
+  # sessions were sized from the stuffed prompts and the run died before its summaries.
+  from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
+  from experiments import hydration  # pylint: disable=import-outside-toplevel
+  from experiments.common import Results  # pylint: disable=import-outside-toplevel
+  config = get_config('smoke')
+  config.update(dict(max_extract_tokens=1, retries=0, alpha_prompts=0, strategies='hydration'))
+  results = Results(tmp_path / 'run', config, verbose=False)
+  hydration.run(config, results)
+  turns = [r for r in results.records if r['kind'] == 'turn']
+  assert turns and all(r['fallback'] for r in turns)
+  assert [r['strategy'] for r in results.records if r['kind'] == 'summary'] == ['hydration']

@@ -202,6 +202,8 @@ def test_no_collective_moves_a_whole_weight_or_kv_pool(worker):
 
 def test_checkpoint_loads_straight_into_its_shardings(worker):
   assert worker['load_sharded_equal']
+  assert worker['load_sharded_bfloat16_equal']
+  assert "dtype must be a floating-point dtype" in worker['error_load_sharded_dtype']
   assert ("tensor ['params']['layer_0']['mlp']['down']['kernel'] has shape (64, 32), config "
           "implies (128, 32)") in worker['error_load_sharded']
   assert ('tensor params/layer_0/mlp/down/kernel does not match its checksum' in
@@ -210,6 +212,8 @@ def test_checkpoint_loads_straight_into_its_shardings(worker):
 
 def test_mesh_errors_name_the_sizes(worker):
   assert 'data=3 x model=3 = 9 devices does not match the 8 devices' in worker['error_mesh_size']
+  assert ("its mesh's 'data' axis must be 1, got data=2" in
+          worker['error_prefix_data_axis'])      # was: 'use batch_size a multiple of 2'
   for key in ('error_heads_params', 'error_heads_cache'):
     assert 'mesh.model=8 does not divide num_heads=6, num_kv_heads=2' in worker[key]
   assert 'batch of 1 rows is not a multiple of mesh.data=2' in worker['error_batch']

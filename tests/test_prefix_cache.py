@@ -280,6 +280,32 @@ def test_generator_host_tier_turns_match_device_only(tiny):
   assert small.peak_device_pages <= 8 and small.host_pages_used > 0
 
 
+def test_a_failed_promotion_leaves_the_generator_serving_and_never_hits_its_page(tiny,
+                                                                                monkeypatch):
+  # The plan stayed pending after a failed host-to-device copy: every later call (and
+  # reset_prefix_cache) raised 'a plan is pending'; the promoted page kept its key without data.
+  from jaxspec.cache import prefix as prefix_module  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  rng = np.random.default_rng(7)
+  a, b = (rng.integers(3, config.vocab_size, 5 * L).tolist() for _ in range(2))
+  gen = PrefixCachedGenerator(config, params, num_pages=8, page_size=L, host_pages=16)
+  want = gen.generate(a, max_new_tokens=4).tokens
+  gen.generate(b, max_new_tokens=4)                     # a's pages demoted to the host tier
+  write_pages = prefix_module.write_pages
+
+  def out_of_memory(*args, **kwargs):
+    raise MemoryError('simulated')
+
+  monkeypatch.setattr(prefix_module, 'write_pages', out_of_memory)
+  with pytest.raises(MemoryError, match='simulated'):
+    gen.generate(a, max_new_tokens=4)
+  monkeypatch.setattr(prefix_module, 'write_pages', write_pages)
+  again = gen.generate(a, max_new_tokens=4)             # serves, and reads no page without data
+  assert again.tokens == want
+  assert gen.prefix.allocator.num_free + len(gen.prefix._lru) == gen.prefix.num_pages - 1
+  gen.reset_prefix_cache()
+
+
 # ------------------------------------------------------------- accounting, property-based
 
 def check_accounting(prefix, live):
@@ -395,3 +421,24 @@ def test_prefix_cache_refuses_ids_and_sizes_that_are_not_ints():
       PrefixCache(**{'num_pages': 10, 'page_size': 4, **kwargs})
   request, _ = PrefixCache(10, 4, host_pages=np.int64(2)).admit(np.arange(5, dtype=np.int32))
   assert request.tokens == [0, 1, 2, 3, 4]
+
+
+def test_page_keys_and_holders_name_bad_arguments():
+  for args, match in ((([1, -2, 3, 4], 2), 'tokens has token id -2'),   # was hashed silently
+                      (([2 ** 63, 1], 2), r'outside \[0, 2\*\*63\)'),  # was struct.error
+                      (([1, 2], 2.5), 'page_size must be an int >= 1, got 2.5')):
+    with pytest.raises(ValueError, match=match):
+      page_keys(*args)
+  cache = PrefixCache(8, 4)
+  for page in (8, -1, True):                     # 8: IndexError; -1 read the last page's count
+    with pytest.raises(ValueError, match=r'page must be an int in \[0, 8\)'):
+      cache.holders(page)
+  request, _ = cache.admit([5, 6, 7, 8, 9])
+  assert [cache.holders(p) for p in request.pages] == [1, 1]
+
+
+def test_generator_words_errors_for_its_one_prompt(tiny):
+  config, params = tiny
+  gen = PrefixCachedGenerator(config, params, num_pages=8, page_size=L)
+  with pytest.raises(ValueError, match='prompt is empty'):      # was 'prompt 0 is empty'
+    gen.generate([], max_new_tokens=2)

@@ -80,6 +80,14 @@ class HostTier:
       raise KeyError('host tier: page reserved but its data never arrived (apply the plan)')
     return data
 
+  def discard(self, key: bytes) -> None:
+    """Forget `key` and its data (nothing happens when it is absent)."""
+    self._entries.pop(key, None)
+
+  def has_data(self, key: bytes) -> bool:
+    """Whether `key` is present with its data (reserved entries wait for `put`)."""
+    return self._entries.get(key) is not None
+
   def clear(self) -> None:
     """Drop every entry."""
     self._entries.clear()

@@ -38,7 +38,7 @@ import numpy as np
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
 from jaxspec.cache.host import HostTier, read_pages, write_pages
 from jaxspec.cache.paged import pages_needed
-from jaxspec.checks import check_int, token_ids
+from jaxspec.checks import check_int, is_int_in, token_ids
 
 _ROOT = bytes(32)  # parent key of a sequence's first page
 
@@ -66,11 +66,12 @@ def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') ->
   Returns:
     len(tokens) // page_size keys of 32 bytes each (bytes), one per full page, in order.
   Raises:
-    ValueError: page_size < 1, or a salt that is not str / bytes.
+    ValueError: page_size not an int >= 1, a token id that is not an int in [0, 2**63), or a
+      salt that is not str / bytes (each named).
   """
   salt = salt_bytes(salt)
-  if page_size < 1:
-    raise ValueError(f'page_size must be >= 1, got {page_size}')
+  page_size = check_int('page_size', page_size, 1)
+  tokens = token_ids(tokens, 'tokens')
   salt_part = struct.pack('<I', len(salt)) + salt
   keys, parent = [], _ROOT
   for i in range(len(tokens) // page_size):
@@ -178,8 +179,10 @@ class PrefixCache:
     return sum(1 for h in self._holders if h)
 
   def holders(self, page: int) -> int:
-    """Live requests holding `page`."""
-    return self._holders[page]
+    """Live requests holding `page`. ValueError: page not an int in [0, num_pages)."""
+    if not is_int_in(page, 0, self.num_pages - 1):
+      raise ValueError(f'page must be an int in [0, {self.num_pages}), got {page!r}')
+    return self._holders[int(page)]
 
   def key_of(self, page: int) -> Optional[bytes]:
     """The key `page` is registered under, or None."""
@@ -387,10 +390,33 @@ class PrefixCache:
       caches: PagedKVCache per model (donated: use the returned ones).
     Returns:
       The updated caches, same order.
+    Raises:
+      ValueError: `plan` is not the pending one. An error while moving data (e.g. host memory
+        exhausted) is raised as is, after undoing what counted on it: the promoted pages lose
+        their keys (a later request misses instead of reading a page whose data never
+        arrived) and the plan stops being pending.
     """
     if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
     caches = list(caches)
+    try:
+      return self._move(plan, caches)
+    except BaseException:
+      # Nothing may count on data that never arrived: promoted pages lose their keys (their
+      # request frees them at `finish`), host entries still waiting for data are dropped; the
+      # plan is no longer pending, so the cache keeps serving.
+      for _, page in plan.promote:
+        if page in self._key_of_page:
+          self._unregister(page)
+          self.allocator.free([page])           # the index's reference
+      for _, key in plan.demote:
+        if self.host is not None and not self.host.has_data(key):
+          self.host.discard(key)
+      raise
+    finally:
+      self._pending = None
+
+  def _move(self, plan: Plan, caches: list) -> list:
     if plan and self.host is not None:
       promoted = [self.host.get(key) for key, _ in plan.promote]
       # A plan demoting more pages than the tier holds keeps the most recently used ones.
@@ -405,7 +431,6 @@ class PrefixCache:
       if plan.promote:
         pages = [page for _, page in plan.promote]
         caches = write_pages(caches, pages, promoted)
-    self._pending = None
     return caches
 
   # ---------------------------------------------------------------- internals

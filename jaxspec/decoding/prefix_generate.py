@@ -44,7 +44,7 @@ class PrefixCachedGenerator:
       'data' axis must be 1, since requests run one at a time).
   Raises:
     ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
-      SamplingParams. A pool too small for a request is reported by `generate`
+      SamplingParams, a mesh whose 'data' axis is not 1. A pool too small for a request is reported by `generate`
       (OutOfPagesError), for that request.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
@@ -62,6 +62,11 @@ class PrefixCachedGenerator:
     if draft is not None:
       check_params(draft, draft_params, 'draft_params')
     k = None if k is None else int(k)          # checked by check_request
+    mesh = getattr(steps, 'mesh', None)
+    if mesh is not None and dict(mesh.shape).get('data', 1) != 1:
+      raise ValueError(f"PrefixCachedGenerator runs one request at a time: its mesh's 'data' "
+                       f"axis must be 1, got data={mesh.shape['data']} (split the target over "
+                       "'model' instead)")
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
     self.sampling, self.prompt_bucket, self.steps = sampling, prompt_bucket, steps
@@ -132,7 +137,8 @@ class PrefixCachedGenerator:
     """
     _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, draft=self.draft,
-                                   draft_params=self.draft_params, k=self.k, max_k=self.max_k)
+                                   draft_params=self.draft_params, k=self.k, max_k=self.max_k,
+                                   one_request=True)
     prompt, max_new_tokens = [int(t) for t in prompt], int(max_new_tokens)
     rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(check_seed(seed)))
     rng_prefill, rng_decode, stop = map(self.steps.put_replicated,

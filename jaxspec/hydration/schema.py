@@ -32,7 +32,8 @@ def truth_record(result: dict) -> dict:
 
   Raises ValueError if the result is not an object with a string "name" and an "http" object
   with string method and requestUri, or if the method is not one of HTTP_METHODS (named: the
-  state's schema allows only those).
+  state's schema allows only those). An input, output or error whose shape is not a string is
+  left out (the record schema's shapes are names).
   """
   http = result.get('http') if isinstance(result, dict) else None
   if not isinstance(http, dict) or not isinstance(result.get('name'), str) or not all(
@@ -45,12 +46,13 @@ def truth_record(result: dict) -> dict:
                      f'{HTTP_METHODS}')
   record = {'name': result['name'],
             'http': {'method': http['method'], 'requestUri': http['requestUri']}}
+  # Shapes are names (strings) in the record schema; anything else is not a shape reference.
   for key in ('input', 'output'):
-    if isinstance(result.get(key), dict) and 'shape' in result[key]:
+    if isinstance(result.get(key), dict) and isinstance(result[key].get('shape'), str):
       record[key] = {'shape': result[key]['shape']}
   if isinstance(result.get('errors'), list):
     record['errors'] = [{'shape': e['shape']} for e in result['errors']
-                        if isinstance(e, dict) and 'shape' in e]
+                        if isinstance(e, dict) and isinstance(e.get('shape'), str)]
   return record
 
 
@@ -92,7 +94,8 @@ def record_schema(result: dict) -> dict:
   """The schema an extraction of `result` must satisfy.
 
   Structure is read off the result, values are left to the extractor: the record has exactly
-  the keys the result has (input / output / errors only when present) and as many errors; every
+  the keys of the true record (`truth_record`: input / output / errors only when the result has
+  them with string shapes) and as many errors; every
   string must be one of `candidates(result)` or of the true record's strings (a requestUri
   longer than MAX_CANDIDATE_CHARS stays allowed), the method one of HTTP_METHODS, so the true
   record always satisfies the schema.

@@ -4,6 +4,7 @@ each update recorded as a JSON Patch (RFC 6902, via the `jsonpatch` library)."""
 from __future__ import annotations
 
 import copy
+import json
 
 import jsonpatch
 import jsonschema
@@ -55,6 +56,10 @@ class StateStore:
     # gets its own copy, or editing that state in place (the caller's working dict, or the
     # store's `state`, which hydrate hands out) would rewrite recorded history.
     patch = jsonpatch.make_patch(self.state, new_state).patch
+    if _json(jsonpatch.apply_patch(self.state, patch)) != _json(new_state):
+      # jsonpatch compares list items with Python's ==, where 0 == False and 1 == True: a
+      # change between them inside a list gives no operation. Replace the whole state then.
+      patch = [{'op': 'replace', 'path': '', 'value': new_state}]
     self.patches.append(copy.deepcopy(patch))
     self.state = copy.deepcopy(new_state)
     return patch
@@ -65,6 +70,11 @@ class StateStore:
     for patch in self.patches:
       state = jsonpatch.apply_patch(state, patch)
     return state
+
+
+def _json(value) -> str:
+  """`value` as canonical JSON text: equal texts mean equal JSON values (false is not 0)."""
+  return json.dumps(value, sort_keys=True)
 
 
 def _non_string_key(value, path: list):

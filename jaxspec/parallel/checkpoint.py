@@ -8,15 +8,14 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import ModelConfig, param_shapes
 # pylint: disable-next=protected-access
-from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_tree, orbax_reason,
-                                       verify_checksums)
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_tree, floating_dtype,
+                                       orbax_reason, verify_checksums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -28,7 +27,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   Args:
     path: a model directory written by `save_model` (config.json + params/).
     mesh: the ('data', 'model') mesh.
-    dtype: dtype of the returned params (stored bfloat16 is cast on reading).
+    dtype: dtype of the returned params (read in the stored dtype, checked, then cast).
   Returns:
     (ModelConfig, params) with params global jax.Arrays on the mesh.
   Raises:
@@ -36,8 +35,10 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
       differs from what the config implies, or (in one process, where every tensor is whole
       here) whose bytes differ from its checksum in checksums.json (named). Across processes
       the checksums are not checked: no process holds the tensors whole.
-    ValueError: the mesh's model axis does not divide the target's heads / d_ff / vocabulary.
+    ValueError: the mesh's model axis does not divide the target's heads / d_ff / vocabulary;
+      a dtype that is not a floating-point dtype (named).
   """
+  floating_dtype(dtype)
   path = pathlib.Path(path).absolute()
   try:
     config = ModelConfig(**json.loads((path / 'config.json').read_text()))
@@ -51,12 +52,14 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   else:
     check_model_fits(config, mesh.shape[MODEL])
     shardings = specs.named(mesh, specs.param_specs(shapes))
-  target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype), sharding=sh),
-                        shapes, shardings)
   try:
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree
       _check_tree(shapes, stored, f'checkpoint {path}')
+      # Restored in the stored dtype (so the checksums can be checked), then cast.
+      target = jax.tree.map(lambda s, sh, meta: jax.ShapeDtypeStruct(s.shape, meta.dtype,
+                                                                     sharding=sh),
+                            shapes, shardings, stored)
       params = ckptr.restore(path / 'params', target)
   except CheckpointError:
     raise
@@ -64,7 +67,5 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
   if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
-    # Back in the stored dtype (a cast from bfloat16 and back is exact) to check the checksums.
-    saved = jax.tree.map(lambda x, meta: np.asarray(x).astype(meta.dtype), params, stored)
-    verify_checksums(path / CHECKSUMS, saved)
-  return config, params
+    verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params))
+  return config, jax.tree.map(lambda x: x.astype(dtype), params)
