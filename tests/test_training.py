@@ -100,3 +100,40 @@ def test_a_trained_model_directory_carries_its_tokenizer(tmp_path):
   own = Tokenizer.load(tmp_path / 'model')
   assert own.vocabulary_difference(Tokenizer.load(shipped('tokenizer.json'))) is None
   assert load_tokenizer('', config.out, shipped('draft')).vocab_size == own.vocab_size
+
+
+@pytest.mark.parametrize('cut', ['orbax', 'first_rename', 'second_rename'])
+def test_a_save_cut_short_anywhere_leaves_a_whole_state(tmp_path, monkeypatch, cut):
+  # save(force=True) deleted the old state before writing the new one: a kill in between lost
+  # the run. Now the old state survives until the new one is whole, under one of two names.
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from jaxspec.training import resume  # pylint: disable=import-outside-toplevel
+  params = {'w': np.arange(6, dtype=np.float32)}
+  opt = {'m': np.zeros(6, np.float32)}
+  state = resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0})
+  state.save(params, opt, step=1, loss=2.0)
+  renames = []
+  rename = pathlib.Path.rename
+
+  def killed_rename(self, target):
+    renames.append(self.name)
+    if (cut, len(renames)) in (('first_rename', 1), ('second_rename', 2)):
+      raise KeyboardInterrupt
+    return rename(self, target)
+
+  def killed_save(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  if cut == 'orbax':
+    monkeypatch.setattr(resume.ocp.StandardCheckpointer, 'save', killed_save)
+  else:
+    monkeypatch.setattr(pathlib.Path, 'rename', killed_rename)
+  with pytest.raises(KeyboardInterrupt):
+    state.save({'w': params['w'] + 1}, opt, step=2, loss=1.0)
+  monkeypatch.undo()
+  got = resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0}).restore(params, opt)
+  assert got[2] == 1 and got[3] == 2.0
+  np.testing.assert_array_equal(got[0]['w'], params['w'])
+  state.save({'w': params['w'] + 1}, opt, step=2, loss=1.0)      # and saving goes on
+  assert resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0}).restore(params, opt)[2] == 2
+  assert sorted(p.name for p in (tmp_path / 'ckpt').iterdir()) == ['args.json', 'state']

@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from typing import Optional
 
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.checkpoint import (CheckpointError, orbax_reason, verify_checksums,
-                                       write_checksums)
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, orbax_reason,
+                                       verify_checksums, write_checksums)
 
 
 class TrainState:
-  """`DIR/state` (an orbax pytree checkpoint), `DIR/args.json` and `DIR/checksums.json` of one
-  training run.
+  """`DIR/state` (an orbax pytree checkpoint holding also our `checksums.json`) and
+  `DIR/args.json` of one training run.
+
+  A save never leaves the directory without a whole state: the new one is written to
+  `DIR/state.new`, then the old one is renamed `DIR/state.old`, the new one `DIR/state`, and the
+  old one removed; a run killed between the two renames is resumed from `DIR/state.old`.
 
   Args:
     path: the directory (created at the first `save`).
@@ -31,18 +36,25 @@ class TrainState:
     self.args = json.loads(json.dumps(args))        # as a reread args.json would be
 
   def save(self, params, opt_state, step: int, loss: float) -> None:
-    """Write the state after `step` steps (replacing the previous one; waits for the write).
-    args.json goes first: a state on disk always has the arguments it is checked against; the
-    old checksums are removed before the state is replaced and the new ones written after it,
-    so a save cut short leaves a state unverified, never one refused as damaged."""
+    """Write the state after `step` steps, replacing the previous one (waits for the write).
+    args.json goes first: a state on disk always has the arguments it is checked against."""
     self.path.mkdir(parents=True, exist_ok=True)
     (self.path / 'args.json').write_text(json.dumps(self.args, indent=2) + '\n')
     state = dict(params=params, opt_state=opt_state, step=np.array(step, np.int64),
                  loss=np.array(loss, np.float32))
-    (self.path / 'checksums.json').unlink(missing_ok=True)
+    new, current, old = (self.path / name for name in ('state.new', 'state', 'state.old'))
+    for leftover in self.path.glob('state.new*'):   # a save cut short (orbax's temporary too)
+      shutil.rmtree(leftover)
     with ocp.StandardCheckpointer() as ckptr:
-      ckptr.save(self.path / 'state', state, force=True)
-    write_checksums(self.path / 'checksums.json', state)
+      ckptr.save(new, state)
+    write_checksums(new / CHECKSUMS, state)
+    if current.exists():
+      if old.exists():
+        shutil.rmtree(old)
+      current.rename(old)
+    new.rename(current)
+    shutil.rmtree(old, ignore_errors=True)
+    (self.path / CHECKSUMS).unlink(missing_ok=True)   # the layout before checksums moved in
 
   def restore(self, params, opt_state) -> Optional[tuple]:
     """(params, opt_state, step, loss) of a saved state shaped like the given ones, or None
@@ -52,6 +64,8 @@ class TrainState:
       CheckpointError: a state written with other arguments (naming them), unreadable, or an
         array whose bytes differ from its checksum (named).
     """
+    if not (self.path / 'state').exists() and (self.path / 'state.old').exists():
+      (self.path / 'state.old').rename(self.path / 'state')   # killed between save's renames
     if not (self.path / 'state').exists():
       return None
     try:
@@ -71,6 +85,7 @@ class TrainState:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
       raise CheckpointError(f'cannot read the training state at {self.path / "state"}: '
-                          f'{orbax_reason(e)}') from e
-    verify_checksums(self.path / 'checksums.json', state)
+                            f'{orbax_reason(e)}') from e
+    inside = self.path / 'state' / CHECKSUMS
+    verify_checksums(inside if inside.exists() else self.path / CHECKSUMS, state)
     return state['params'], state['opt_state'], int(state['step']), float(state['loss'])
