@@ -27,7 +27,7 @@ import numpy as np
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.data import WORKLOADS, Tokenizer
 from jaxspec.models import cache_for, is_pretrained, shipped
-from jaxspec.models.checkpoint import ASSETS
+from jaxspec.models.checkpoint import ASSETS, CheckpointError
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
@@ -213,12 +213,16 @@ def exit_unknown_field(error: Exception, argv) -> None:
   name, _, hint = text.partition('\n')             # ml_collections appends 'Did you mean ...'
   name = name.strip('"\'\\')
   hint = f' ({hint.strip()})' if hint.strip() else ''
+  found = unknown_fields(argv)
   others = [f'{field!r}' + (f' (did you mean {close!r}?)' if close else '')
-            for field, close in unknown_fields(argv)
+            for field, close, _ in found
             if field != name and field.rpartition('.')[2] != name]
   also = f'; also unknown: {", ".join(others)}' if others else ''
-  sys.exit(f'FATAL: unknown config field {name!r}{hint}{also} in {bad}; the config file lists '
-           f'every field')
+  known = next((keys for field, _, keys in found
+                if field == name or field.rpartition('.')[2] == name), None)
+  listed = (f'; known there: {", ".join(known)}' if known and not hint else
+            '; the config file lists every field')
+  sys.exit(f'FATAL: unknown config field {name!r}{hint}{also} in {bad}{listed}')
 
 
 def _own_tokenizer(path) -> Optional[pathlib.Path]:
@@ -236,10 +240,11 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
   """The tokenizer of a target (and its draft): `tokenizer_path` if given, else the target's own
   (a Hugging Face or experiments.train directory's tokenizer.json), else the shipped one.
 
-  Raises FileNotFoundError naming a given tokenizer file that is missing; ValueError naming the
-  file when a Hugging Face target has no tokenizer.json and none is given, or when a model's own
-  tokenizer (its directory's tokenizer.json; the shipped one for the shipped models) differs from
-  the one in use: a Hugging Face target left with the shipped draft is such a pair."""
+  Raises CheckpointError naming a model path that is not a directory; FileNotFoundError naming
+  a given tokenizer file that is missing; ValueError naming the file when a Hugging Face target
+  has no tokenizer.json and none is given, or when a model's own tokenizer (its directory's
+  tokenizer.json; the shipped one for the shipped models) differs from the one in use: a Hugging
+  Face target left with the shipped draft is such a pair."""
   if tokenizer_path:
     source = pathlib.Path(tokenizer_path)
   elif is_pretrained(target_path):
@@ -248,6 +253,10 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
       raise ValueError(f'{source} is missing: give the tokenizer with --config.tokenizer')
   else:
     source = _own_tokenizer(target_path) or shipped('tokenizer.json')
+  for name, path in (('target', target_path), ('draft', draft_path)):
+    if path is not None and not pathlib.Path(path).is_dir():   # named before any comparison
+      raise CheckpointError(f'no model directory at {pathlib.Path(path).absolute()} '
+                            f'(config.{name})')
   tokenizer = Tokenizer.load(source)
   for name, path in (('target', target_path), ('draft', draft_path)):
     own = None if path is None else _own_tokenizer(path)
@@ -269,10 +278,10 @@ DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and ex
 
 
 def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
-  """[(field, closest known name or None)] for every `--config.FIELD=VALUE` of argv whose dotted
-  path the config file (`--config=path[:variant]`, else `default_config`) lacks; [] when the file
-  cannot be loaded (its own error is reported instead). ml_collections stops at the first unknown
-  field; this names them all."""
+  """[(field, closest known name or None, the known names at that level)] for every
+  `--config.FIELD=VALUE` of argv whose dotted path the config file (`--config=path[:variant]`,
+  else `default_config`) lacks; [] when the file cannot be loaded (its own error is reported
+  instead). ml_collections stops at the first unknown field; this names them all."""
   specs = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
   path, _, variant = (specs[-1] if specs else default_config).partition(':')   # absl: the last
   try:
@@ -294,7 +303,7 @@ def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
         continue
       keys = list(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
       close = difflib.get_close_matches(part, keys, n=1)
-      out.append((field, close[0] if close else None))
+      out.append((field, close[0] if close else None, sorted(keys)))
       break
   return out
 

@@ -97,8 +97,11 @@ def _settings(config, mem, model, params):
   if k:
     settings.append((f'plain+ngram{k}', None, Engine(
         model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared, **lookup)))
-  cases = [(kind, b) for kind in comma_list(config, 'policies', what='policy')
-           for b in _ints(config, 'budgets')]
+  kinds = comma_list(config, 'policies', what='policy')
+  if 'full' in kinds:
+    raise ValueError("config.policies names 'full': the full cache is the 'plain' setting (the "
+                     'plain Engine), which every run measures as the baseline')
+  cases = [(kind, b) for kind in kinds for b in _ints(config, 'budgets')]
   if config.control:
     cases.append(('window', mem['span']))
   for kind, budget in cases:

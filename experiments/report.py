@@ -236,8 +236,9 @@ def main(argv) -> None:
   pngs = plot(records, out / 'plots', experiment)
   for extra in experiment_summary(records, out, experiment):
     print(f'{experiment} summary -> {extra}')
-  print(f'{len(records)} records -> {out / "summary.md"}, {out / "summary.csv"}; '
-        f'{len(pngs)} plots for experiment {experiment!r}')
+  print(f'{len(records)} record{"s" * (len(records) != 1)} -> {out / "summary.md"}, '
+        f'{out / "summary.csv"}; {len(pngs)} plot{"s" * (len(pngs) != 1)} for experiment '
+        f'{experiment!r}')
 
 
 if __name__ == '__main__':

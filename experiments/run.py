@@ -45,7 +45,7 @@ def main(argv):
     if distributed.is_primary():
       try:
         run_dir = new_run_dir(_WORKDIR.value, config.experiment)
-      except (FileExistsError, NotADirectoryError) as error:
+      except OSError as error:     # exists as a file, not a directory, no permission, read-only
         raise ValueError(f'cannot make a run directory under --workdir={_WORKDIR.value}: '
                          f'{error}') from error
   except ValueError as error:          # bad input before anything runs: one line

@@ -310,6 +310,8 @@ def define_flags() -> None:
   flags.DEFINE_multi_string('only', [], 'field=value: run only matching cases (repeatable).')
   flags.DEFINE_string('shard', None, 'i/n: run only cases whose index % n == i; "process": i/n '
                       'from $JAX_PROCESS_ID / $JAX_NUM_PROCESSES.')
+  flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input error (default: one '
+                    'FATAL line naming the bad value; a failing case is recorded either way).')
 
 
 def main(argv) -> int:
@@ -323,9 +325,13 @@ def main(argv) -> int:
                         overrides=config_flags.get_override_values(f['config']),
                         only=f.only, shard=f.shard, sweep_name=f.sweep_name)
   except ValueError as e:                 # bad input: one line, as experiments.run
+    if f.traceback:
+      raise
     sys.exit(f'FATAL: {e}')
-  except (FileExistsError, NotADirectoryError) as e:    # a file where a directory goes
-    sys.exit(f'FATAL: cannot make the sweep directory under --workdir={f.workdir}: {e}')
+  except OSError as e:   # the sweep directory: a file in the way, no permission, read-only
+    if f.traceback:
+      raise
+    sys.exit(f'FATAL: cannot use the sweep directory under --workdir={f.workdir}: {e}')
   return outcome.exit_code
 
 

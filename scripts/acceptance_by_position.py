@@ -18,6 +18,12 @@ from __future__ import annotations
 import argparse
 import collections
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from configs import batching as batching_config
 from experiments import batching
 
@@ -56,4 +62,7 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

@@ -9,6 +9,12 @@ split (higher = better compression).
 import argparse
 import time
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from jaxspec.data import Tokenizer, documents
 from jaxspec.data.corpus import KINDS
 
@@ -42,4 +48,7 @@ def main() -> None:
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

@@ -10,9 +10,19 @@ a real extraction schema: schema compile time and per-token mask time.
 import json
 import time
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 import numpy as np
-import outlines_core
-from outlines_core.json_schema import build_regex_from_schema
+try:
+  import outlines_core
+  from outlines_core.json_schema import build_regex_from_schema
+except ImportError:
+  sys.exit('FATAL: this comparison needs outlines-core, not a dependency of jaxspec: '
+           'pip install outlines-core')
 import tokenizers
 
 from jaxspec.data import Tokenizer
@@ -74,4 +84,7 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

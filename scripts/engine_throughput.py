@@ -22,10 +22,28 @@ import argparse
 import statistics
 import time
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from jaxspec.checks import check_int
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import generate
 from jaxspec.engine import Engine
 from jaxspec.models import load_model, shipped
+
+
+def _ints(text: str, flag: str) -> list[int]:
+  """A comma-separated list of ints >= 1 (ValueError naming the flag otherwise)."""
+  try:
+    values = [int(x) for x in text.split(',') if x.strip()]
+  except ValueError:
+    values = []
+  if not values or min(values) < 1:
+    raise ValueError(f'{flag} takes comma-separated ints >= 1, got {text!r}')
+  return values
 
 
 def main():
@@ -39,11 +57,13 @@ def main():
   parser.add_argument('--max_tokens', type=int, default=64)
   parser.add_argument('--repeats', type=int, default=2)
   args = parser.parse_args()
+  for name in ('requests', 'prompt_len', 'max_tokens', 'repeats'):
+    check_int(f'--{name}', getattr(args, name), 1)
+  batches, ks = _ints(args.batch, '--batch'), _ints(args.k, '--k')
   target, target_params = load_model(shipped('target'))
   draft, draft_params = load_model(shipped('draft'))
   tok = Tokenizer.load(shipped('tokenizer.json'))
   prompts = [p.tokens for p in make_prompts('json', tok, args.requests, args.prompt_len)]
-  ks = [int(x) for x in args.k.split(',')]
   k_max = max(ks)
   per_request = -(-(args.prompt_len + args.max_tokens + k_max + 1) // 16)
   adaptive = args.k_policy != 'fixed'
@@ -56,7 +76,7 @@ def main():
     header += [f'{args.k_policy} ÷ best static', f'{args.k_policy} rounds per K']
   print('| ' + ' | '.join(header) + ' |')
   print('|---' * len(header) + '|')
-  for b in [int(x) for x in args.batch.split(',')]:
+  for b in batches:
     engines = {}
     for name in names:
       k = k_max if name == args.k_policy else name
@@ -132,4 +152,7 @@ def engine_vs_generate(engine, target, target_params, prompt, max_tokens, repeat
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

@@ -35,6 +35,12 @@ import collections
 import statistics
 import time
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 from configs import batching as batching_config
 from experiments import batching
 from experiments.speculative import load_pair
@@ -235,4 +241,7 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

@@ -40,6 +40,12 @@ import math
 import types
 from typing import Optional
 
+import pathlib
+import sys
+
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -264,4 +270,7 @@ def main():
 
 
 if __name__ == '__main__':
-  main()
+  try:
+    main()
+  except ValueError as error:     # bad input: one line naming it
+    sys.exit(f'FATAL: {error}')

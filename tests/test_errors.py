@@ -204,6 +204,10 @@ def test_model_config_rejects_non_positive_floats(field, value):
      "'configs/batchng.py')"),
     (['--config=configs/speculative.py:smoke', '--config.tokenizer=nothere.json'],
      'FATAL: tokenizer file not found: nothere.json'),
+    (['--config=configs/prefix_cache.py:smoke', '--config.turns=0'],   # no close match: list
+     "FATAL: unknown config field 'turns' in ['--config.turns=0']; known there: draft, dtype,"),
+    (['--config=configs/eviction_batching.py:smoke', '--config.policies=full'],
+     "FATAL: config.policies names 'full': the full cache is the 'plain' setting"),
     (['--config=configs/prefix_cache.py:smoke', '--config.settings=off,on,on'],  # doubled 'on'
      "FATAL: config.settings='off,on,on' names ['on'] more than once"),
     (['--config=configs/hydration.py:smoke', '--config.extractor_k=2'],  # ran the target as 'draft'
