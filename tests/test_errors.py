@@ -226,6 +226,20 @@ def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   assert not any(tmp_path.rglob('results.jsonl'))
 
 
+@pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
+def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
+  (tmp_path / 'file').write_text('')
+  for workdir in (tmp_path / 'file' / 'sub', '/proc/jaxspec-nope'):   # not a directory; ENOENT
+    proc = subprocess.run([sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
+                           '--only=k=2', '--only=temperature=0.0', f'--workdir={workdir}']
+                          if module.endswith('sweep') else
+                          [sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
+                           f'--workdir={workdir}'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: cannot'), proc.stderr
+    assert 'Traceback' not in proc.stderr
+
+
 def test_the_default_run_outside_the_repository_root_says_where_to_run_it(tmp_path):
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, PYTHONPATH=str(root))      # importable, as after `pip install -e .`

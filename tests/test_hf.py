@@ -159,6 +159,17 @@ def test_hugging_face_target_left_with_the_shipped_draft_is_a_clear_error():
     load_pair(config)
 
 
+def test_a_mistyped_model_path_is_named_before_tokenizers_are_compared():
+  # Was: 'the draft tokenizer ... differs from the tokenizer in use' (the typo fell back to the
+  # shipped tokenizer).
+  from experiments.speculative import load_pair
+  config = ml_collections.ConfigDict(dict(target='/models/lama-typo',
+                                          draft=str(FIXTURES / 'llama-draft'), tokenizer=''))
+  with pytest.raises(CheckpointError, match=r'no model directory at /models/lama-typo '
+                                            r'\(config.target\)'):
+    load_pair(config)
+
+
 def test_a_missing_tokenizer_is_named_before_any_model_loads(monkeypatch):
   from experiments import speculative
   monkeypatch.setattr(speculative, 'load_model', lambda *a: pytest.fail('loaded a model'))
