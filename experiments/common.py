@@ -193,7 +193,10 @@ def _exit_config_error(error: OSError) -> None:
   try:
     path = str(flags.FLAGS['config'].config_filename or '')
   except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
-    path = next((a.partition('=')[2] for a in sys.argv if a.startswith('--config=')), '')
+    args = sys.argv
+    path = next((a.partition('=')[2] if a.startswith('--config=') else args[i + 1]
+                 for i, a in enumerate(args)
+                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))), '')
   path = path.split(':')[0]
   hint = ''
   if path and not os.path.isabs(path) and not os.path.exists(path) and \
@@ -264,13 +267,19 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
       continue
     diff = tokenizer.vocabulary_difference(Tokenizer.load(own))
     if diff:
-      hint = ''
-      if pathlib.Path(path).resolve().parent == ASSETS:
-        hint = (f'; the shipped {name} speaks the shipped tokenizer: give a {name} of the '
-                f'same family with --config.{name}')
+      if tokenizer_path:
+        why = (f'the {name} was trained with its own: leave config.tokenizer empty, or give '
+               f'that one')
+      elif pathlib.Path(path).resolve().parent == ASSETS:
+        why = (f'draft and target must share one vocabulary (the draft proposes token ids that '
+               f'the target verifies); the shipped {name} speaks the shipped tokenizer: give a '
+               f'{name} of the same family with --config.{name}')
+      else:
+        why = ('draft and target must share one vocabulary (the draft proposes token ids that '
+               'the target verifies)')
+      where = ', config.tokenizer' if tokenizer_path else ''
       raise ValueError(f'the {name} tokenizer {own} differs from the tokenizer in use '
-                       f'({source}): {diff}. Draft and target must share one vocabulary '
-                       f'(the draft proposes token ids that the target verifies){hint}')
+                       f'({source}{where}): {diff}; {why}')
   return tokenizer
 
 

@@ -138,8 +138,8 @@ def run_worker(config, results, model, params, tokenizer) -> None:
                        int(config.worker_budget))
   prompt = make_prompts('code', tokenizer, 1, 256, split='test', seed=config.seed)[0].tokens
   chunks = -(-config.worker_tokens // config.worker_chunk)
-  # 'full' keeps every token: the prompt, every chunk's tokens and the one pending between them.
-  slots = (len(prompt) + chunks * config.worker_chunk + 1 if policy.slots is None
+  # 'full' keeps every token: the prompt and every chunk's (each call caches worker_chunk).
+  slots = (len(prompt) + chunks * config.worker_chunk if policy.slots is None
            else policy.slots)
   cache, kv_bytes = empty_cache(model, 1, slots, config.page_size)
   eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)

@@ -23,7 +23,6 @@ from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.hydration import ContextSession, ModelExtractor, OracleExtractor, hydrate
 from jaxspec.hydration.schema import record_schema
-from jaxspec.models import shipped
 
 STRATEGIES = ('stuffing', 'stuffing_prefix_cache', 'hydration', 'hydration_prefix_cache')
 EXTRACTORS = ('draft', 'target', 'oracle')
@@ -67,7 +66,7 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
   spec = {}
   if config.extractor_k:                        # extractor 'target' (_check): draft proposes
     spec = dict(draft=draft, draft_params=draft_params, k=config.extractor_k)
-  return ModelExtractor(model, params, tokenizer, config.tokenizer or shipped('tokenizer.json'),
+  return ModelExtractor(model, params, tokenizer, tokenizer.source,
                         max_new_tokens=config.max_extract_tokens, retries=config.retries,
                         retry_temperature=config.retry_temperature,
                         constrained=config.constrained, demos=demos, seed=config.seed, **spec)
@@ -172,7 +171,7 @@ def _alpha(config, target, target_params, draft, draft_params, tokenizer, extrac
   Returns (record, the number of tokens generated per prompt)."""
   constrained = lengths is None
   stats = dict(proposed=0, accepted=0, rejected=0, complete=0)
-  path = config.tokenizer or shipped('tokenizer.json')
+  path = tokenizer.source                 # the file load_pair chose (experiments.common)
   sampling = SamplingParams(temperature)
   spec = dict(draft=draft, draft_params=draft_params, k=config.alpha_k)
 

@@ -26,9 +26,10 @@ def load_pair(config):
   The tokenizer is `config.tokenizer` if given, else the target's tokenizer.json when the target
   is a Hugging Face directory, else the shipped one. Draft and target must share one vocabulary:
   a model whose own tokenizer (its directory's tokenizer.json, written by experiments.train and
-  Hugging Face; the shipped one for the shipped models) differs from the one in use is an error. When
-  the two embedding matrices are padded to different sizes past the tokenizer (Qwen2.5-0.5B vs
-  7B), the larger is cut to the smaller (`jaxspec.models.truncate_vocab`).
+  Hugging Face; the shipped one for the shipped models) differs from the one in use is an error
+  (`experiments.common.load_tokenizer`). When the two embedding matrices are padded to different
+  sizes past the tokenizer (Qwen2.5-0.5B vs 7B), the larger is cut to the smaller
+  (`jaxspec.models.truncate_vocab`).
 
   Raises CheckpointError / ValueError when missing, corrupt, or the vocabularies disagree;
   FileNotFoundError naming a missing `config.tokenizer`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 import shutil
 
@@ -19,8 +20,7 @@ def run(config, results) -> None:
     raise ValueError(f'config.out={config.out!r} is a file, not a model directory')
   if config.max_docs < 0:
     raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
-  tokenizer_file = pathlib.Path(config.tokenizer or shipped('tokenizer.json'))
-  tokenizer = Tokenizer.load(tokenizer_file)
+  tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   max_docs = config.max_docs or None
   train_tokens = train_mixture(tokenizer, 'train', max_docs=max_docs)
   val_tokens = train_mixture(tokenizer, 'val', max_docs=max_docs)
@@ -36,8 +36,15 @@ def run(config, results) -> None:
   info = dict(model=config.model, corpus_train_tokens=int(len(train_tokens)), **info)
   save_model(out, model, params, dtype=config.store_dtype, info=info)
   # The model's vocabulary travels with it: experiments pairing it with a draft or target check
-  # their tokenizers against this one (experiments.speculative.load_tokenizer).
-  if tokenizer_file.is_dir():
-    tokenizer_file = tokenizer_file / 'tokenizer.json'
-  shutil.copyfile(tokenizer_file, pathlib.Path(out) / 'tokenizer.json')
+  # their tokenizers against this one (experiments.common.load_tokenizer). A Hugging Face
+  # tokenizer's special ids live in the files beside it: they travel too.
+  shutil.copyfile(tokenizer.source, pathlib.Path(out) / 'tokenizer.json')
+  for name in ('generation_config.json', 'tokenizer_config.json'):
+    if (tokenizer.source.parent / name).is_file():
+      shutil.copyfile(tokenizer.source.parent / name, pathlib.Path(out) / name)
+  ids = lambda t: (t.pad_id, t.bos_id, t.eos_ids)
+  if ids(Tokenizer.load(out)) != ids(tokenizer):     # they were in the source's config.json
+    (pathlib.Path(out) / 'generation_config.json').write_text(json.dumps(dict(
+        pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
+        eos_token_id=list(tokenizer.eos_ids)), indent=2) + '\n')
   results.write(dict(info, out=str(out)))

@@ -297,7 +297,7 @@ def test_the_loops_under_eviction_name_bad_arguments(tiny):
                                 first, rng, stop, k=-1, sampling=greedy, max_new_tokens=2)
 
 
-def test_a_full_policy_cache_too_small_for_the_sequence_is_named(tiny):
+def test_a_full_policy_cache_too_small_for_the_sequence_is_named(tiny, tiny_draft):
   # A token with no slot went to the null page: the worker experiment's 'full' run silently kept
   # 576 of 768 tokens.
   import jax  # pylint: disable=import-outside-toplevel
@@ -307,33 +307,45 @@ def test_a_full_policy_cache_too_small_for_the_sequence_is_named(tiny):
                                 decode_speculative_evicting, generate, prefill_evicting)
   from jaxspec.models import cache_for  # pylint: disable=import-outside-toplevel
   config, params = tiny
+  draft, draft_params = tiny_draft
   greedy, rng, stop = SamplingParams(), jax.random.PRNGKey(0), jnp.full((1, 1), -1, jnp.int32)
 
-  def prefilled(pages):
-    cache = cache_for(config, np.arange(1, pages + 1)[None], pages + 1, 8)   # 8 slots a page
-    return prefill_evicting(config, params, cache, init_eviction(make_policy('full'), cache),
-                            jnp.array([[5, 6, 7]]), jnp.array([3]), rng, sampling=greedy)
+  def prefilled(pages, reuse_delay=0, model=config, model_params=params):
+    cache = cache_for(model, np.arange(1, pages + 1)[None], pages + 1, 8)   # 8 slots a page
+    eviction = init_eviction(make_policy('full', reuse_delay=reuse_delay), cache)
+    return prefill_evicting(model, model_params, cache, eviction, jnp.array([[5, 6, 7]]),
+                            jnp.array([3]), rng, sampling=greedy)
 
-  with pytest.raises(ValueError, match=r"the prompts under policy 'full' needs 3 cache slots "
-                                       r'per sequence, the cache holds 0'):
+  with pytest.raises(ValueError, match=r"prompts under policy 'full' need 3 cache slots per "
+                                       r'sequence, the cache holds 0'):
     prefilled(0)
   first, cache, eviction = prefilled(3)                      # 24 slots: 3 + 22 - 1 tokens fit
-  out, _, _ = decode_autoregressive_evicting(config, params, cache, eviction, first, rng, stop,
-                                             sampling=greedy, max_new_tokens=22)
+  out, cache, eviction = decode_autoregressive_evicting(config, params, cache, eviction, first,
+                                                        rng, stop, sampling=greedy,
+                                                        max_new_tokens=22)
+  assert int(eviction.num_live.max()) == int(cache.lengths[0]) == 24   # every token has a slot
   want = generate(config, params, [[5, 6, 7]], max_new_tokens=22, page_size=8).tokens[0]
   assert np.asarray(out.tokens)[0, :int(out.num_tokens[0])].tolist() == want
   first, cache, eviction = prefilled(3)
-  with pytest.raises(ValueError, match=r"max_new_tokens=23 under policy 'full' needs 25 cache "
+  with pytest.raises(ValueError, match=r"max_new_tokens=23 under policy 'full' need 25 cache "
                                        r'slots per sequence, the cache holds 24'):
     decode_autoregressive_evicting(config, params, cache, eviction, first, rng, stop,
                                    sampling=greedy, max_new_tokens=23)
-  draft_cache = cache_for(config, np.arange(4, 7)[None], 7, 8)
-  with pytest.raises(ValueError, match=r"the target's cache, decoding max_new_tokens=21 at K=2 "
-                                       r"under policy 'full' needs 25 cache slots"):
-    decode_speculative_evicting(config, config, params, params, cache,
-                                init_eviction(make_policy('full', reuse_delay=3), cache),
-                                draft_cache, first, rng, stop, k=2, sampling=greedy,
-                                max_new_tokens=21)
+  # Speculative: the same bound (a last round's drafts past it are rejected or cut).
+  for max_new, fits in ((22, True), (23, False)):
+    first, cache, eviction = prefilled(3, reuse_delay=3)
+    _, draft_cache, _ = prefilled(3, model=draft, model_params=draft_params)
+    call = lambda: decode_speculative_evicting(
+        config, draft, params, draft_params, cache, eviction, draft_cache, first, rng, stop, k=2,
+        sampling=greedy, max_new_tokens=max_new)
+    if fits:
+      out, _, cache, eviction, _ = call()
+      assert int(eviction.num_live.max()) == int(cache.lengths[0]) == 24
+      assert np.asarray(out.tokens)[0, :int(out.num_tokens[0])].tolist() == want
+    else:
+      with pytest.raises(ValueError, match=r"the target's cache, decoding max_new_tokens=23 under "
+                                           r"policy 'full' need 25 cache slots"):
+        call()
 
 
 @pytest.mark.parametrize('change, match', [

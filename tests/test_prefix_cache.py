@@ -306,6 +306,35 @@ def test_a_failed_promotion_leaves_the_generator_serving_and_never_hits_its_page
   gen.reset_prefix_cache()
 
 
+def test_a_promotion_failing_on_the_drafts_data_leaves_both_caches_usable(tiny, tiny_draft,
+                                                                         monkeypatch):
+  # write_pages donated the target's pool before staging the draft's data: a failure there
+  # left the generator holding deleted buffers ('Buffer has been deleted or donated').
+  from jaxspec.cache import host as host_module  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  rng = np.random.default_rng(8)
+  a, b = (rng.integers(3, config.vocab_size, 5 * L).tolist() for _ in range(2))
+  gen = PrefixCachedGenerator(config, params, num_pages=8, page_size=L, host_pages=16,
+                              draft=draft, draft_params=draft_params, k=2)
+  want = gen.generate(a, max_new_tokens=4).tokens
+  gen.generate(b, max_new_tokens=4)                     # a's pages demoted to the host tier
+  stack, calls = np.stack, []
+
+  def failing_stack(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:                                 # the draft's keys
+      raise MemoryError('simulated')
+    return stack(*args, **kwargs)
+
+  monkeypatch.setattr(host_module.np, 'stack', failing_stack)
+  with pytest.raises(MemoryError, match='simulated'):
+    gen.generate(a, max_new_tokens=4)
+  monkeypatch.undo()
+  assert len(calls) == 3
+  assert gen.generate(a, max_new_tokens=4).tokens == want
+
+
 # ------------------------------------------------------------- accounting, property-based
 
 def check_accounting(prefix, live):

@@ -81,7 +81,8 @@ def test_only_and_shard_parsing():
 def test_a_filter_matching_no_case_lists_the_swept_values():
   cases = [dict(k=k, temperature=t) for k in (1, 2) for t in (0.0, 1.0)]
   assert sweeps.select_cases(cases, ['k=2', 'temperature=0']) == [2]
-  with pytest.raises(ValueError, match=r"no case matches --only=\['k=3'\].*\(swept values: k: 1, 2\)"):
+  with pytest.raises(ValueError,
+                     match=r"no case matches --only=\['k=3'\].*\(swept values: k: 1, 2\)"):
     sweeps.select_cases(cases, ['k=3'])
 
 

@@ -86,20 +86,28 @@ def test_a_damaged_training_state_is_refused(tmp_path):
     train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')
 
 
-def test_a_trained_model_directory_carries_its_tokenizer(tmp_path):
+@pytest.mark.parametrize('tokenizer', ['', 'tests/fixtures/hf/llama/tokenizer.json'])
+def test_a_trained_model_directory_carries_its_tokenizer(tmp_path, tokenizer):
   # Pairing checks (experiments.common.load_tokenizer) compare a model's own tokenizer.json with
-  # the one in use, so the train experiment writes it beside the weights.
-  from configs.train import get_config
-  from experiments import train as train_experiment
+  # the one in use, so the train experiment writes it beside the weights, with a Hugging Face
+  # tokenizer's special ids (they live in the files beside its tokenizer.json).
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from configs.train import get_config  # pylint: disable=import-outside-toplevel
+  from experiments import train as train_experiment  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
   from experiments.common import Results, load_tokenizer
-  from jaxspec.data import Tokenizer
-  from jaxspec.models import shipped
+  from jaxspec.data import Tokenizer  # pylint: disable=import-outside-toplevel
+  from jaxspec.models import shipped  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).resolve().parent.parent
   config = get_config('smoke')
   config.out = str(tmp_path / 'model')
+  config.tokenizer = str(root / tokenizer) if tokenizer else ''
   train_experiment.run(config, Results(tmp_path / 'run', config, verbose=False))
-  own = Tokenizer.load(tmp_path / 'model')
-  assert own.vocabulary_difference(Tokenizer.load(shipped('tokenizer.json'))) is None
-  assert load_tokenizer('', config.out, shipped('draft')).vocab_size == own.vocab_size
+  own, used = Tokenizer.load(tmp_path / 'model'), Tokenizer.load(config.tokenizer or
+                                                                  shipped('tokenizer.json'))
+  assert own.vocabulary_difference(used) is None
+  assert (own.pad_id, own.bos_id, own.eos_ids) == (used.pad_id, used.bos_id, used.eos_ids)
+  assert load_tokenizer('', config.out).vocab_size == used.vocab_size
 
 
 @pytest.mark.parametrize('cut', ['orbax', 'first_rename', 'second_rename'])

@@ -142,18 +142,19 @@ def write_pages(caches: Sequence, pages: Sequence[int], data: Sequence) -> list:
     pages: device page ids (n), none of them the null page.
     data: per page, per cache, (k, v) [layers, K, L, H] as `HostTier.get` returns.
   Returns:
-    The updated caches.
+    The updated caches. An error while staging the data (before any write) leaves `caches`
+    usable; the writes themselves donate each pool.
   """
   idx = _padded(pages)
   pad = int(idx.shape[0]) - len(pages)  # padding writes zeros into the null page, never read
-  out = []
-  for m, cache in enumerate(caches):
-    k = np.stack([d[m][0] for d in data], axis=2)
-    v = np.stack([d[m][1] for d in data], axis=2)
-    widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
-    out.append(cache.replace(k_pages=_write(cache.k_pages, idx, jnp.asarray(np.pad(k, widths))),
-                             v_pages=_write(cache.v_pages, idx, jnp.asarray(np.pad(v, widths)))))
-  return out
+  widths = ((0, 0), (0, 0), (0, pad), (0, 0), (0, 0))
+  # Every model's values are on the device before any pool is donated: a failure while building
+  # them (host memory) leaves every cache as it was.
+  values = [tuple(jnp.asarray(np.pad(np.stack([d[m][i] for d in data], axis=2), widths))
+                  for i in (0, 1)) for m in range(len(caches))]
+  return [cache.replace(k_pages=_write(cache.k_pages, idx, k),
+                        v_pages=_write(cache.v_pages, idx, v))
+          for cache, (k, v) in zip(caches, values)]
 
 
 def warm_up_copies(caches: Sequence, max_pages: int) -> list:

@@ -69,9 +69,12 @@ def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') ->
     ValueError: page_size not an int >= 1, a token id that is not an int in [0, 2**63), or a
       salt that is not str / bytes (each named).
   """
-  salt = salt_bytes(salt)
-  page_size = check_int('page_size', page_size, 1)
-  tokens = token_ids(tokens, 'tokens')
+  return _page_keys(token_ids(tokens, 'tokens'), check_int('page_size', page_size, 1),
+                    salt_bytes(salt))
+
+
+def _page_keys(tokens: list, page_size: int, salt: bytes) -> list[bytes]:
+  """`page_keys` of arguments already checked (the prefix cache's own calls)."""
   salt_part = struct.pack('<I', len(salt)) + salt
   keys, parent = [], _ROOT
   for i in range(len(tokens) // page_size):
@@ -205,7 +208,8 @@ class PrefixCache:
     tokens = token_ids(tokens)
     if not self.enabled or not tokens:
       return [], []
-    keys = page_keys(tokens, self.page_size, salt)[:(len(tokens) - 1) // self.page_size]
+    keys = _page_keys(tokens, self.page_size, salt_bytes(salt))[
+        :(len(tokens) - 1) // self.page_size]
     device, host = [], []
     for key in keys:
       page = self._page_of_key.get(key)
@@ -330,7 +334,7 @@ class PrefixCache:
     if not self.enabled:
       return 0
     added = 0
-    for page, key in zip(request.pages, page_keys(tokens, self.page_size, request.salt)):
+    for page, key in zip(request.pages, _page_keys(tokens, self.page_size, request.salt)):
       if page in self._key_of_page or key in self._page_of_key:
         continue
       self._register(page, key)

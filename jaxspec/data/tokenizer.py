@@ -41,6 +41,7 @@ class Tokenizer:
     tok.encode_special_tokens = True  # Treat '<|eos|>' written in a document as plain text.
     self._tok = tok
     self._special = special_ids
+    self.source: Optional[pathlib.Path] = None   # the file `load` read (None: built in memory)
 
   @classmethod
   def train(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
@@ -73,9 +74,10 @@ class Tokenizer:
   def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
     """Reads a file written by ``save``, or a Hugging Face model directory's tokenizer.
 
-    path: a tokenizer.json, or a directory holding one. A file whose specials are not ours at
-    0/1/2 is read as a Hugging Face tokenizer when its directory has a config.json,
-    generation_config.json or tokenizer_config.json naming the special tokens.
+    path: a tokenizer.json, or a directory holding one (the file read becomes `source`). A file
+    whose specials are not ours at 0/1/2 is read as a Hugging Face tokenizer when its directory
+    has a config.json, generation_config.json or tokenizer_config.json naming the special
+    tokens.
 
     Raises FileNotFoundError (missing) or ValueError (unreadable / not a tokenizer / wrong special
     ids), each naming ``path``.
@@ -91,12 +93,15 @@ class Tokenizer:
       raise ValueError(f'corrupt tokenizer file {path}: {e}') from e
     ours = all(tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS))
     if not ours and any((path.parent / f).is_file() for f in _HF_CONFIG_FILES):
-      return cls(tok, special_ids=_hf_special_ids(path.parent, tok))
-    try:
-      return cls(tok)
-    except ValueError as e:
-      raise ValueError(f'tokenizer {path}: {e} (and no Hugging Face config beside it names '
-                       'its special tokens)') from e
+      loaded = cls(tok, special_ids=_hf_special_ids(path.parent, tok))
+    else:
+      try:
+        loaded = cls(tok)
+      except ValueError as e:
+        raise ValueError(f'tokenizer {path}: {e} (and no Hugging Face config beside it names '
+                         'its special tokens)') from e
+    loaded.source = path.absolute()
+    return loaded
 
   def encode(self, text: str) -> list[int]:
     """Token ids of ``text`` (no specials added); ``decode(encode(text)) == text`` always."""

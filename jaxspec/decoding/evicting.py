@@ -16,6 +16,7 @@ token except the last one, `pending`. Only the target evicts; the draft keeps a 
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ def _check_ids(name: str, ids, vocab_size: int) -> None:
                      f'[0, {vocab_size})')
 
 
-def _check_fits(what: str, cache, tokens_after) -> None:
+def _check_fits(what: str, cache, tokens_after, hint: Optional[str] = None) -> None:
   """ValueError when a sequence would hold more than `cache.capacity` tokens: `tokens_after`,
   [B] concrete counts of tokens the cache must hold (or None: traced, not checked). Inside the
   jitted loops a token with no slot is written to the null page and lost without an error."""
@@ -96,9 +97,10 @@ def _check_fits(what: str, cache, tokens_after) -> None:
     return
   need = int(np.max(tokens_after)) if np.size(tokens_after) else 0
   if need > cache.capacity:
-    raise ValueError(f'{what} needs {need} cache slots per sequence, the cache holds '
+    hint = ', or use a policy with a budget' if hint is None else hint
+    raise ValueError(f'{what} need {need} cache slots per sequence, the cache holds '
                      f'{cache.capacity}: a token with no slot would be lost (size the cache '
-                     'for the whole sequence, or use a policy with a budget)')
+                     f'for the whole sequence{hint})')
 
 
 def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng, *,
@@ -128,7 +130,7 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
     if ids is not None:
       _check_ids('tokens', ids[np.arange(shape[1]) < lengths[:, None]], config.vocab_size)
     if eviction.policy.kind == 'full':
-      _check_fits("the prompts under policy 'full'", cache, lengths)
+      _check_fits("prompts under policy 'full'", cache, lengths)
   return _prefill_evicting(config, params, cache, eviction, tokens, prompt_lengths, rng,
                            sampling=sampling)
 
@@ -173,7 +175,7 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
     _check_ids('first_token', first, config.vocab_size)
   if eviction.policy.kind == 'full':
     lengths = concrete(cache.lengths)
-    _check_fits(f"decoding max_new_tokens={max_new_tokens} under policy 'full'", cache,
+    _check_fits(f"max_new_tokens={max_new_tokens} under policy 'full'", cache,
                 None if lengths is None else lengths + max_new_tokens - 1)
   return _decode_autoregressive_evicting(config, params, cache, eviction, first_token, rng,
                                          stop_tokens, sampling=sampling,
@@ -219,9 +221,9 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
 
   Args:
     target_cache, eviction: after `prefill_evicting` (donated); draft_cache: the draft's full
-      cache after the same prompts (donated). Its capacity is not checked inside the jitted
-      loop: it must hold prompt + max_new_tokens + K tokens per row (a smaller one writes past
-      its pages and drops the draft's context, lowering α without an error).
+      cache after the same prompts (donated). It must hold prompt + max_new_tokens - 1 tokens
+      per row, as must the target's under policy 'full' (checked when the lengths are concrete;
+      inside the jitted loop a token with no slot would be lost without an error).
     first_token: [B] int32; stop_tokens: [S] int32 shared, or [B, S] per row, -1 padded.
     k: speculation length K (>= 1); max_new_tokens: tokens to emit per row (>= 1).
   Returns:
@@ -242,12 +244,15 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first, target.vocab_size)
+  # Committed tokens end below lengths + max_new_tokens - 1; a last round's drafts past that
+  # are rejected or cut, and their writes may go to the null page.
   for name, c, full in (('target', target_cache, eviction.policy.kind == 'full'),
                         ('draft', draft_cache, True)):
     lengths = concrete(c.lengths) if full else None
-    _check_fits(f"the {name}'s cache, decoding max_new_tokens={max_new_tokens} at K={k}"
+    _check_fits(f"the {name}'s cache, decoding max_new_tokens={max_new_tokens}"
                 + (" under policy 'full'" if name == 'target' else ''), c,
-                None if lengths is None else lengths + max_new_tokens + k - 1)
+                None if lengths is None else lengths + max_new_tokens - 1,
+                hint='' if name == 'draft' else None)
   return _decode_speculative_evicting(target, draft, target_params, draft_params, target_cache,
                                       eviction, draft_cache, first_token, rng, stop_tokens, k=k,
                                       sampling=sampling, max_new_tokens=max_new_tokens)

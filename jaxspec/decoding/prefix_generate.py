@@ -44,8 +44,8 @@ class PrefixCachedGenerator:
       'data' axis must be 1, since requests run one at a time).
   Raises:
     ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
-      SamplingParams, a mesh whose 'data' axis is not 1. A pool too small for a request is reported by `generate`
-      (OutOfPagesError), for that request.
+      SamplingParams, a mesh whose 'data' axis is not 1. A pool too small for a request is
+      reported by `generate` (OutOfPagesError), for that request.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
@@ -62,7 +62,7 @@ class PrefixCachedGenerator:
     if draft is not None:
       check_params(draft, draft_params, 'draft_params')
     k = None if k is None else int(k)          # checked by check_request
-    mesh = getattr(steps, 'mesh', None)
+    mesh = getattr(steps, 'mesh', None)    # 'data': jaxspec.parallel.mesh.DATA (which imports us)
     if mesh is not None and dict(mesh.shape).get('data', 1) != 1:
       raise ValueError(f"PrefixCachedGenerator runs one request at a time: its mesh's 'data' "
                        f"axis must be 1, got data={mesh.shape['data']} (split the target over "

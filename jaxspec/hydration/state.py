@@ -4,7 +4,6 @@ each update recorded as a JSON Patch (RFC 6902, via the `jsonpatch` library)."""
 from __future__ import annotations
 
 import copy
-import json
 
 import jsonpatch
 import jsonschema
@@ -56,7 +55,7 @@ class StateStore:
     # gets its own copy, or editing that state in place (the caller's working dict, or the
     # store's `state`, which hydrate hands out) would rewrite recorded history.
     patch = jsonpatch.make_patch(self.state, new_state).patch
-    if _json(jsonpatch.apply_patch(self.state, patch)) != _json(new_state):
+    if not _same(jsonpatch.apply_patch(self.state, patch), new_state):
       # jsonpatch compares list items with Python's ==, where 0 == False and 1 == True: a
       # change between them inside a list gives no operation. Replace the whole state then.
       patch = [{'op': 'replace', 'path': '', 'value': new_state}]
@@ -72,9 +71,16 @@ class StateStore:
     return state
 
 
-def _json(value) -> str:
-  """`value` as canonical JSON text: equal texts mean equal JSON values (false is not 0)."""
-  return json.dumps(value, sort_keys=True)
+def _same(a, b) -> bool:
+  """JSON equality that tells true / false from 1 / 0 (Python's == does not; 1 and 1.0 stay
+  equal, as jsonpatch leaves them)."""
+  if isinstance(a, bool) or isinstance(b, bool):
+    return type(a) is type(b) and a == b
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+  return a == b
 
 
 def _non_string_key(value, path: list):

@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
@@ -56,8 +57,11 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree
       _check_tree(shapes, stored, f'checkpoint {path}')
-      # Restored in the stored dtype (so the checksums can be checked), then cast.
-      target = jax.tree.map(lambda s, sh, meta: jax.ShapeDtypeStruct(s.shape, meta.dtype,
+      # Where the checksums can be checked (one process: every tensor whole here), restored in
+      # the stored dtype, checked, then cast; else straight into `dtype` (no second copy).
+      verify = jax.process_count() == 1 and (path / CHECKSUMS).exists()
+      as_dtype = lambda meta: meta.dtype if verify else jnp.dtype(dtype)
+      target = jax.tree.map(lambda s, sh, meta: jax.ShapeDtypeStruct(s.shape, as_dtype(meta),
                                                                      sharding=sh),
                             shapes, shardings, stored)
       params = ckptr.restore(path / 'params', target)
@@ -66,6 +70,9 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
-  if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):
+  if verify:
     verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params))
-  return config, jax.tree.map(lambda x: x.astype(dtype), params)
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+  elif jax.process_count() == 1:
+    verify_checksums(path / CHECKSUMS, params)       # absent: warns that nothing was checked
+  return config, params
