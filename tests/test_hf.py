@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from jaxspec.data import Tokenizer
@@ -388,6 +389,26 @@ def test_qwen2_window_on_some_layers_is_rejected(tmp_path):
   assert load_pretrained(path)[0].sliding_window == 4
 
 
+
+def test_window_keys_are_read_as_transformers_reads_them(tmp_path):
+  # Llama ignores sliding_window (a Mistral relabelled as Llama carries it); Qwen2 without
+  # max_window_layers defaults to 28 (_edit_config's None removes a key), so a smaller model has no windowed layer; Mistral without
+  # the key defaults to 4096. Each was read otherwise (golden logits off by 6-9, no error).
+  llama = _copy(tmp_path / 'l', 'llama')
+  _edit_config(llama, sliding_window=4)
+  assert load_pretrained(llama)[0].sliding_window is None
+  qwen = _copy(tmp_path / 'q', 'qwen2')
+  _edit_config(qwen, use_sliding_window=True, sliding_window=4, max_window_layers=None,
+               layer_types=None)
+  assert load_pretrained(qwen)[0].sliding_window is None
+  mistral = _copy(tmp_path / 'm', 'mistral')
+  fields = json.loads((mistral / 'config.json').read_text())
+  (mistral / 'config.json').write_text(json.dumps({**fields, 'sliding_window': None}))
+  assert load_pretrained(mistral)[0].sliding_window is None          # null: no window
+  _edit_config(mistral, sliding_window=None)                         # (removes the key)
+  assert load_pretrained(mistral)[0].sliding_window == 4096
+
+
 def _rewrite_tensors(file, edit):
   tensors = load_file(str(file))
   edit(tensors)
@@ -474,3 +495,30 @@ def test_a_config_that_is_not_utf8_or_bad_arguments_are_named(tmp_path):
   with pytest.raises(CheckpointError, match="a Hugging Face config.json. it names no "
                                             "'architectures' or 'model_type'"):
     load_model(path)
+
+
+def test_the_index_decides_which_shard_a_tensor_comes_from(tmp_path):
+  # A stray copy of a tensor in another shard was loaded when that shard came later.
+  path = _copy(tmp_path, 'llama')
+  weight_map = json.loads((path / hf.INDEX).read_text())['weight_map']
+  files = list(dict.fromkeys(weight_map.values()))          # in the order they are read
+  elsewhere = next(n for n, f in weight_map.items() if f == files[0])
+  _, want = load_pretrained(_copy(tmp_path / 'ref', 'llama'))
+
+  def add_zeroed(tensors):                                   # into the last shard read
+    with safe_open(str(path / files[0]), framework='numpy') as f:
+      tensors[elsewhere] = np.zeros_like(f.get_tensor(elsewhere))
+  _rewrite_tensors(path / files[-1], add_zeroed)
+  _, got = load_pretrained(path)
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize('dtype', [np.int32, np.bool_])
+def test_weights_that_are_not_floating_point_are_refused(tmp_path, dtype):
+  # Cast silently before (an int32 norm weight: golden logits off by 595).
+  path = _copy(tmp_path, 'mistral')
+  _rewrite_tensors(path / 'model.safetensors', lambda t: t.update(
+      {'model.norm.weight': np.ones_like(t['model.norm.weight'], dtype)}))
+  with pytest.raises(CheckpointError, match=r'tensor model.norm.weight is stored as (I32|BOOL); '
+                                            r'weights must be floating point'):
+    load_pretrained(path)

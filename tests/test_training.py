@@ -71,6 +71,15 @@ def test_an_interrupted_run_resumed_from_its_checkpoint_equals_an_uninterrupted_
   with pytest.raises(CheckpointError, match=r'other arguments \(learning_rate: 0.001 -> 0.002\)'):
     train(config, TOKENS, TOKENS, **dict(sizes, learning_rate=2e-3), progress=False,
           checkpoint_dir=tmp_path / 'ckpt')
+  # The model's config and the tokens count too (a changed rope_theta was resumed silently).
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  with pytest.raises(CheckpointError, match=r'other arguments \(model.rope_theta: 10000.0 -> '
+                                            r'50.0\)'):
+    train(dataclasses.replace(config, rope_theta=50.0), TOKENS, TOKENS, **sizes, progress=False,
+          checkpoint_dir=tmp_path / 'ckpt')
+  with pytest.raises(CheckpointError, match=r'other arguments \(train_tokens_sha256: '):
+    train(config, TOKENS[::-1].copy(), TOKENS, **sizes, progress=False,
+          checkpoint_dir=tmp_path / 'ckpt')
 
 
 def test_a_damaged_training_state_is_refused(tmp_path):

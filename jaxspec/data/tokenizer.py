@@ -19,6 +19,8 @@ from typing import Iterable, Optional, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from jaxspec.checks import is_int_in, token_ids
+
 PAD, BOS, EOS = '<|pad|>', '<|bos|>', '<|eos|>'
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
 
@@ -92,14 +94,20 @@ class Tokenizer:
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON.
       raise ValueError(f'corrupt tokenizer file {path}: {e}') from e
     ours = all(tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS))
+    special = None
     if not ours and any((path.parent / f).is_file() for f in _HF_CONFIG_FILES):
-      loaded = cls(tok, special_ids=_hf_special_ids(path.parent, tok))
+      special = _hf_special_ids(path.parent, tok)
+      if special == {'pad': None, 'bos': None, 'eos': ()}:   # e.g. our own model's config.json
+        special = None                                      # names none: not Hugging Face's
+    if special is not None:
+      loaded = cls(tok, special_ids=special)
     else:
       try:
         loaded = cls(tok)
       except ValueError as e:
         raise ValueError(f'tokenizer {path}: {e} (and no Hugging Face config beside it names '
-                         'its special tokens)') from e
+                         'its special tokens: generation_config.json, config.json or '
+                         'tokenizer_config.json)') from e
     loaded.source = path.absolute()
     return loaded
 
@@ -116,8 +124,13 @@ class Tokenizer:
     """Text of ``ids`` (ints in [0, vocab_size)); special ids render as their names, e.g. '<|eos|>'.
 
     A slice that cuts a multi-byte character yields U+FFFD for the partial bytes.
+
+    Raises ValueError naming the first id that is not an int in [0, vocab_size) (it decoded to
+    '' or, for 1.7, to id 1).
     """
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    if not isinstance(ids, (list, tuple, range)) and getattr(ids, 'ndim', None) != 1:
+      ids = list(ids)                    # a generator, a set of one id...: read once, in order
+    return self._tok.decode(token_ids(ids, 'ids', self.vocab_size), skip_special_tokens=False)
 
   @property
   def vocab_size(self) -> int:
@@ -188,7 +201,10 @@ def _hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
         if value is None:
           raise ValueError(f'{file}: {key}_token {token!r} is not in the tokenizer')
       if value is not None:
-        found[key] = tuple(value) if key == 'eos' and isinstance(value, list) else value
-  if isinstance(found['eos'], int):
-    found['eos'] = (found['eos'],)
+        ids = value if key == 'eos' and isinstance(value, list) else [value]
+        size = tok.get_vocab_size(with_added_tokens=True)
+        if not ids or not all(is_int_in(i, 0, size - 1) for i in ids):
+          raise ValueError(f'{file}: {key}_token_id must be a token id in [0, {size}) (or, for '
+                           f'eos, a list of them), got {value!r}')
+        found[key] = tuple(int(i) for i in ids) if key == 'eos' else int(ids[0])
   return found

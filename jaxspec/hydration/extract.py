@@ -109,7 +109,9 @@ class ModelExtractor:
           seed=self.seed + 1000 * self.calls + attempt, **self.spec)
       new_tokens += len(out.tokens)
       body = out.tokens[:-1] if out.finished else out.tokens
-      text = self.tokenizer.decode(body)
+      # Unconstrained, a model whose embedding is padded past the tokenizer may emit an id it
+      # has no text for: it reads as nothing (and the record as malformed), not as an error.
+      text = self.tokenizer.decode([t for t in body if t < self.tokenizer.vocab_size])
       record = _parse(text, schema, complete=out.finished or not self.constrained)
       if record is not None:
         return Extraction(record, attempt + 1, time.perf_counter() - start, new_tokens, text)

@@ -138,13 +138,19 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
 
 
 def _sliding_window(fields: dict, arch: str, where: str) -> Optional[int]:
-  """The window every layer uses, or None; CheckpointError when only some layers use one."""
-  window = fields.get('sliding_window')
+  """The window every layer uses, or None; CheckpointError when only some layers use one.
+
+  As transformers reads the fields: Llama has no window (a sliding_window key is ignored);
+  Mistral's defaults to 4096 when the key is absent (null: none); Qwen2 windows only with
+  use_sliding_window, the layers from max_window_layers (default 28) on."""
+  if arch == 'LlamaForCausalLM':
+    return None
+  window = fields.get('sliding_window', 4096 if arch == 'MistralForCausalLM' else None)
   if arch == 'Qwen2ForCausalLM' and not fields.get('use_sliding_window', False):
     window = None
   layer_types = fields.get('layer_types')
   if window is not None and layer_types is None and arch == 'Qwen2ForCausalLM':
-    first = fields.get('max_window_layers', 0)        # Qwen2 windows layers >= max_window_layers
+    first = fields.get('max_window_layers', 28)       # Qwen2 windows layers >= max_window_layers
     layer_types = ['full_attention' if i < first else 'sliding_attention'
                    for i in range(fields['num_hidden_layers'])]
   if window is not None and layer_types is not None:
@@ -215,8 +221,14 @@ def tensor_names(config: ModelConfig) -> dict:
   return {k: (('params',) + path, t) for k, (path, t) in names.items()}
 
 
+_FLOAT_STORAGE = ('F16', 'BF16', 'F32', 'F64')   # safetensors dtype names load_pretrained reads
+
+
 def _weight_files(path: pathlib.Path) -> dict:
-  """{file: [tensor names it should hold] or None (= every tensor in it)}."""
+  """{file: [tensor names it should hold] or None (= every tensor in it)}. As transformers:
+  model.safetensors when it exists, else the index's shards."""
+  if (path / SINGLE).is_file():
+    return {path / SINGLE: None}
   if (path / INDEX).is_file():
     try:
       weight_map = json.loads((path / INDEX).read_text())['weight_map']
@@ -233,8 +245,6 @@ def _weight_files(path: pathlib.Path) -> dict:
       if not file.is_file():
         raise CheckpointError(f'shard {file.name} named in {path / INDEX} is missing')
     return files
-  if (path / SINGLE).is_file():
-    return {path / SINGLE: None}
   shards = sorted(path.glob('*.safetensors'))
   if shards:
     raise CheckpointError(f'{path} has {len(shards)} .safetensors files but no {INDEX}')
@@ -282,7 +292,9 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
                   jax.tree_util.tree_flatten_with_path(param_shapes(config))[0])
   names = tensor_names(config)
   flat, unexpected = {}, []
-  for file, listed in _weight_files(path).items():
+  files = _weight_files(path)
+  indexed = {name for listed in files.values() for name in listed or []}
+  for file, listed in files.items():
     try:
       with safe_open(str(file), framework='numpy') as f:
         keys = set(f.keys())
@@ -290,6 +302,8 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
           if name not in keys:
             raise CheckpointError(f'tensor {name} is listed in {INDEX} but not in {file.name}')
         for name in sorted(keys):
+          if name in indexed and name not in listed:   # the index places it in another shard
+            continue
           if name not in names:
             if not (name.endswith(_IGNORED_SUFFIXES) or (name == 'lm_head.weight' and
                                                          config.tie_embeddings)):
@@ -301,6 +315,10 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
           if shape != tuple(want):
             raise CheckpointError(f'{file.name}: tensor {name} has shape {shape}, '
                                   f'config.json implies {tuple(want)}')
+          stored = f.get_slice(name).get_dtype()
+          if stored not in _FLOAT_STORAGE:
+            raise CheckpointError(f'{file.name}: tensor {name} is stored as {stored}; weights '
+                                  f'must be floating point ({", ".join(_FLOAT_STORAGE)})')
           x = f.get_tensor(name)
           flat[ours] = jnp.asarray(x.T if transpose else x, dtype)
           del x

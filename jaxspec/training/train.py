@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import math
 import time
 
@@ -72,7 +74,8 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     params: optional params to continue from (fresh ones otherwise).
     checkpoint_dir: a directory for a resumable state (`resume.TrainState`: params, optimizer
       state, steps done), written every `checkpoint_every` steps (0: only at the end). A call
-      that finds a state there written with the same arguments continues from it, the window
+      that finds a state there written with the same arguments (sizes, rates, seed, every
+      field of `config`, a SHA-256 of train_tokens) continues from it, the window
       sampler replayed to its step, so an interrupted run resumed gives the params an
       uninterrupted one would have.
   Returns:
@@ -117,7 +120,9 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     state = resume.TrainState(checkpoint_dir, dict(
         steps=steps, batch_size=batch_size, seq_len=seq_len, learning_rate=learning_rate,
         warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
-        num_params=config.num_params, train_tokens=int(len(train_tokens))))
+        num_params=config.num_params, train_tokens=int(len(train_tokens)),
+        train_tokens_sha256=hashlib.sha256(np.ascontiguousarray(train_tokens)).hexdigest(),
+        **{f'model.{k}': v for k, v in dataclasses.asdict(config).items()}))
     restored = state.restore(params, opt_state)
     if restored is not None:
       params, opt_state, done, loss = restored
