@@ -230,7 +230,10 @@ def main(argv) -> None:
     sys.exit(f'FATAL: no result records in {str(path)!r} (is it a results.jsonl?); nothing '
              f'written')
   out = pathlib.Path(flags.FLAGS.out or path.parent)
-  out.mkdir(parents=True, exist_ok=True)
+  try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as error:          # a file in the way, no permission, read-only
+    sys.exit(f'FATAL: cannot use --out={out}: {error}')
   experiment = flags.FLAGS.experiment or guess_experiment(path)
   summarize(records, out / 'summary.md', out / 'summary.csv')
   pngs = plot(records, out / 'plots', experiment)

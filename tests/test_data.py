@@ -115,8 +115,15 @@ def test_tokenizer_load_corrupt_file_names_path(tmp_path, content):
 
 
 def test_tokenizer_train_rejects_tiny_vocab():
-  with pytest.raises(ValueError, match='100'):
+  with pytest.raises(ValueError, match='vocab_size must be an int >= 259, got 100'):
     Tokenizer.train(['abc'], vocab_size=100)
+  with pytest.raises(ValueError, match='vocab_size must be an int >= 259, got 300.5'):
+    Tokenizer.train(['abc'], vocab_size=300.5)        # was a TypeError inside tokenizers
+
+
+def test_tokenizer_save_to_a_directory_names_it(tok, tmp_path):
+  with pytest.raises(ValueError, match='a directory .give a file path'):
+    tok.save(tmp_path)                                 # was a bare 'Is a directory' Exception
 
 
 # --- workloads ----------------------------------------------------------------------------------
@@ -226,3 +233,30 @@ def test_agent_conversations_share_an_exact_prefix_and_use_real_distinct_files(t
     turn_prompt(convs[0], 4, replies * 2)
   with pytest.raises(ValueError, match='prefix_tokens=10'):
     make_conversations(tok, num_conversations=1, num_turns=1, prefix_tokens=10, tool_tokens=8)
+
+
+def test_a_numpy_seed_draws_what_the_same_python_seed_draws_and_floats_are_refused(tok):
+  # The hashed repr of np.int64(0) is 'np.int64(0)' under numpy 2, '0' under numpy 1: numpy
+  # seeds drew other prompts (and other ones again across numpy versions).
+  from jaxspec.data import make_conversations  # pylint: disable=import-outside-toplevel
+  from jaxspec.data.tool_calls import tool_episodes  # pylint: disable=import-outside-toplevel
+  assert make_prompts('json', tok, 2, 64, seed=np.int64(3)) == make_prompts('json', tok, 2, 64,
+                                                                            seed=3)
+  conv = dict(num_conversations=1, num_turns=1, prefix_tokens=256, tool_tokens=32)
+  assert (make_conversations(tok, **conv, seed=np.int64(3))[0].prefix ==
+          make_conversations(tok, **conv, seed=3)[0].prefix)
+  assert tool_episodes(tok, 1, 2, seed=np.int32(3))[0].name == tool_episodes(tok, 1, 2,
+                                                                             seed=3)[0].name
+  for seed in (3.0, True):
+    with pytest.raises(ValueError, match='seed must be a 64-bit int'):
+      make_prompts('json', tok, 2, 64, seed=seed)
+  with pytest.raises(ValueError, match='prompt_len must be an int >= 1 for .json., got 8.5'):
+    make_prompts('json', tok, 2, 8.5)
+
+
+def test_decode_refuses_ids_outside_the_vocabulary(tok):
+  assert tok.decode(np.array([100, 200])) == tok.decode([100, 200])
+  for ids, match in (([tok.vocab_size], 'outside the vocabulary'), ([-1], 'token id -1'),
+                     ([1.7], 'got 1.7 at position 0')):       # was '', OverflowError, '<|bos|>'
+    with pytest.raises(ValueError, match=match):
+      tok.decode(ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from jaxspec.checks import check_int, check_seed
 from jaxspec.data import corpus
 from jaxspec.data.tokenizer import Tokenizer
 
@@ -85,12 +86,14 @@ def make_conversations(tokenizer: Tokenizer, *, num_conversations: int, num_turn
     Conversations with distinct tool-result files (wrapping round to new windows when the split
     has too few files).
   Raises:
-    ValueError: a count < 1, a prefix too short for the instructions, or no file long enough.
+    ValueError: a count not an int >= 1, a seed not a 64-bit int, a prefix too short for the
+      instructions, or no file long enough.
   """
-  for name, value in (('num_conversations', num_conversations), ('num_turns', num_turns),
-                      ('tool_tokens', tool_tokens)):
-    if value < 1:
-      raise ValueError(f'{name} must be >= 1, got {value}')
+  num_conversations = check_int('num_conversations', num_conversations, 1)
+  num_turns = check_int('num_turns', num_turns, 1)
+  tool_tokens = check_int('tool_tokens', tool_tokens, 1)
+  prefix_tokens = check_int('prefix_tokens', prefix_tokens)
+  seed = check_seed(seed)     # a Python int: the hashed repr of np.int64(0) is not that of 0
   head = tokenizer.encode(INSTRUCTIONS + TOOLS_HEADER)
   example_head = tokenizer.encode(EXAMPLE_HEADER)
   room = prefix_tokens - len(head) - len(example_head)

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxspec.checks import is_int_in, token_ids
+from jaxspec.checks import check_int, is_int_in, token_ids
 
 PAD, BOS, EOS = '<|pad|>', '<|bos|>', '<|eos|>'
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
@@ -50,10 +50,10 @@ class Tokenizer:
     """Learns BPE merges over ``texts`` (any iterable of str, consumed once).
 
     vocab_size: total size including the 3 specials and the 256 byte tokens; the result can be
-    smaller when the texts hold too few distinct merges. Raises ValueError if vocab_size < 259.
+    smaller when the texts hold too few distinct merges. Raises ValueError if vocab_size is not an
+    int >= 259.
     """
-    if vocab_size < 256 + len(SPECIAL_TOKENS):
-      raise ValueError(f'vocab_size must be >= {256 + len(SPECIAL_TOKENS)}, got {vocab_size}')
+    vocab_size = check_int('vocab_size', vocab_size, 256 + len(SPECIAL_TOKENS))
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -67,8 +67,12 @@ class Tokenizer:
     return cls(tok)
 
   def save(self, path: str | os.PathLike[str]) -> None:
-    """Writes the tokenizer as one JSON file at ``path``, creating parent directories."""
+    """Writes the tokenizer as one JSON file at ``path``, creating parent directories.
+    Raises ValueError naming ``path`` when it is a directory."""
     path = pathlib.Path(path)
+    if path.is_dir():
+      raise ValueError(f'cannot save the tokenizer to {path}: a directory (give a file path, '
+                       f'e.g. {path / "tokenizer.json"})')
     path.parent.mkdir(parents=True, exist_ok=True)
     self._tok.save(str(path))
 

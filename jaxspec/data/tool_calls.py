@@ -31,6 +31,7 @@ import hashlib
 import json
 import re
 
+from jaxspec.checks import check_int, check_seed
 from jaxspec.data import corpus
 from jaxspec.data.tokenizer import Tokenizer
 
@@ -83,10 +84,12 @@ def tool_episodes(tokenizer: Tokenizer, num_episodes: int, num_turns: int, *,
   are skipped, not cut). Deterministic in its arguments.
 
   Raises:
-    ValueError: num_episodes or num_turns < 1, or too few qualifying services in the split.
+    ValueError: num_episodes or num_turns not an int >= 1, a seed not a 64-bit int, or too few
+      qualifying services in the split.
   """
-  if num_episodes < 1 or num_turns < 1:
-    raise ValueError(f'num_episodes ({num_episodes}) and num_turns ({num_turns}) must be >= 1')
+  num_episodes = check_int('num_episodes', num_episodes, 1)
+  num_turns = check_int('num_turns', num_turns, 1)
+  seed = check_seed(seed)     # a Python int: the hashed repr of np.int64(0) is not that of 0
   docs = [d for d in corpus.documents('json', split) if '/service-2.json' in d.name]
   docs.sort(key=lambda d: hashlib.sha256(repr((seed, d.name)).encode()).digest())
   episodes = []

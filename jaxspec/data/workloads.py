@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
+from jaxspec.checks import check_int, check_seed, is_int_in
 from jaxspec.data import corpus
 from jaxspec.data.tokenizer import Tokenizer
 
@@ -115,17 +116,19 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
   tokens. Deterministic in (workload, tokenizer, num_prompts, prompt_len, split, seed); prompts come
   from distinct files while the split has enough files that fit.
 
-  Raises ValueError for an unknown workload or split, num_prompts < 1, prompt_len < 1 (retrieval:
-  < 48), or a split with no file long enough (retrieval's instruction + quote take
+  Raises ValueError for an unknown workload or split, num_prompts not an int >= 1, prompt_len not
+  an int >= 1 (retrieval: >= 48), a seed not a 64-bit int, or a split with no file long enough (retrieval's instruction + quote take
   25-45 tokens, so prompt_len < 96 leaves little document and may find too few prompts).
   """
   if workload not in WORKLOADS:
     raise ValueError(f'unknown workload {workload!r}; expected one of {WORKLOADS}')
-  if num_prompts < 1:
-    raise ValueError(f'num_prompts must be >= 1, got {num_prompts}')
+  num_prompts = check_int('num_prompts', num_prompts, 1)
   min_len = MIN_RETRIEVAL_PROMPT if workload == 'retrieval' else 1
-  if prompt_len < min_len:
-    raise ValueError(f'prompt_len must be >= {min_len} for {workload!r}, got {prompt_len}')
+  if not is_int_in(prompt_len, min_len, 2 ** 63):
+    raise ValueError(f'prompt_len must be an int >= {min_len} for {workload!r}, got '
+                     f'{prompt_len!r}')
+  prompt_len = int(prompt_len)
+  seed = check_seed(seed)     # a Python int: the hashed repr of np.int64(0) is not that of 0
   kinds = corpus.KINDS if workload == 'retrieval' else (workload,)
   docs = _ordered_docs(kinds, split, seed, workload)
   token_cache: dict[str, list[int]] = {}

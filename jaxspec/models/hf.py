@@ -224,6 +224,17 @@ def tensor_names(config: ModelConfig) -> dict:
 _FLOAT_STORAGE = ('F16', 'BF16', 'F32', 'F64')   # safetensors dtype names load_pretrained reads
 
 
+def _dtype_name(dtype) -> str:
+  """'bfloat16', jnp.bfloat16 and np.float16 alike as a name in _DTYPES (ValueError if not)."""
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in _DTYPES:
+    raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
+  return name
+
+
 def _weight_files(path: pathlib.Path) -> dict:
   """{file: [tensor names it should hold] or None (= every tensor in it)}. As transformers:
   model.safetensors when it exists, else the index's shards."""
@@ -269,13 +280,7 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
     CheckpointError: no directory / config.json / weights, unsupported architecture or feature,
       a missing config key, or a tensor missing, of the wrong shape or unexpected (each named).
   """
-  try:
-    name = jnp.dtype(dtype).name              # 'bfloat16', jnp.bfloat16 and np.float16 alike
-  except TypeError:
-    name = None
-  if name not in _DTYPES:
-    raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
-  dtype = name
+  dtype = _dtype_name(dtype)
   if max_seq_len is not None:
     max_seq_len = check_int('max_seq_len', max_seq_len, 1)
   path = pathlib.Path(path).absolute()
@@ -362,8 +367,7 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
     ValueError: unknown dtype or architecture, max_shard_bytes < 1, or params that do not match
       `config` (tensor named).
   """
-  if dtype not in _DTYPES:
-    raise ValueError(f'dtype must be one of {list(_DTYPES)}, got {dtype!r}')
+  dtype = _dtype_name(dtype)
   if not is_int_in(max_shard_bytes, 1, math.inf):
     raise ValueError(f'max_shard_bytes must be a positive int, got {max_shard_bytes!r}')
   fields = config_to_hf(config, architecture)
