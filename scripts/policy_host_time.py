@@ -4,7 +4,7 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
     python scripts/policy_host_time.py [--batch 4] [--workload code]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
-        [--set 'goodput.draft_sync.probe_every=None' ...] [--per-pass] [--costs]
+        [--set 'goodput.draft_sync.probe_every=None' ...] [--per_pass] [--costs]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
@@ -12,7 +12,7 @@ each, greedy), then stepped in turn (`experiments.batching.measure`, the order s
 round) for --passes passes. --set overrides an attribute of a built engine before the runs
 (SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
 settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
-overhead into probes and the rest. --per-pass also prints each pass (what one stretch at K >= 1
+overhead into probes and the rest. --per_pass also prints each pass (what one stretch at K >= 1
 costs: prefill calls, catch-ups, rounds with an idle row). Per setting it prints tokens/s as a
 ratio to the first setting (mean over passes), decode rounds per pass, the mean microseconds per
 round of each part, the rounds per K, and for a lazy draft cache its catch-up calls and
@@ -113,7 +113,7 @@ def _print_costs(name, engine, calls, priced, unit) -> None:
 
 
 def _print_pass(p, runs, base, engines, totals, marks) -> None:
-  """One line per setting of pass p (`--per-pass`): tokens/s against `base`, engine ms,
+  """One line per setting of pass p (`--per_pass`): tokens/s against `base`, engine ms,
   prefill calls, rounds at K >= 1, catch-up ms and rounds with an idle row in this pass."""
   for name, run in runs.items():
     spec = sum(n for k, n in run['rounds_by_k'].items() if int(k) >= 1)
@@ -133,7 +133,7 @@ def main():
   parser.add_argument('--passes', type=int, default=6, help='timed passes over the prompts')
   parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput',
                       help="the study's settings string; the first is the ratios' base")
-  parser.add_argument('--per-pass', action='store_true',
+  parser.add_argument('--per_pass', '--per-pass', action='store_true',
                       help='also print each pass: every setting against the first, its engine '
                            'ms, prefill calls, rounds at K >= 1, catch-up ms, and decode rounds '
                            'with fewer requests than slots')

@@ -19,7 +19,7 @@ to it (the engine sees what the draft did past a stop token). Prints, per worklo
 policy's speedup over K = 0 (table seconds), its fraction of the best static K and its rounds
 per K (with --batch > 1, the requests each prefill call admitted).
 
-    python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k-max 8]
+    python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k_max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
         [--live runs/batching/sweep/results.jsonl]
 
@@ -184,11 +184,11 @@ def main():
   parser.add_argument('--batch', type=int, default=1, help='engine slots B (default 1)')
   parser.add_argument('--requests', type=int, default=0,
                       help='requests per workload (default: the study\'s max(2 B, 8))')
-  parser.add_argument('--k-max', type=int, default=8,
+  parser.add_argument('--k_max', '--k-max', type=int, default=8,
                       help='K_max of the adaptive policies, in [1, 8] (default 8)')
   parser.add_argument('--workloads', default='json,code,retrieval')
   parser.add_argument('--static', default='',
-                      help='the static K replayed beside K = 0 (default 1,2,3,4,8 up to --k-max)')
+                      help='the static K replayed beside K = 0 (default 1,2,3,4,8 up to --k_max)')
   parser.add_argument('--costs', default='',
                       help='d(K) / d(0) for K = 0..k_max instead of timing them (B = 1 only; '
                            'decode rounds only; skips the goodput engine\'s start-up timing)')
@@ -204,11 +204,11 @@ def main():
     parser.error(f'--static and --costs must be numbers, got {args.static!r}, {args.costs!r}')
   for name, value, ok in (('--batch', args.batch, args.batch >= 1),
                           ('--requests', args.requests, args.requests >= 0),
-                          ('--k-max', args.k_max, 1 <= args.k_max <= 8),
+                          ('--k_max', args.k_max, 1 <= args.k_max <= 8),
                           ('--static', static, all(1 <= k <= args.k_max for k in static))):
     if not ok:
-      parser.error(f'{name} {value} is out of range (--batch >= 1, --requests >= 0, --k-max in '
-                   f'[1, 8], --static in [1, --k-max={args.k_max}])')
+      parser.error(f'{name} {value} is out of range (--batch >= 1, --requests >= 0, --k_max in '
+                   f'[1, 8], --static in [1, --k_max={args.k_max}])')
   if given and (args.batch != 1 or args.live or len(given) != args.k_max + 1 or
                 not all(0 < c < math.inf for c in given)):
     parser.error(f'--costs wants --batch 1, no --live and {args.k_max + 1} finite positive '
