@@ -260,3 +260,13 @@ def test_decode_refuses_ids_outside_the_vocabulary(tok):
                      ([1.7], 'got 1.7 at position 0')):       # was '', OverflowError, '<|bos|>'
     with pytest.raises(ValueError, match=match):
       tok.decode(ids)
+
+
+@pytest.mark.parametrize('max_docs', [0, -1, 1.5])
+def test_max_docs_must_be_a_positive_int(tok, max_docs):
+  # -1 silently kept all but the last document, 0 none.
+  from jaxspec.data import token_stream, train_mixture  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=f'max_docs must be an int >= 1, got {max_docs}'):
+    token_stream('json', 'val', tok, max_docs=max_docs)
+  with pytest.raises(ValueError, match=f'max_docs must be an int >= 1, got {max_docs}'):
+    train_mixture(tok, 'val', max_docs=max_docs)

@@ -469,6 +469,9 @@ def test_save_pretrained_rejects_params_that_do_not_match(loaded, tmp_path):
   with pytest.raises(ValueError, match='LlamaForCausalLM has no sliding window'):
     save_pretrained(tmp_path, dataclasses.replace(config, sliding_window=4), params,
                     architecture='LlamaForCausalLM')
+  extra = {'params': {**params['params'], 'lora_a': jnp.zeros((4, 4))}}   # was dropped silently
+  with pytest.raises(ValueError, match=r"tensors the config has no place for: \['params/lora_a'\]"):
+    save_pretrained(tmp_path, config, extra)
 
 
 @pytest.mark.parametrize('weight_map', [[], 'x', {'model.norm.weight': None}])

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxspec.checks import check_int, check_seed
 from jaxspec.data import corpus
 from jaxspec.data.tokenizer import Tokenizer
 
@@ -38,14 +39,21 @@ def _stream(docs: Sequence[corpus.Document], tokenizer: Tokenizer) -> np.ndarray
   return np.concatenate(parts) if parts else np.zeros([0], np.int32)
 
 
+def _max_docs(max_docs):
+  """None, or an int >= 1 (-1 kept all but the last document, 0 none): ValueError otherwise."""
+  return None if max_docs is None else check_int('max_docs', max_docs, 1)
+
+
 def token_stream(kinds: str | Sequence[str], split: str, tokenizer: Tokenizer,
                  max_docs: int | None = None) -> np.ndarray:
   """All documents of ``kinds`` in ``split``, tokenized, each followed by ``eos``.
 
   kinds: 'code', 'json' or a sequence of them; documents come kind by kind, each kind in name
   order. max_docs: keep only the first ``max_docs`` documents of each kind (None = all).
-  Returns [N] int32. Raises ValueError for an unknown kind or split, or an empty ``kinds``.
+  Returns [N] int32. Raises ValueError for an unknown kind or split, an empty ``kinds``, or
+  max_docs not None or an int >= 1.
   """
+  max_docs = _max_docs(max_docs)
   docs = []
   for kind in _as_kinds(kinds):
     docs += corpus.documents(kind, split)[:max_docs]
@@ -59,8 +67,11 @@ def train_mixture(tokenizer: Tokenizer, split: str = 'train', max_docs: int | No
   The order is a shuffle hashed from (seed, kind, name), so any long slice holds both kinds in
   about their corpus proportion (by documents: ~2 json files per code file; by bytes ~5:1).
   max_docs: keep the first ``max_docs`` documents of each kind (name order) before shuffling.
-  Returns [N] int32. Raises ValueError for an unknown split.
+  Returns [N] int32. Raises ValueError for an unknown split, max_docs not None or an int >= 1,
+  or a seed that is not a 64-bit int.
   """
+  max_docs = _max_docs(max_docs)
+  seed = check_seed(seed)
   docs = [d for k in corpus.KINDS for d in corpus.documents(k, split)[:max_docs]]
   def key(d):
     return hashlib.sha256(f'{seed}:{d.kind}:{d.name}'.encode()).digest()

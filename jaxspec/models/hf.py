@@ -365,7 +365,7 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
       model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
   Raises:
     ValueError: unknown dtype or architecture, max_shard_bytes < 1, or params that do not match
-      `config` (tensor named).
+      `config`: a tensor missing, of another shape, or extra (named).
   """
   dtype = _dtype_name(dtype)
   if not is_int_in(max_shard_bytes, 1, math.inf):
@@ -384,6 +384,9 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
     if keys not in leaves or tuple(leaves[keys].shape) != tuple(shape):
       got = tuple(leaves[keys].shape) if keys in leaves else 'missing'
       raise ValueError(f'param {"/".join(keys)} is {got}, config implies {tuple(shape)}')
+  extra = sorted('/'.join(map(str, keys)) for keys in set(leaves) - set(expected))
+  if extra:            # they would be left out of the checkpoint without a word
+    raise ValueError(f'params hold tensors the config has no place for: {extra[:5]}')
   names = tensor_names(config)
   itemsize = np.dtype(_DTYPES[dtype]).itemsize
   shards, size = [[]], 0
