@@ -270,3 +270,10 @@ def test_max_docs_must_be_a_positive_int(tok, max_docs):
     token_stream('json', 'val', tok, max_docs=max_docs)
   with pytest.raises(ValueError, match=f'max_docs must be an int >= 1, got {max_docs}'):
     train_mixture(tok, 'val', max_docs=max_docs)
+
+
+def test_encode_names_text_it_cannot_take(tok):
+  with pytest.raises(ValueError, match='surrogates not allowed'):    # was tokenizers' TypeError
+    tok.encode('ab\ud800c')
+  with pytest.raises(ValueError, match='encode takes a str, got bytes'):
+    tok.encode(b'abc')

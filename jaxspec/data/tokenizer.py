@@ -116,8 +116,17 @@ class Tokenizer:
     return loaded
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of ``text`` (no specials added); ``decode(encode(text)) == text`` always."""
-    return self._tok.encode(text, add_special_tokens=False).ids
+    """Token ids of ``text`` (no specials added); ``decode(encode(text)) == text`` always.
+
+    Raises ValueError when ``text`` is not a str, or holds a lone surrogate (not encodable as
+    UTF-8: it has no bytes to tokenize)."""
+    if not isinstance(text, str):
+      raise ValueError(f'encode takes a str, got {type(text).__name__}')
+    try:
+      return self._tok.encode(text, add_special_tokens=False).ids
+    except TypeError:                    # tokenizers' error for a str it cannot take as UTF-8
+      text.encode('utf-8')               # raises UnicodeEncodeError (a ValueError) naming it
+      raise
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     """``[encode(t) for t in texts]``, run in parallel in Rust (uses all cores)."""
