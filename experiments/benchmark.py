@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import comma_list
+from experiments.common import check_fields, comma_list
 from experiments.speculative import load_pair, ratio
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
@@ -56,6 +56,7 @@ def forward_seconds(config, params, context: int, num_tokens: int, page_size: in
 def run(config, results) -> None:
   """Measure configs/benchmark.py; one record per K, then one MBU record."""
   ks = comma_list(config, 'ks', convert=int, what='K')
+  check_fields(config, ('repeats', 'num_prompts', 'max_new_tokens'))
   sampling = SamplingParams(temperature=float(config.temperature))
   target, tparams, draft, dparams, tokenizer = load_pair(config)
   prompts = [p.tokens for p in make_prompts(config.workload, tokenizer, config.num_prompts,

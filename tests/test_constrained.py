@@ -132,6 +132,33 @@ def test_rollback_restores_the_allowed_set():
   c.advance(tok.eos_id)
   c.rollback(len(ids) + 1)
   np.testing.assert_array_equal(c.allowed(), before)
+  assert c.consumed == 0
+
+
+def test_constraint_arguments_and_a_used_constraint_are_named(models_):
+  target, target_params, draft, draft_params, tok = models_
+  c = _constraint(SCHEMAS[2])
+  for token in (2.9, -1, 10 ** 10):           # 2.9 was truncated to EOS; the others overflowed
+    with pytest.raises(ConstraintError, match=r'token must be an int in \[0, 4096\)'):
+      c.advance(token)
+  c.advance(tok.encode('{')[0])
+  for n in (-1, 2):                           # -1 grew the EOS count; 2 broke the matcher
+    with pytest.raises(ConstraintError, match=f'cannot roll back {n} tokens: 1 consumed'):
+      c.rollback(n)
+  c.rollback(1)
+  np.testing.assert_array_equal(c.allowed(), _constraint(SCHEMAS[2]).allowed())
+  prompt = tok.encode('{')
+  c = _constraint({'enum': ['GET', 'POST']})
+  constrained_generate(draft, draft_params, prompt, c, max_new_tokens=8, stop_token=tok.eos_id)
+  with pytest.raises(ValueError, match='the constraint has already consumed'):   # gave [eos]
+    constrained_generate(draft, draft_params, prompt, c, max_new_tokens=8, stop_token=tok.eos_id)
+  with pytest.raises(ValueError, match=r'speculation length K must be an int in \[1, 16\], '
+                                       r'got 17'):
+    constrained_generate(target, target_params, prompt, _constraint(SCHEMAS[2]),
+                         max_new_tokens=8, stop_token=tok.eos_id, draft=draft,
+                         draft_params=draft_params, k=17)
+  with pytest.raises(ConstraintError, match='regex parse error: .*error: '):   # the reason kept
+    _constraint({'type': 'string', 'maxLength': 10 ** 12})
 
 
 # Constrained speculative sampling on V = 8 (same test as test_rejection_sampling, with masks).

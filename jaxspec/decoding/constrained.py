@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
-from jaxspec.checks import check_int, check_seed, token_ids
+from jaxspec.checks import check_int, check_seed, is_int_in, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
+from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, check_sampling, probabilities, sample
 from jaxspec.decoding.speculative import proposals_in_reach
@@ -158,6 +159,8 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
       SamplingParams too) or a prompt that does not fit the context.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
+  (A constraint that has consumed tokens, e.g. from an earlier call, is a ValueError: its mask
+  would continue that text.)
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
   check_sampling(sampling)
@@ -168,13 +171,18 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   if (draft is None) != (draft_params is None) or (draft is None) != (k is None):
     raise ValueError('give draft, draft_params and k together (or none of them)')
   if draft is not None:
-    k = check_int('k', k, 1)
+    if not is_int_in(k, 1, MAX_K):
+      raise ValueError(f'speculation length K must be an int in [1, {MAX_K}], got {k!r}')
+    k = int(k)
   if draft is not None and draft.vocab_size != target.vocab_size:
     raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
                      f'vocabulary ({target.vocab_size})')
   if constraint is not None and stop_token != constraint.eos_id:
     raise ValueError(f'stop_token {stop_token} differs from the constraint\'s end token '
                      f'{constraint.eos_id}')
+  if constraint is not None and constraint.consumed:
+    raise ValueError(f'the constraint has already consumed {constraint.consumed} tokens (a '
+                     'constraint follows one generation: build a new one for each)')
   if constraint is not None and constraint.vocab_size != target.vocab_size:
     raise ValueError(f'constraint masks have {constraint.vocab_size} entries, the model '
                      f'vocabulary {target.vocab_size}')

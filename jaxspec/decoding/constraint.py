@@ -21,9 +21,17 @@ import llguidance
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 import numpy as np
 
+from jaxspec.checks import is_int_in
+
 
 def _first_line(message: str) -> str:
-  return message.strip().splitlines()[0] if message.strip() else message
+  """llguidance's reason in one line: its first line, and its 'error:' line when that comes
+  later (a regex parse error puts the pattern between them)."""
+  lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+  if not lines:
+    return message
+  cause = next((line for line in lines[1:] if line.startswith('error:')), None)
+  return f'{lines[0]} {cause}' if cause else lines[0]
 
 
 class ConstraintError(ValueError):
@@ -44,6 +52,7 @@ class TokenConstraint:
   Attributes:
     vocab_size: V of the masks (the model's vocabulary; may exceed the tokenizer's).
     eos_id: the stop token.
+    consumed: tokens consumed and not rolled back (0: fresh).
   """
 
   def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_id: int,
@@ -56,6 +65,7 @@ class TokenConstraint:
     self.eos_id = eos_id
     self._bits = allocate_token_bitmask(1, tokenizer_vocab)
     self._eos_consumed = 0      # EOS tokens consumed after the end (speculative padding)
+    self.consumed = 0           # tokens consumed (advance) less those rolled back
 
   @classmethod
   def json_schema(cls, schema: dict, tokenizer_path, *, vocab_size: int, eos_id: int = 2,
@@ -123,8 +133,12 @@ class TokenConstraint:
     return mask
 
   def advance(self, token: int) -> None:
-    """Consume `token`. Raises ConstraintError if the constraint forbids it."""
+    """Consume `token`. Raises ConstraintError if the constraint forbids it, or if it is not
+    an int in [0, vocab_size)."""
+    if not is_int_in(token, 0, self.vocab_size - 1):
+      raise ConstraintError(f'token must be an int in [0, {self.vocab_size}), got {token!r}')
     token = int(token)
+    self.consumed += 1
     if self.done:
       if token != self.eos_id:
         raise ConstraintError(f'token {token} after the end of the constrained text')
@@ -134,7 +148,12 @@ class TokenConstraint:
       raise ConstraintError(f'token {token} is not allowed: {_first_line(self._m.get_error())}')
 
   def rollback(self, num_tokens: int) -> None:
-    """Forget the last `num_tokens` consumed tokens (rejected speculative tokens)."""
+    """Forget the last `num_tokens` consumed tokens (rejected speculative tokens). Raises
+    ConstraintError when num_tokens is not an int in [0, tokens consumed]."""
+    if not is_int_in(num_tokens, 0, self.consumed):
+      raise ConstraintError(f'cannot roll back {num_tokens!r} tokens: {self.consumed} consumed')
+    num_tokens = int(num_tokens)
+    self.consumed -= num_tokens
     extra = min(num_tokens, self._eos_consumed)
     self._eos_consumed -= extra
     if num_tokens - extra and not self._m.rollback(num_tokens - extra):
