@@ -159,6 +159,17 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
                          draft_params=draft_params, k=17)
   with pytest.raises(ConstraintError, match='regex parse error: .*error: '):   # the reason kept
     _constraint({'type': 'string', 'maxLength': 10 ** 12})
+  deep = {}
+  node = deep
+  for _ in range(2000):                       # RecursionError / TypeError from json.dumps before
+    node['items'] = {}
+    node = node['items']
+  for schema, match in ((deep, 'RecursionError'), ({'enum': {1, 2}}, 'set is not JSON')):
+    with pytest.raises(ConstraintError, match=f'the schema is not JSON: .*{match}'):
+      _constraint(schema)
+  with pytest.raises(ConstraintError, match='eos_id an int in .0, vocab_size., got '
+                                            'vocab_size=4096, eos_id=99999'):
+    TokenConstraint.json_schema({'type': 'string'}, TOKENIZER, vocab_size=4096, eos_id=99999)
 
 
 # Constrained speculative sampling on V = 8 (same test as test_rejection_sampling, with masks).

@@ -77,13 +77,19 @@ class TokenConstraint:
       vocab_size: the model's V.
       compact: no whitespace between tokens of the JSON (else any JSON whitespace).
     Raises:
-      ConstraintError: the schema is not valid JSON schema, or uses a keyword llguidance lacks.
+      ConstraintError: the schema is not JSON (a set in it, nested too deep), not valid JSON
+        schema, or uses a keyword llguidance lacks; eos_id outside [0, vocab_size).
     """
     try:
+      text = json.dumps(schema)
+    except (TypeError, ValueError, RecursionError) as e:   # a set, NaN keys, nesting too deep
+      raise ConstraintError(f'the schema is not JSON: {type(e).__name__}: '
+                            f'{str(e)[:200]}') from None
+    try:
       grammar = llguidance.LLMatcher.grammar_from_json_schema(
-          json.dumps(schema), overrides={'whitespace_flexible': not compact})
+          text, overrides={'whitespace_flexible': not compact})
     except ValueError as e:
-      raise ConstraintError(f'invalid JSON schema {schema!r}: {e}') from e
+      raise ConstraintError(f'invalid JSON schema {str(schema)[:200]}: {e}') from e
     return cls._build(grammar, tokenizer_path, vocab_size, eos_id)
 
   @classmethod
@@ -95,7 +101,10 @@ class TokenConstraint:
 
   @classmethod
   def _build(cls, grammar, tokenizer_path, vocab_size, eos_id):
-    tok = _ll_tokenizer(str(tokenizer_path), eos_id)
+    if not is_int_in(vocab_size, 1, 2 ** 31 - 1) or not is_int_in(eos_id, 0, vocab_size - 1):
+      raise ConstraintError(f'vocab_size must be an int >= 1 and eos_id an int in [0, '
+                            f'vocab_size), got vocab_size={vocab_size!r}, eos_id={eos_id!r}')
+    tok = _ll_tokenizer(str(tokenizer_path), int(eos_id))
     if tok.vocab_size > vocab_size:
       raise ConstraintError(f'tokenizer vocabulary ({tok.vocab_size}) exceeds the model '
                             f'vocabulary ({vocab_size})')
