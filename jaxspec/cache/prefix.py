@@ -1,13 +1,8 @@
 """Automatic prefix caching over the paged pool (vLLM's automatic prefix caching; SGLang's
 RadixAttention shares prefixes the same way, with a radix tree in place of a hash chain).
 
-Only full pages are shared. Page i of a token sequence is named by a SHA-256 chain
-
-    key_i = SHA-256(key_{i-1} || salt || token ids of page i)
-
-so a key names the page *and everything before it*; a salt isolates tenants (different salts
-never share a page). A plain Python `hash` would be predictable and lets one tenant poison
-another's cache, hence SHA-256.
+Only full pages are shared, each named by a SHA-256 chain key that names the page and
+everything before it, salted per tenant (`jaxspec.cache.page_hash`).
 
 Page states (every pool page is in exactly one):
 
@@ -29,61 +24,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-import struct
 from typing import Optional, Sequence
 
 import numpy as np
 
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
 from jaxspec.cache.host import HostTier, read_pages, write_pages
+from jaxspec.cache.page_hash import page_keys_unchecked, salt_bytes
 from jaxspec.cache.paged import pages_needed
 from jaxspec.checks import check_int, is_int_in, token_ids
-
-_ROOT = bytes(32)  # parent key of a sequence's first page
-
-
-def salt_bytes(salt) -> bytes:
-  """A prefix-cache salt as bytes (str is UTF-8 encoded).
-
-  Raises:
-    ValueError: anything but str or bytes.
-  """
-  if isinstance(salt, str):
-    return salt.encode()
-  if isinstance(salt, (bytes, bytearray)):
-    return bytes(salt)
-  raise ValueError(f'cache salt must be str or bytes, got {type(salt).__name__} {salt!r}')
-
-
-def page_keys(tokens: Sequence[int], page_size: int, salt: bytes | str = b'') -> list[bytes]:
-  """SHA-256 chain keys of every *full* page of `tokens` (a trailing partial page has none).
-
-  Args:
-    tokens: token ids (ints >= 0).
-    page_size: L, tokens per page.
-    salt: optional cache salt (bytes or str); keys of different salts never collide.
-  Returns:
-    len(tokens) // page_size keys of 32 bytes each (bytes), one per full page, in order.
-  Raises:
-    ValueError: page_size not an int >= 1, a token id that is not an int in [0, 2**63), or a
-      salt that is not str / bytes (each named).
-  """
-  return _page_keys(token_ids(tokens, 'tokens'), check_int('page_size', page_size, 1),
-                    salt_bytes(salt))
-
-
-def _page_keys(tokens: list, page_size: int, salt: bytes) -> list[bytes]:
-  """`page_keys` of arguments already checked (the prefix cache's own calls)."""
-  salt_part = struct.pack('<I', len(salt)) + salt
-  keys, parent = [], _ROOT
-  for i in range(len(tokens) // page_size):
-    page = tokens[i * page_size:(i + 1) * page_size]
-    digest = hashlib.sha256(parent + salt_part + struct.pack(f'<{page_size}q', *page)).digest()
-    keys.append(digest)
-    parent = digest
-  return keys
-
 
 @dataclasses.dataclass
 class Request:
@@ -208,7 +157,7 @@ class PrefixCache:
     tokens = token_ids(tokens)
     if not self.enabled or not tokens:
       return [], []
-    keys = _page_keys(tokens, self.page_size, salt_bytes(salt))[
+    keys = page_keys_unchecked(tokens, self.page_size, salt_bytes(salt))[
         :(len(tokens) - 1) // self.page_size]
     device, host = [], []
     for key in keys:
@@ -334,7 +283,7 @@ class PrefixCache:
     if not self.enabled:
       return 0
     added = 0
-    for page, key in zip(request.pages, _page_keys(tokens, self.page_size, request.salt)):
+    for page, key in zip(request.pages, page_keys_unchecked(tokens, self.page_size, request.salt)):
       if page in self._key_of_page or key in self._page_of_key:
         continue
       self._register(page, key)

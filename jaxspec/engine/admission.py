@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from jaxspec.cache.prefix import salt_bytes
+from jaxspec.cache.page_hash import salt_bytes
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 
