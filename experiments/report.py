@@ -236,8 +236,14 @@ def main(argv) -> None:
     sys.exit(f'FATAL: cannot use --out={out}: {error}')
   experiment = flags.FLAGS.experiment or guess_experiment(path)
   summarize(records, out / 'summary.md', out / 'summary.csv')
-  pngs = plot(records, out / 'plots', experiment)
-  for extra in experiment_summary(records, out, experiment):
+  try:
+    pngs = plot(records, out / 'plots', experiment)
+    extras = experiment_summary(records, out, experiment)
+  except (TypeError, ValueError, KeyError) as error:   # e.g. a hand-edited record's k as a string
+    sys.exit(f'FATAL: the {experiment!r} plots / summary cannot read these records '
+             f'({type(error).__name__}: {error}); is a field of another type than the experiment '
+             f'writes? The tables {out / "summary.md"} and {out / "summary.csv"} were written.')
+  for extra in extras:
     print(f'{experiment} summary -> {extra}')
   print(f'{len(records)} record{"s" * (len(records) != 1)} -> {out / "summary.md"}, '
         f'{out / "summary.csv"}; {len(pngs)} plot{"s" * (len(pngs) != 1)} for experiment '

@@ -49,17 +49,20 @@ def is_int_in(value, low: int, high: int) -> bool:
     return False
 
 
-def check_real(name: str, value, low: float, high: float, high_open: bool = False) -> float:
+def check_real(name: str, value, low: float, high: float, high_open: bool = False,
+               low_open: bool = False) -> float:
   """`value` as a float, if it is a finite real number (Python or numpy; not a bool) in
-  [low, high], or [low, high) when `high_open`.
+  [low, high]; `low_open` / `high_open` leave that end out ((low, high], [low, high), ...).
 
   Raises:
-    ValueError: '{name} must be a finite number in [low, high], got {value!r}'.
+    ValueError: '{name} must be a finite number in [low, high], got {value!r}' (with the
+      interval's brackets as checked).
   """
   ok = (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)) and
-        math.isfinite(value) and low <= value and (value < high if high_open else value <= high))
+        math.isfinite(value) and (low < value if low_open else low <= value) and
+        (value < high if high_open else value <= high))
   if not ok:
-    bound = f'[{low}, {high})' if high_open else f'[{low}, {high}]'
+    bound = f'{"(" if low_open else "["}{low}, {high}{")" if high_open else "]"}'
     raise ValueError(f'{name} must be a finite number in {bound}, got {value!r}')
   return float(value)
 

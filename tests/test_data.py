@@ -194,6 +194,13 @@ def test_train_mixture_holds_both_kinds(tok):
   assert 'def ' in text and '":' in text
 
 
+@pytest.mark.parametrize('dtype', [np.float32, np.float64, np.bool_])
+def test_random_windows_refuses_ids_that_are_not_integers(dtype):
+  tokens = (np.arange(64) + 0.7).astype(dtype)
+  with pytest.raises(ValueError, match=f'dtype {np.dtype(dtype)}'):
+    random_windows(tokens, batch=2, seq_len=8, rng=np.random.default_rng(0))
+
+
 def test_random_windows_shape_dtype_and_contiguity():
   tokens = np.arange(1000, dtype=np.int32)
   w = random_windows(tokens, batch=16, seq_len=32, rng=np.random.default_rng(0))

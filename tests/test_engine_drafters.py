@@ -479,5 +479,6 @@ def test_model_drafter_names_a_bad_probe_setting_and_takes_numpy_numbers():
   assert ModelDrafter(probe_budget=np.float32(0.25)).probe_budget == 0.25
   assert type(ModelDrafter(probe_budget=np.float32(0.25)).probe_budget) is float
   for bad in (0, 1.5, np.True_, '0.1', float('nan')):
-    with pytest.raises(ValueError, match=r'probe_budget must be None or a number in \(0, 1\]'):
+    with pytest.raises(ValueError,
+                       match=r'probe_budget \(or None\) must be a finite number in \(0, 1\]'):
       ModelDrafter(probe_budget=bad)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.checks import check_int, is_int_in
+from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.decoding import generate
 from jaxspec.models import ModelConfig
 
@@ -48,6 +48,17 @@ def test_integer_checks_take_numpy_integers_and_refuse_the_rest():
   with pytest.raises(ValueError, match='n must be an int >= 1, got 0'):
     check_int('n', 0, 1)
   assert check_int('n', -5) == -5 and is_int_in(np.int16(4), 1, 4) and not is_int_in(5, 1, 4)
+
+
+def test_real_checks_honour_each_end_of_the_interval():
+  assert check_real('x', np.float32(0.5), 0, 1) == 0.5 and type(check_real('x', 1, 0, 1)) is float
+  assert check_real('x', 0, 0, 1) == 0.0 and check_real('x', 1, 0, 1, low_open=True) == 1.0
+  cases = [(0, dict(low_open=True), r'\(0, 1\]'), (1, dict(high_open=True), r'\[0, 1\)'),
+           (0, dict(low_open=True, high_open=True), r'\(0, 1\)'), (1.5, {}, r'\[0, 1\]'),
+           (float('nan'), {}, r'\[0, 1\]'), (True, {}, r'\[0, 1\]'), ('0.5', {}, r'\[0, 1\]')]
+  for value, flags, bound in cases:
+    with pytest.raises(ValueError, match=rf'x must be a finite number in {bound}, got '):
+      check_real('x', value, 0, 1, **flags)
 
 
 def test_draft_vocabulary_must_match(tiny):

@@ -117,7 +117,8 @@ def test_bools_are_not_sampling_numbers(kwargs):
     (dict(temperature=np.float32(0.5)), (0.5, 0, 1.0)),
     (dict(temperature=np.float64(0.7), top_k=np.int64(5), top_p=np.float32(0.25)), (0.7, 5, 0.25)),
     (dict(temperature=np.int32(2), top_k=np.uint8(3), top_p=np.int64(1)), (2.0, 3, 1.0)),
-    (dict(temperature=1, top_k=4, top_p=1), (1.0, 4, 1.0))])
+    (dict(temperature=1, top_k=4, top_p=1), (1.0, 4, 1.0)),
+    (dict(temperature=np.array(0.5), top_k=np.array(3), top_p=jnp.array(0.25)), (0.5, 3, 0.25))])
 def test_numpy_scalars_are_stored_as_python_numbers(kwargs, expected):
   params = SamplingParams(**kwargs)
   values = (params.temperature, params.top_k, params.top_p)
@@ -150,7 +151,8 @@ def test_numpy_scalar_params_share_one_compilation_with_python_ones():
     (dict(top_p=np.float32(1.5)), '1.5'), (dict(top_k=np.int64(-3)), '-3'),
     (dict(top_k=np.float64(5.0)), '5.0'), (dict(top_k=5.0), '5.0'),
     (dict(temperature='0.5'), "'0.5'"), (dict(temperature=None), 'None'),
-    (dict(temperature=np.array([0.5])), r'\[0\.5\]'), (dict(top_p=0.5 + 0j), r'0\.5\+0j')])
+    (dict(temperature=np.array([0.5])), r'\[0\.5\]'), (dict(top_k=np.array(2.0)), r'array\(2\.\)'),
+    (dict(top_p=0.5 + 0j), r'0\.5\+0j')])
 def test_bad_numbers_and_non_numbers_name_the_value(kwargs, bad):
   with pytest.raises(ValueError, match=bad):
     SamplingParams(**kwargs)

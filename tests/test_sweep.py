@@ -189,6 +189,15 @@ def test_report_cli_remakes_summary_and_plots(tmp_path):
                   str(tmp_path / 'out'), '--experiment=speculative'], cwd=ROOT, check=True)
   assert (tmp_path / 'out' / 'summary.csv').exists()
   assert (tmp_path / 'out' / 'plots' / 'speedup_vs_k.png').stat().st_size > 0
+  edited = _spec_records()
+  edited[3]['k'] = '2'                 # a hand-edited record: the plot cannot order '2' and 1
+  results.write_text(''.join(json.dumps(r) + '\n' for r in edited))
+  bad = subprocess.run([sys.executable, '-m', 'experiments.report', str(results), '--out',
+                        str(tmp_path / 'bad'), '--experiment=speculative'], cwd=ROOT,
+                       capture_output=True, text=True)
+  assert bad.returncode == 1 and 'Traceback' not in bad.stderr, bad.stderr
+  assert "FATAL: the 'speculative' plots / summary cannot read these records" in bad.stderr
+  assert (tmp_path / 'bad' / 'summary.csv').exists()
 
 
 def _cli(tmp_path, *flags):

@@ -84,9 +84,12 @@ def random_windows(tokens: np.ndarray, batch: int, seq_len: int,
 
   tokens: [N] integer ids, N >= seq_len + 1. Returns [batch, seq_len + 1] int32; windows may
   cross document boundaries (the ``eos`` between documents is a normal training target).
-  Raises ValueError if batch or seq_len < 1 or the stream is too short.
+  Raises ValueError if batch or seq_len < 1, the stream is too short or its ids are not
+  integers (a float array would be truncated to ids silently).
   """
   tokens = np.asarray(tokens)
+  if tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f'tokens must be an integer array of ids, got dtype {tokens.dtype}')
   if batch < 1 or seq_len < 1:
     raise ValueError(f'batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}')
   if tokens.ndim != 1 or tokens.shape[0] < seq_len + 1:

@@ -31,15 +31,16 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); otherwise in [MIN_TEMPERATURE, MAX_TEMPERATURE]
       (1e-4 .. 1e6: below, float32 logits / temperature overflow; above, the distribution is
       already uniform over the kept tokens, and from ~1e38 the logits underflow to 0).
-    top_k: keep the k most likely tokens (0 = all).
+    top_k: keep the k most likely tokens (0 = all); tokens tied with the k-th logit are kept
+      too (as Hugging Face's top-k warper does), so a tie can keep more than k.
     top_p: keep the smallest set of tokens whose mass reaches top_p, in (0, 1] (Holtzman et al.).
 
-  Python or numpy scalars are accepted (np.float32(0.5), top_k=np.int64(5)) and stored as Python
-  float (temperature, top_p) and int (top_k).
+  Python or numpy scalars and 0-d arrays are accepted (np.float32(0.5), top_k=np.int64(5),
+  np.array(0.7)) and stored as Python float (temperature, top_p) and int (top_k).
 
   Raises:
-    ValueError (naming the value): a bool or np.bool_, a non-number (str, array, None), a float
-      top_k, NaN or inf, or a value out of the ranges above.
+    ValueError (naming the value): a bool or np.bool_, a non-number (str, an array of rank >= 1,
+      None), a float top_k, NaN or inf, or a value out of the ranges above.
   """
 
   temperature: float = 0.0
@@ -74,10 +75,12 @@ class SamplingParams:
 def _number(value, integer: bool = False):
   """`value` as a Python float (int when `integer`), or None if it is not such a number.
 
-  Accepts Python int/float and numpy integer/floating scalars (integers only when `integer`);
-  bool and np.bool_ are not numbers here (True would silently mean 1). NaN and inf pass through
-  as floats for the caller's range check to refuse.
+  Accepts Python int/float and numpy integer/floating scalars or 0-d arrays (integers only when
+  `integer`); bool and np.bool_ are not numbers here (True would silently mean 1). NaN and inf
+  pass through as floats for the caller's range check to refuse.
   """
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+    value = np.asarray(value)[()]       # a concrete 0-d array; a tracer raises here, as it must
   if isinstance(value, (bool, np.bool_)):
     return None
   if isinstance(value, (int, np.integer)):

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import numbers
 from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, check_real
 from jaxspec.engine import device, spec_steps
 
 
@@ -136,11 +135,7 @@ class ModelDrafter(Drafter):
     probe_rows = check_int('probe_rows', probe_rows, 1)
     observe_tokens = check_int('observe_tokens', observe_tokens, 1)
     if probe_budget is not None:
-      if (isinstance(probe_budget, (bool, np.bool_)) or
-          not isinstance(probe_budget, numbers.Real) or not 0 < probe_budget <= 1):
-        raise ValueError(f'probe_budget must be None or a number in (0, 1], got '
-                         f'{probe_budget!r}')
-      probe_budget = float(probe_budget)
+      probe_budget = check_real('probe_budget (or None)', probe_budget, 0, 1, low_open=True)
     self.lazy, self.probe_every, self.probe_rows = lazy, probe_every, probe_rows
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
 
