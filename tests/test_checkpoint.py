@@ -158,6 +158,23 @@ def test_save_refuses_a_bad_dtype_or_params_before_writing_anything(saved, tmp_p
   assert not (path / 'info.json').exists()         # a stale info.json is not left behind
 
 
+def test_weights_beyond_float16_range_are_named_before_writing(saved, tmp_path):
+  # Stored as inf before (numpy's overflow warning only; the checksums were of the inf values).
+  from jaxspec.models.hf import save_pretrained  # pylint: disable=import-outside-toplevel
+  _, config, params = saved
+  big = jax.tree.map(lambda x: x, params)
+  big['params']['embed']['embedding'] = big['params']['embed']['embedding'].at[3, 0].set(1e5)
+  with pytest.raises(ValueError, match=r"tensor \['params'\]\['embed'\]\['embedding'\] holds 1 "
+                                       r"values outside float16's range \(up to 1e\+05"):
+    save_model(tmp_path / 'm16', config, big, dtype='float16')
+  with pytest.raises(ValueError, match=r"tensor model.embed_tokens.weight holds 1 values outside "
+                                       r"float16's range"):
+    save_pretrained(tmp_path / 'hf', config, big, dtype='float16')
+  assert not (tmp_path / 'm16').exists() and not (tmp_path / 'hf').exists()
+  save_model(tmp_path / 'b', config, big, dtype='bfloat16')           # in bfloat16's range
+  assert float(load_model(tmp_path / 'b')[1]['params']['embed']['embedding'][3, 0]) == 99840.0
+
+
 def test_model_config_bool_fields_must_be_bools():
   for field in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
     with pytest.raises(ValueError, match=f"ModelConfig.{field} must be true or false, got 'no'"):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxspec.checks import check_int, check_real, is_int_in
-from jaxspec.decoding import generate
+from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import ModelConfig
 
 
@@ -37,6 +37,29 @@ def test_k_out_of_range(tiny, k):
   config, params = tiny
   with pytest.raises(ValueError, match=rf'K must be an int in \[1, 16\], got {k!r}'):
     generate(config, params, [[1, 2, 3]], max_new_tokens=4, draft=config, draft_params=params, k=k)
+
+
+def test_the_jitted_speculative_loop_checks_k_and_the_vocabulary_itself(tiny):
+  # Called directly (it is exported), k=0 ran as autoregressive decoding, k=-1 divided by zero
+  # and a one-token draft vocabulary broadcast into a wrong distribution.
+  from jaxspec.decoding import decode_speculative  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  args = (params, params, None, None, jnp.zeros((1,), jnp.int32), None, jnp.zeros((0,), jnp.int32))
+  for k, draft, bad in ((0, config, 'K must be an int >= 1, got k=0'),
+                        (-1, config, 'got k=-1'),
+                        (2, dataclasses.replace(config, vocab_size=1),
+                         r'draft vocabulary \(1\) differs from the target vocabulary \(64\)')):
+    with pytest.raises(ValueError, match=bad):
+      decode_speculative(config, draft, *args, k=k, sampling=SamplingParams(), max_new_tokens=4)
+
+
+def test_exact_verify_refuses_a_verification_past_its_exact_rows(tiny):
+  # K + 1 > 32 rows fell back to one plain matmul: verification ~3e-5 off decode, no error.
+  config, params = tiny
+  with pytest.raises(ValueError, match=r'K = 32 with exact_verify: a verification of K \+ 1 = '
+                                       r'33 tokens is past the 32 rows'):
+    generate(config, params, [[1, 2, 3]], max_new_tokens=4, draft=config, draft_params=params,
+             k=32, max_k=64)
 
 
 def test_integer_checks_take_numpy_integers_and_refuse_the_rest():
@@ -97,6 +120,9 @@ def test_bad_model_config():
     ModelConfig.from_name('test-tiny', num_heads=6, num_kv_heads=4)
   with pytest.raises(ValueError, match="unknown model preset 'nope'"):
     ModelConfig.from_name('nope')
+  # An odd head failed at the first forward pass inside jnp.split, naming no field.
+  with pytest.raises(ValueError, match='ModelConfig.head_dim must be even .*got 7'):
+    ModelConfig.from_name('test-tiny', head_dim=7)
 
 
 def test_unknown_config_field_fails_loudly(tmp_path):

@@ -390,10 +390,20 @@ def test_qwen2_window_on_some_layers_is_rejected(tmp_path):
 
 
 
+def test_load_sharded_names_a_hugging_face_directory_and_the_way_to_shard_it(tmp_path):
+  # It failed on ModelConfig(architectures=...), naming neither the layout nor load_pretrained.
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  path = _copy(tmp_path, 'llama')
+  with pytest.raises(CheckpointError, match=r'is a Hugging Face model directory; .*load_pretrained '
+                                            r'.*shard_params'):
+    load_sharded(path, make_mesh(1, 1))
+
+
 def test_window_keys_are_read_as_transformers_reads_them(tmp_path):
   # Llama ignores sliding_window (a Mistral relabelled as Llama carries it); Qwen2 without
-  # max_window_layers defaults to 28 (_edit_config's None removes a key), so a smaller model has no windowed layer; Mistral without
-  # the key defaults to 4096. Each was read otherwise (golden logits off by 6-9, no error).
+  # max_window_layers defaults to 28 (_edit_config's None removes a key), so a smaller model has
+  # no windowed layer; Mistral and Qwen2 without the sliding_window key default to 4096 (Qwen2's
+  # was read as no window). Each was read otherwise (golden logits off by 6-9, no error).
   llama = _copy(tmp_path / 'l', 'llama')
   _edit_config(llama, sliding_window=4)
   assert load_pretrained(llama)[0].sliding_window is None
@@ -401,6 +411,11 @@ def test_window_keys_are_read_as_transformers_reads_them(tmp_path):
   _edit_config(qwen, use_sliding_window=True, sliding_window=4, max_window_layers=None,
                layer_types=None)
   assert load_pretrained(qwen)[0].sliding_window is None
+  _edit_config(qwen, sliding_window=None, max_window_layers=0)     # no key: transformers' 4096
+  assert load_pretrained(qwen)[0].sliding_window == 4096
+  _edit_config(qwen, max_window_layers=1)                          # ... on some layers only
+  with pytest.raises(CheckpointError, match='sliding window on only some layers'):
+    load_pretrained(qwen)
   mistral = _copy(tmp_path / 'm', 'mistral')
   fields = json.loads((mistral / 'config.json').read_text())
   (mistral / 'config.json').write_text(json.dumps({**fields, 'sliding_window': None}))

@@ -82,6 +82,11 @@ def test_a_one_by_one_mesh_keeps_the_single_device_path(tiny):
   config, params = tiny
   steps, target_params, draft_params = place_pair({'data': 1, 'model': 1}, config, params, params)
   assert steps is LOCAL_STEPS and target_params is params and draft_params is params
+  # int() read -1 x -1 as one device and 4.9 x 2.2 as a 4 x 2 mesh.
+  for mesh, bad in (({'data': -1, 'model': -1}, 'mesh.data must be an int >= 1, got -1'),
+                    ({'data': 1, 'model': 2.2}, r'mesh.model must be an int >= 1, got 2\.2')):
+    with pytest.raises(ValueError, match=bad):
+      place_pair(mesh, config, params, params)
 
 
 # ---- multi-process settings ----

@@ -94,3 +94,14 @@ def test_greedy_is_the_one_hot_case():
   n, nxt = rejection_sample(jax.random.PRNGKey(0), jnp.array([[0]]),
                             jax.nn.one_hot(jnp.array([[0]]), 3), p)
   assert int(n[0]) == 0 and int(nxt[0]) == 1                # rejected, correction = argmax p_1
+
+
+def test_shapes_that_do_not_fit_together_are_named():
+  # A [B, K, 1] q broadcast against a [B, K+1, 4] p: token 0 came out at 0.64 instead of 0.4.
+  xs = jnp.zeros((3, 1), jnp.int32)
+  p = jnp.full((3, 2, 4), 0.25)
+  for q, pp in ((jnp.ones((3, 1, 1)), p), (jnp.full((3, 1, 5), 0.2), p),
+                (jnp.full((3, 1, 4), 0.25), p[:, :1]), (jnp.full((3, 2, 4), 0.25), p)):
+    with pytest.raises(ValueError, match=r'rejection_sample needs draft_tokens \[B, K\], q '
+                                         r'\[B, K, V\] and p \[B, K\+1, V\], got \(3, 1\)'):
+      rejection_sample(jax.random.PRNGKey(0), xs, q, pp)

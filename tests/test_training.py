@@ -33,6 +33,24 @@ def test_bad_hyperparameters_are_named_before_training(change, match):
     train(config, TOKENS, TOKENS, **{**SIZES, **change}, progress=False)
 
 
+@pytest.mark.parametrize('which, bad, match', [
+    ('train', 99, r'train_tokens\[7\] = 99 is outside the vocabulary \[0, 64\)'),
+    ('val', -1, r'val_tokens\[7\] = -1 is outside the vocabulary \[0, 64\)'),
+    ('train', 64, r'train_tokens\[7\] = 64 is outside'),
+    ('val', None, r'val_tokens must be a 1-D integer array of token ids, got shape \(4096,\) '
+                  r'dtype float32')])
+def test_token_ids_outside_the_vocabulary_are_named_before_training(which, bad, match):
+  # 99 trained every step and then reported divergence; -1 wrapped to the last embedding rows
+  # (as input and as target) and trained without a word.
+  config = ModelConfig.from_name('test-tiny')
+  tokens = TOKENS.astype(np.float32) if bad is None else TOKENS.copy()
+  if bad is not None:
+    tokens[7] = bad
+  train_tokens, val_tokens = (tokens, TOKENS) if which == 'train' else (TOKENS, tokens)
+  with pytest.raises(ValueError, match=match):
+    train(config, train_tokens, val_tokens, **SIZES, progress=False)
+
+
 def test_diverged_training_raises_instead_of_returning_nan_params():
   config = ModelConfig.from_name('test-tiny')
   poisoned = jax.tree.map(lambda x: x * np.nan, init_params(config, 0))

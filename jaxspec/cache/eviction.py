@@ -202,6 +202,21 @@ def priority(policy: EvictionPolicy, scores, key_pos, position):
   return scores
 
 
+def check_no_sliding_window(sliding_window) -> None:
+  """Refuses a model with a sliding window under eviction.
+
+  `attend_and_evict` masks slots by position causally only: a Mistral / Qwen2 window would be
+  dropped silently (full attention over the kept slots, other logits than the model's).
+
+  Raises:
+    ValueError: naming the window, when `sliding_window` is not None.
+  """
+  if sliding_window is not None:
+    raise ValueError(f'the model has sliding_window={sliding_window}, which eviction does not '
+                     f'apply (its attention masks kept slots by causality only): run it without '
+                     f'an eviction policy, or use the policy \'window\' with a model without one')
+
+
 def attend_and_evict(q, k, v, positions, cache: paged.PagedKVCache, state: EvictionState,
                      layer: int):
   """One layer's attention under eviction, one new token at a time (in order).

@@ -167,9 +167,12 @@ def rollback(cache: PagedKVCache, new_lengths) -> PagedKVCache:
   Args:
     new_lengths: [B] int32, in [0, current lengths] (values past either end are clipped).
   Raises:
-    ValueError: new_lengths not of shape [B] (shapes are static, so this holds under jit).
+    ValueError: new_lengths not of shape [B] or not integers (a float 1.7 was cut to 1; shapes
+      and dtypes are static, so this holds under jit).
   """
   if jnp.shape(new_lengths) != cache.lengths.shape:
     raise ValueError(f'new_lengths must have shape {cache.lengths.shape} (one per sequence), got '
                      f'{jnp.shape(new_lengths)}')
+  if not jnp.issubdtype(jnp.result_type(new_lengths), jnp.integer):
+    raise ValueError(f'new_lengths must be integers, got dtype {jnp.result_type(new_lengths)}')
   return cache.replace(lengths=jnp.clip(jnp.asarray(new_lengths, jnp.int32), 0, cache.lengths))

@@ -30,7 +30,16 @@ def rejection_sample(rng, draft_tokens, q, p):
   Returns:
     num_accepted: [B] int32 in [0, K], the length of the accepted prefix.
     next_token: [B] int32, the correction (at position num_accepted) or bonus token.
+  Raises:
+    ValueError (at trace time): shapes other than the above, e.g. q over another vocabulary than
+      p (a [B, K, 1] q broadcast against p silently and drew token 0 far too often).
   """
+  if (draft_tokens.ndim != 2 or q.ndim != 3 or p.ndim != 3 or
+      q.shape != (*draft_tokens.shape, p.shape[-1]) or
+      p.shape[:2] != (draft_tokens.shape[0], draft_tokens.shape[1] + 1)):
+    raise ValueError(f'rejection_sample needs draft_tokens [B, K], q [B, K, V] and p '
+                     f'[B, K+1, V], got {tuple(draft_tokens.shape)}, {tuple(q.shape)} and '
+                     f'{tuple(p.shape)}')
   b, k = draft_tokens.shape
   rng_accept, rng_next = jax.random.split(rng)
   p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]

@@ -9,12 +9,14 @@ which is the input of the next round (so the draft's context always equals the t
 from __future__ import annotations
 
 import functools
+import math
 
 import flax
 import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import rollback
+from jaxspec.checks import is_int_in
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.rejection import rejection_sample
@@ -104,6 +106,21 @@ def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *,
   return xs.T, qs.transpose(1, 0, 2), draft_cache
 
 
+def check_pair(target: ModelConfig, draft: ModelConfig, k) -> None:
+  """Trace-time checks of the jitted speculative entry points (`generate` checks the same on
+  the host first, with the request).
+
+  Raises:
+    ValueError: K not an int >= 1 (0 ran as autoregressive decoding, -1 divided by zero), or a
+      draft whose vocabulary differs from the target's (named).
+  """
+  if not is_int_in(k, 1, math.inf):
+    raise ValueError(f'speculation length K must be an int >= 1, got k={k!r}')
+  if draft.vocab_size != target.vocab_size:
+    raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
+                     f'vocabulary ({target.vocab_size})')
+
+
 def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, draft_params,
                       target_cache, draft_cache, pending, rng, *, k: int,
                       sampling: SamplingParams):
@@ -113,7 +130,10 @@ def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, dr
     window: [B, K+1] int32, x_1..x_n followed by the correction/bonus token at index n;
     num_accepted: [B] int32 n in [0, K]; target_cache (lengths + K+1) and draft_cache
     (lengths + K), both still to be rolled back to what is committed.
+  Raises:
+    ValueError: see `check_pair`.
   """
+  check_pair(target, draft, k)
   rng_draft, rng_accept = jax.random.split(rng)
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
                                      k=k, sampling=sampling)
@@ -180,7 +200,10 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     k: static speculation length K >= 1.
   Returns:
     (Output, SpecStats, target_cache, draft_cache).
+  Raises:
+    ValueError (at trace time): see `check_pair`.
   """
+  check_pair(target, draft, k)
   b = first_token.shape[0]
   out, _ = commit(Output.empty(b, max_new_tokens + k + 1), first_token[:, None],
                   jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)

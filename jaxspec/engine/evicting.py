@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
+from jaxspec.cache.eviction import check_no_sliding_window
 from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.sampling import SamplingParams
 from jaxspec.engine import device
@@ -151,6 +152,8 @@ class EvictingEngine(Engine):
     if not isinstance(policy, EvictionPolicy):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
                        f'got {policy!r}')
+    if isinstance(target, ModelConfig):
+      check_no_sliding_window(target.sliding_window)
     if policy.slots is None:
       raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
     fixed = isinstance(k_policy, FixedK) or (isinstance(k_policy, str) and k_policy == 'fixed')

@@ -68,11 +68,14 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
       removes an info.json left by an earlier save.
   Raises:
     ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
-      weight); CheckpointError: params that are not `config`'s (a tensor missing, extra or of
+      weight), or a weight outside the dtype's range (float16: |x| > 65504 would be stored as
+      inf; named); CheckpointError: params that are not `config`'s (a tensor missing, extra or of
       the wrong shape). Both before anything is written.
   """
   dtype = floating_dtype(dtype)
   _check_tree(param_shapes(config), params, 'params given to save_model')
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    check_fits(jax.tree_util.keystr(keys), leaf, dtype)
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -86,6 +89,21 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     (path / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
   else:
     (path / 'info.json').unlink(missing_ok=True)
+
+
+def check_fits(name: str, x, dtype) -> None:
+  """Raises ValueError naming tensor `name` if casting its finite values to `dtype` (a storage
+  dtype with a smaller range, e.g. float16's 65504) would make any of them inf."""
+  x = np.asarray(x)
+  if not np.issubdtype(x.dtype, np.floating) or np.finfo(dtype).max >= np.finfo(x.dtype).max:
+    return
+  with np.errstate(over='ignore'):
+    bad = np.isfinite(x) & ~np.isfinite(x.astype(dtype))
+  if bad.any():
+    worst = float(np.abs(x[bad]).max())
+    raise ValueError(f'tensor {name} holds {int(bad.sum())} values outside {np.dtype(dtype).name}'
+                     f"'s range (up to {worst:.4g}; max {float(np.finfo(dtype).max):.4g}): stored "
+                     f'they would be inf; save in a wider dtype (bfloat16 or float32)')
 
 
 def floating_dtype(dtype) -> jnp.dtype:

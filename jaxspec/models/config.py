@@ -21,7 +21,7 @@ class ModelConfig:
     num_layers: number of decoder blocks.
     num_heads: N, query heads.
     num_kv_heads: K, key/value heads (N % K == 0; K < N is grouped-query attention).
-    head_dim: H, width of one head.
+    head_dim: H, width of one head (even: RoPE rotates pairs).
     d_ff: hidden width of the SwiGLU MLP.
     max_seq_len: context length in tokens (prompt + generated + speculation slack).
     rope_theta: RoPE base frequency.
@@ -36,7 +36,8 @@ class ModelConfig:
     dtype: compute dtype of activations, e.g. 'float32' or 'bfloat16'.
     exact_verify: numerics policy, not a weight property: (K+1)-token verification rounds
       exactly like K+1 single-token decode steps, at some cost in speed (see
-      `jaxspec.models.llama.matmul_rows`). Tests of greedy equality turn it on; timings do not.
+      `jaxspec.models.llama.matmul_rows`), for K + 1 <= EXACT_ROWS (32; `generate` refuses a
+      larger K in this mode). Tests of greedy equality turn it on; timings do not.
   """
 
   vocab_size: int
@@ -60,6 +61,9 @@ class ModelConfig:
     for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
                  'num_kv_heads', 'head_dim', 'd_ff', 'max_seq_len'):
       object.__setattr__(self, name, check_int(f'ModelConfig.{name}', getattr(self, name), 1))
+    if self.head_dim % 2:                    # RoPE rotates pairs: half-split of each head
+      raise ValueError(f'ModelConfig.head_dim must be even (RoPE rotates pairs of dimensions), '
+                       f'got {self.head_dim}')
     for name in ('rope_theta', 'norm_eps'):       # np.float32 too, stored as a float
       value = getattr(self, name)
       try:

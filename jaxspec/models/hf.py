@@ -42,7 +42,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxspec.checks import check_int, is_int_in
-from jaxspec.models.checkpoint import CheckpointError, param_shapes
+from jaxspec.models.checkpoint import CheckpointError, check_fits, param_shapes
 from jaxspec.models.config import ModelConfig
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM')
@@ -141,11 +141,11 @@ def _sliding_window(fields: dict, arch: str, where: str) -> Optional[int]:
   """The window every layer uses, or None; CheckpointError when only some layers use one.
 
   As transformers reads the fields: Llama has no window (a sliding_window key is ignored);
-  Mistral's defaults to 4096 when the key is absent (null: none); Qwen2 windows only with
-  use_sliding_window, the layers from max_window_layers (default 28) on."""
+  Mistral's and Qwen2's default to 4096 when the key is absent (null: none); Qwen2 windows only
+  with use_sliding_window, the layers from max_window_layers (default 28) on."""
   if arch == 'LlamaForCausalLM':
     return None
-  window = fields.get('sliding_window', 4096 if arch == 'MistralForCausalLM' else None)
+  window = fields.get('sliding_window', 4096)
   if arch == 'Qwen2ForCausalLM' and not fields.get('use_sliding_window', False):
     window = None
   layer_types = fields.get('layer_types')
@@ -364,8 +364,9 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
     max_shard_bytes: files above this size are split into model-0000N-of-0000M.safetensors with
       model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
   Raises:
-    ValueError: unknown dtype or architecture, max_shard_bytes < 1, or params that do not match
-      `config`: a tensor missing, of another shape, or extra (named).
+    ValueError: unknown dtype or architecture, max_shard_bytes < 1, params that do not match
+      `config`: a tensor missing, of another shape, or extra (named), or a tensor with values
+      outside the dtype's range (float16's 65504: they would be stored as inf; named).
   """
   dtype = _dtype_name(dtype)
   if not is_int_in(max_shard_bytes, 1, math.inf):
@@ -388,6 +389,8 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
   if extra:            # they would be left out of the checkpoint without a word
     raise ValueError(f'params hold tensors the config has no place for: {extra[:5]}')
   names = tensor_names(config)
+  for name, (ours, _) in names.items():       # before any file is touched
+    check_fits(name, leaves[ours], _DTYPES[dtype])
   itemsize = np.dtype(_DTYPES[dtype]).itemsize
   shards, size = [[]], 0
   for name, (ours, _) in names.items():

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import paged
-from jaxspec.cache.eviction import attend_and_evict
+from jaxspec.cache.eviction import attend_and_evict, check_no_sliding_window
 from jaxspec.kernels import attention
 from jaxspec.models import rope
 from jaxspec.models.config import ModelConfig
@@ -101,6 +101,13 @@ class RMSNorm(nn.Module):
   def __call__(self, x, per_token: bool = False):
     scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
 
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+      # Pin the residual stream to its dtype: XLA:CPU's excess precision otherwise fuses the
+      # low-precision residual add into this float32 cast without rounding, and fuses it
+      # differently for T = 1 and T = K + 1, so verification and decode disagreed (bf16).
+      info = jnp.finfo(x.dtype)
+      x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
     def norm(x):
       x32 = x.astype(jnp.float32)
       y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -146,6 +153,7 @@ class Attention(nn.Module):
                    c.rope_scaling)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if eviction is not None:  # slots chosen by the eviction policy, attention masked by position
+      check_no_sliding_window(c.sliding_window)      # at trace time: before any output
       out, cache, history = attend_and_evict(q, k, v, positions, cache, eviction, self.layer)
       out = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='o')(out.reshape(b, t, -1))
       return out, cache, history

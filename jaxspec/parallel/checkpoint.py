@@ -13,7 +13,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxspec.models import ModelConfig, param_shapes
+from jaxspec.models import ModelConfig, hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_tree, floating_dtype,
                                        orbax_reason, verify_checksums)
@@ -32,7 +32,8 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   Returns:
     (ModelConfig, params) with params global jax.Arrays on the mesh.
   Raises:
-    CheckpointError: missing or unreadable directory, config or tensors; a tensor whose shape
+    CheckpointError: missing or unreadable directory, config or tensors; a Hugging Face
+      directory (named, with the way to shard one); a tensor whose shape
       differs from what the config implies, or (in one process, where every tensor is whole
       here) whose bytes differ from its checksum in checksums.json (named). Across processes
       the checksums are not checked: no process holds the tensors whole.
@@ -41,6 +42,11 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   """
   floating_dtype(dtype)
   path = pathlib.Path(path).absolute()
+  if hf.is_pretrained(path):
+    raise CheckpointError(f'{path} is a Hugging Face model directory; load_sharded reads '
+                          f'save_model directories only: load it with '
+                          f'jaxspec.models.hf.load_pretrained and place it with '
+                          f'jaxspec.parallel.shard_params (it is read whole on the host first)')
   try:
     config = ModelConfig(**json.loads((path / 'config.json').read_text()))
   except FileNotFoundError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxspec.checks import check_int
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig
 from jaxspec.parallel.mesh import make_mesh
@@ -22,11 +23,12 @@ def place_pair(mesh_config, target: ModelConfig, target_params, draft_params):
   Returns:
     (steps, target_params, draft_params): pass all three to `generate`.
   Raises:
-    ValueError: the mesh does not match the devices, or its model axis does not divide the
+    ValueError: mesh sizes that are not ints >= 1 (named), the mesh does not match the devices, or its model axis does not divide the
       target's heads / d_ff / vocabulary (the message names the sizes).
   """
   mesh_config = dict(mesh_config or {})
-  data, model = int(mesh_config.get('data', 1)), int(mesh_config.get('model', 1))
+  data = check_int('mesh.data', mesh_config.get('data', 1), 1)
+  model = check_int('mesh.model', mesh_config.get('model', 1), 1)
   if data * model == 1 and jax.process_count() == 1:
     return LOCAL_STEPS, target_params, draft_params
   mesh = make_mesh(data, model)

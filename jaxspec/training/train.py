@@ -61,6 +61,18 @@ def evaluate(params, config: ModelConfig, tokens: np.ndarray, *, batch_size: int
   return float(np.mean(losses))
 
 
+def _check_stream(name: str, tokens, vocab_size: int) -> None:
+  """Raises ValueError naming `name` unless `tokens` is a 1-D integer array of ids in [0, V)."""
+  tokens = np.asarray(tokens)
+  if tokens.ndim != 1 or tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f'{name} must be a 1-D integer array of token ids, got shape {tokens.shape} '
+                     f'dtype {tokens.dtype}')
+  bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
+  if bad.size:
+    raise ValueError(f'{name}[{bad[0]}] = {tokens[bad[0]]} is outside the vocabulary '
+                     f'[0, {vocab_size}) ({bad.size} such ids)')
+
+
 def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray, *, steps: int,
           batch_size: int, seq_len: int, learning_rate: float, warmup_steps: int,
           weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0,
@@ -84,6 +96,8 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   Raises:
     ValueError: for non-positive sizes, a learning rate that is not a finite number > 0, a
       weight decay or warmup that is negative (or not finite), a grad_clip that is not > 0, a
+      stream that is not a 1-D integer array or holds an id outside [0, vocab_size) (named:
+      an id past the table gave NaN, a negative one wrapped to the last rows silently), a
       stream shorter than one window; FloatingPointError: a final train or val loss that is not
       finite (diverged: the params are not worth saving); CheckpointError: a state in
       checkpoint_dir written with other arguments, or unreadable.
@@ -102,6 +116,8 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   checkpoint_every = check_int('checkpoint_every', checkpoint_every, 0)
   if seq_len > config.max_seq_len:
     raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
+  for name, stream in (('train_tokens', train_tokens), ('val_tokens', val_tokens)):
+    _check_stream(name, stream, config.vocab_size)
   params = init_params(config, seed) if params is None else params
   optimizer = make_optimizer(learning_rate=learning_rate, warmup_steps=warmup_steps,
                              total_steps=steps, weight_decay=weight_decay, grad_clip=grad_clip)
