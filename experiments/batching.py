@@ -279,7 +279,9 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   attention work per step is the same and round times compare K alone.
 
   Raises:
-    ValueError: naming the setting whose Engine arguments the engine refuses.
+    ValueError: naming the setting whose Engine arguments the engine refuses, or in which a
+      request of the run (prompt_len + max_tokens + K + 1 tokens) would not fit its max_seq_len
+      or the pool (checked before any engine is warmed up).
   """
   b = int(config.batch_size)
   k_max = max(int(s.get('k', 0)) for s in settings.values())
@@ -298,9 +300,19 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
+    # The run's requests must fit before the warm-ups (minutes at the default settings) run.
+    span = int(config.prompt_len) + int(config.max_tokens) + engine.window
+    if span > engine.max_seq_len:
+      raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
+                       f'tokens exceeds its max_seq_len={engine.max_seq_len}')
+    if engine._request_pages(span) > pool - 1:      # pylint: disable=protected-access
+      raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
+                       f'tokens needs {engine._request_pages(span)} pages, the pool has '
+                       f'{pool - 1} (--config.pool_pages={config.pool_pages}; 0 sizes it)')
+    engines[name] = engine
+  for engine in engines.values():                  # every setting checked first, then compiled
     engine.warm_up()
-    engines[name] = (engine, StepKinds(engine))
-  return engines
+  return {name: (engine, StepKinds(engine)) for name, engine in engines.items()}
 
 
 def load_study(config) -> tuple:

@@ -68,12 +68,13 @@ def memory(config) -> dict:
     raise ValueError(f'config.plain_slots must be >= 0 (0: as many as the memory holds), got '
                      f'{config.plain_slots}')
   span = config.prompt_len + config.max_tokens + 1
-  per_request = pages_needed(span, config.page_size)
+  # A prompt-lookup twin's requests also need K slots past the span (`Engine.window`): the pool
+  # holds memory_requests of those, or with memory_requests = 1 the twin could never admit one.
+  lookup = max(0, int(config.lookup_k))
+  per_request = pages_needed(span + lookup, config.page_size)
   num_pages = config.memory_requests * per_request + 1
   plain_slots = config.plain_slots or (num_pages - 1) // pages_needed(config.prompt_len + 1,
                                                                       config.page_size)
-  # A prompt-lookup twin's requests also need K slots past the span (`Engine.window`).
-  lookup = max(0, int(config.lookup_k))
   return dict(span=span, num_pages=num_pages,
               plain_slots=max(1, min(config.num_requests, plain_slots)),
               max_seq_len=pages_needed(span + lookup, config.page_size) * config.page_size)

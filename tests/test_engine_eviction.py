@@ -275,6 +275,11 @@ def test_eviction_batching_metrics_and_memory():
   # 384 + 128 + 1 = 513 tokens = 33 pages of 16; 4 whole requests + the null page; prompt + 1 =
   # 385 tokens = 25 pages, so the pool admits 5 at once on prompt pages.
   assert mem == dict(span=513, num_pages=133, plain_slots=5, max_seq_len=528)
+  # A prompt-lookup twin's request spans 513 + K: at K = 16 that is 34 pages, and with one
+  # request of memory the pool (sized at K = 0) could never admit it (found after compiling).
+  config.lookup_k, config.memory_requests = 16, 1
+  assert memory(config) == dict(span=513, num_pages=35, plain_slots=1, max_seq_len=544)
+  config = get_config()
   config.max_tokens = 0
   with pytest.raises(ValueError, match='config.max_tokens must be >= 1, got 0'):
     memory(config)
