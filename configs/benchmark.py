@@ -19,6 +19,7 @@ def get_config(arg=None):
   c.target = ''
   c.draft = ''
   c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
+  c.dtype = 'float32'      # params and activations ('bfloat16' halves the memory)
   c.workload = 'json'
   c.ks = '1,2,4,8'
   c.temperature = 0.0

@@ -23,6 +23,7 @@ def get_config(arg=None):
   c.mode = 'quality'        # 'quality' | 'worker'
   c.target = ''             # model directory; '' = the shipped target
   c.tokenizer = ''          # tokenizer.json; '' = the target's own, else the shipped one
+  c.dtype = 'float32'      # params and activations ('bfloat16' halves the memory)
   c.workloads = 'code,json'
   c.policy = 'h2o'          # full | window | sinks | h2o | h2o_norm | tova
   c.budget_frac = 0.2       # budget = round(budget_frac * seq_len) live tokens per sequence

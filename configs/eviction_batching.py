@@ -30,6 +30,7 @@ def get_config(arg=None):
   c.experiment = 'eviction_batching'
   c.target = ''              # model directory; '' = the shipped target
   c.tokenizer = ''           # tokenizer.json; '' = the target's own, else the shipped one
+  c.dtype = 'float32'      # params and activations ('bfloat16' halves the memory)
   c.workloads = 'code,json'  # held-out prompts, split evenly over these
   c.num_requests = 16        # all submitted at once
   c.prompt_len = 384         # tokens per prompt (prompt + max_tokens <= 512, the target's

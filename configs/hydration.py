@@ -22,6 +22,7 @@ def get_config(arg=None):
   c.target = ''            # the big model; '' = shipped target
   c.draft = ''             # the small model; '' = shipped draft
   c.tokenizer = ''         # tokenizer.json; '' = the target's own, else the shipped one
+  c.dtype = 'float32'      # params and activations ('bfloat16' halves the memory)
   c.num_episodes = 3
   c.num_turns = 10
   c.max_result_tokens = 400  # tool results longer than this are skipped (not cut)

@@ -305,10 +305,11 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
     if span > engine.max_seq_len:
       raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
                        f'tokens exceeds its max_seq_len={engine.max_seq_len}')
-    if engine._request_pages(span) > pool - 1:      # pylint: disable=protected-access
+    usable = engine.prefix.num_pages - 1             # a setting may give its own num_pages
+    if engine._request_pages(span) > usable:         # pylint: disable=protected-access
       raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
                        f'tokens needs {engine._request_pages(span)} pages, the pool has '
-                       f'{pool - 1} (--config.pool_pages={config.pool_pages}; 0 sizes it)')
+                       f'{usable} (--config.pool_pages={config.pool_pages}; 0 sizes it)')
     engines[name] = engine
   for engine in engines.values():                  # every setting checked first, then compiled
     engine.warm_up()

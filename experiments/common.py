@@ -8,6 +8,7 @@ interrupted run loses nothing. Also the small helpers several experiments share
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import difflib
 import importlib
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.data import WORKLOADS, Tokenizer
-from jaxspec.models import cache_for, is_pretrained, shipped
+from jaxspec.models import cache_for, is_pretrained, load_model, shipped
 from jaxspec.models.checkpoint import ASSETS, CheckpointError
 
 
@@ -401,6 +402,16 @@ def parse_workloads(config) -> list[str]:
       the bad value and the known workloads), or names one twice (its records would repeat).
   """
   return comma_list(config, 'workloads', WORKLOADS, what='workload')
+
+
+def load_at_dtype(path, config) -> tuple:
+  """(ModelConfig, params) of the model directory `path` at `config.dtype` (float32 when the
+  config has no dtype field): params cast and the ModelConfig's activations dtype set to match.
+
+  Raises CheckpointError / ValueError (`load_model`): missing, corrupt, or a bad dtype."""
+  dtype = str(config.get('dtype', 'float32'))
+  model, params = load_model(path, dtype)
+  return dataclasses.replace(model, dtype=dtype), params
 
 
 def empty_cache(model, batch: int, slots: int, page_size: int):

@@ -16,14 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import check_fields, empty_cache, load_tokenizer, parse_workloads
+from experiments.common import (check_fields, empty_cache, load_at_dtype, load_tokenizer,
+                                parse_workloads)
 from jaxspec.cache import init_eviction, make_policy
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
                                        score_tokens)
-from jaxspec.models import load_model, shipped
+from jaxspec.models import shipped
 
 _FULL_REFERENCE: dict = {}   # full-cache scores per (model, workload, shapes): one per process
 
@@ -190,6 +191,6 @@ def run(config, results) -> None:
   else:   # a chunk of 0 tokens never ends the run
     check_fields(config, ('worker_tokens', 'worker_chunk'))
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
-  model, params = load_model(config.target or shipped('target'))
+  model, params = load_at_dtype(config.target or shipped('target'), config)
   (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,
                                                             tokenizer)

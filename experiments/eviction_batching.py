@@ -36,14 +36,14 @@ import time
 
 import numpy as np
 
-from experiments.common import (check_fields, comma_list, empty_cache, load_tokenizer,
-                                parse_workloads)
+from experiments.common import (check_fields, comma_list, empty_cache, load_at_dtype,
+                                load_tokenizer, parse_workloads)
 from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import make_prompts
 from jaxspec.decoding.evicting import score_tokens
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine import Engine, EvictingEngine
-from jaxspec.models import load_model, shipped
+from jaxspec.models import shipped
 
 
 def _ints(config, name: str) -> list[int]:
@@ -202,7 +202,7 @@ def run(config, results) -> None:
   mem = memory(config)
   workloads = parse_workloads(config)
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
-  model, params = load_model(config.target or shipped('target'))
+  model, params = load_at_dtype(config.target or shipped('target'), config)
   prompts = []
   for i, workload in enumerate(workloads):
     n = config.num_requests // len(workloads) + (i < config.num_requests % len(workloads))

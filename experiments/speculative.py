@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 
-from experiments.common import load_tokenizer, parse_workloads
+from experiments.common import load_at_dtype, load_tokenizer, parse_workloads
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
-from jaxspec.models import load_model, shipped, truncate_vocab
+from jaxspec.models import shipped, truncate_vocab
 from jaxspec.parallel import place_pair
 
 
@@ -37,8 +37,8 @@ def load_pair(config):
   draft_path = config.draft or shipped('draft')
   dtype = str(config.get('dtype', 'float32'))
   tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)   # cheap: checked first
-  target_cfg, target_params = load_model(target_path, dtype)
-  draft_cfg, draft_params = load_model(draft_path, dtype)
+  target_cfg, target_params = load_at_dtype(target_path, config)
+  draft_cfg, draft_params = load_at_dtype(draft_path, config)
   for name, cfg in (('target', target_cfg), ('draft', draft_cfg)):
     if cfg.vocab_size < tokenizer.vocab_size:
       raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) is smaller than the tokenizer '

@@ -60,6 +60,11 @@ def test_exact_verify_refuses_a_verification_past_its_exact_rows(tiny):
                                        r'33 tokens is past the 32 rows'):
     generate(config, params, [[1, 2, 3]], max_new_tokens=4, draft=config, draft_params=params,
              k=32, max_k=64)
+  from jaxspec.decoding import decode_speculative  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match='K = 40 with exact_verify'):     # the jitted loop too
+    decode_speculative(config, config, params, params, None, None, jnp.zeros((1,), jnp.int32),
+                       None, jnp.zeros((0,), jnp.int32), k=40, sampling=SamplingParams(),
+                       max_new_tokens=4)
 
 
 def test_integer_checks_take_numpy_integers_and_refuse_the_rest():

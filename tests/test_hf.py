@@ -173,7 +173,7 @@ def test_a_mistyped_model_path_is_named_before_tokenizers_are_compared():
 
 def test_a_missing_tokenizer_is_named_before_any_model_loads(monkeypatch):
   from experiments import speculative
-  monkeypatch.setattr(speculative, 'load_model', lambda *a: pytest.fail('loaded a model'))
+  monkeypatch.setattr(speculative, 'load_at_dtype', lambda *a: pytest.fail('loaded a model'))
   config = ml_collections.ConfigDict(dict(target='', draft='', tokenizer='/nothere.json'))
   with pytest.raises(FileNotFoundError, match='tokenizer file not found: /nothere.json'):
     speculative.load_pair(config)

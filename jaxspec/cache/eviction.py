@@ -202,19 +202,22 @@ def priority(policy: EvictionPolicy, scores, key_pos, position):
   return scores
 
 
-def check_no_sliding_window(sliding_window) -> None:
-  """Refuses a model with a sliding window under eviction.
+def check_no_sliding_window(config) -> None:
+  """Refuses a model (a `ModelConfig`) whose sliding window takes effect, under eviction.
 
   `attend_and_evict` masks slots by position causally only: a Mistral / Qwen2 window would be
-  dropped silently (full attention over the kept slots, other logits than the model's).
+  dropped silently (full attention over the kept slots, other logits than the model's). A window
+  of at least the model's max_seq_len masks nothing and passes.
 
   Raises:
-    ValueError: naming the window, when `sliding_window` is not None.
+    ValueError: naming the window and the context, when sliding_window < max_seq_len.
   """
-  if sliding_window is not None:
-    raise ValueError(f'the model has sliding_window={sliding_window}, which eviction does not '
-                     f'apply (its attention masks kept slots by causality only): run it without '
-                     f'an eviction policy, or use the policy \'window\' with a model without one')
+  window = config.sliding_window
+  if window is not None and window < config.max_seq_len:
+    raise ValueError(f'the model has sliding_window={window} < max_seq_len={config.max_seq_len}: '
+                     f'eviction does not apply a window (its attention masks kept slots by '
+                     f'causality only); load it with max_seq_len <= {window} (the window then '
+                     f'masks nothing) or run it without an eviction policy')
 
 
 def attend_and_evict(q, k, v, positions, cache: paged.PagedKVCache, state: EvictionState,

@@ -170,9 +170,10 @@ def rollback(cache: PagedKVCache, new_lengths) -> PagedKVCache:
     ValueError: new_lengths not of shape [B] or not integers (a float 1.7 was cut to 1; shapes
       and dtypes are static, so this holds under jit).
   """
-  if jnp.shape(new_lengths) != cache.lengths.shape:
+  new_lengths = jnp.asarray(new_lengths)          # lists and tuples too; a tracer stays one
+  if new_lengths.shape != cache.lengths.shape:
     raise ValueError(f'new_lengths must have shape {cache.lengths.shape} (one per sequence), got '
-                     f'{jnp.shape(new_lengths)}')
-  if not jnp.issubdtype(jnp.result_type(new_lengths), jnp.integer):
-    raise ValueError(f'new_lengths must be integers, got dtype {jnp.result_type(new_lengths)}')
-  return cache.replace(lengths=jnp.clip(jnp.asarray(new_lengths, jnp.int32), 0, cache.lengths))
+                     f'{new_lengths.shape}')
+  if not jnp.issubdtype(new_lengths.dtype, jnp.integer):
+    raise ValueError(f'new_lengths must be integers, got dtype {new_lengths.dtype}')
+  return cache.replace(lengths=jnp.clip(new_lengths.astype(jnp.int32), 0, cache.lengths))

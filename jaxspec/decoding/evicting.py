@@ -27,7 +27,7 @@ from jaxspec.checks import check_int, concrete
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
-from jaxspec.decoding.speculative import SpecStats, accept, draft_tokens
+from jaxspec.decoding.speculative import SpecStats, accept, check_pair, draft_tokens
 from jaxspec.models import ModelConfig, Transformer
 
 
@@ -235,9 +235,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   """
   k = check_int('speculation length K', k, 1)
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
-  if draft.vocab_size != target.vocab_size:
-    raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
-                     f'vocabulary ({target.vocab_size})')
+  check_pair(target, draft, k)
   if eviction.policy.reuse_delay < k + 1:
     raise ValueError(f'speculative decoding under eviction needs reuse_delay >= K + 1 = {k + 1}, '
                      f'got {eviction.policy.reuse_delay}')

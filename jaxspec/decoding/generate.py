@@ -14,9 +14,9 @@ import numpy as np
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.checks import check_int, check_seed, token_ids
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
+from jaxspec.decoding.speculative import check_pair
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig, check_params
-from jaxspec.models.llama import EXACT_ROWS
 
 MAX_K = 16  # largest speculation length accepted by default
 
@@ -132,11 +132,7 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
       valid = False
     if not valid:
       raise ValueError(f'speculation length K must be an int in [1, {max_k}], got {k!r}')
-    if target.exact_verify and k + 1 > EXACT_ROWS:
-      raise ValueError(f'K = {k} with exact_verify: a verification of K + 1 = {k + 1} tokens '
-                       f'is past the {EXACT_ROWS} rows that round exactly like decode steps '
-                       f'(jaxspec.models.llama.EXACT_ROWS); use K <= {EXACT_ROWS - 1} or '
-                       f'exact_verify=False')
+    check_pair(target, draft, k)         # the jitted loop's own checks, before any work
     configs.append(draft)
     slack = max(slack, k + 1)
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)

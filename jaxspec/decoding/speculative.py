@@ -22,6 +22,7 @@ from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
 from jaxspec.models import ModelConfig, Transformer
+from jaxspec.models.llama import EXACT_ROWS
 
 
 def proposals_in_reach(k, accepted, emitted):
@@ -111,14 +112,20 @@ def check_pair(target: ModelConfig, draft: ModelConfig, k) -> None:
   the host first, with the request).
 
   Raises:
-    ValueError: K not an int >= 1 (0 ran as autoregressive decoding, -1 divided by zero), or a
-      draft whose vocabulary differs from the target's (named).
+    ValueError: K not an int >= 1 (0 ran as autoregressive decoding, -1 divided by zero), a
+      draft whose vocabulary differs from the target's (named), or K + 1 > EXACT_ROWS with the
+      target's exact_verify (past those rows verification no longer rounds like decode).
   """
   if not is_int_in(k, 1, math.inf):
     raise ValueError(f'speculation length K must be an int >= 1, got k={k!r}')
   if draft.vocab_size != target.vocab_size:
     raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
                      f'vocabulary ({target.vocab_size})')
+  if target.exact_verify and k + 1 > EXACT_ROWS:
+    raise ValueError(f'K = {k} with exact_verify: a verification of K + 1 = {k + 1} tokens '
+                     f'is past the {EXACT_ROWS} rows that round exactly like decode steps '
+                     f'(jaxspec.models.llama.EXACT_ROWS); use K <= {EXACT_ROWS - 1} or '
+                     f'exact_verify=False')
 
 
 def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, draft_params,

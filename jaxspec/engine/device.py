@@ -55,8 +55,8 @@ def prefill_buckets(prefill_rows: int) -> tuple:
 def decode_buckets(num_slots: int, buckets) -> tuple:
   """The sorted row counts a decode round is compiled for (`Engine(decode_buckets=...)`):
   `buckets` checked (ints in [1, num_slots], num_slots among them), or by default num_slots // 4^i
-  while >= 1 (8 slots: 2 and 8; 16: 1, 4 and 16; a 1-row bucket only when num_slots is a power
-  of 4). Raises ValueError naming a bad value."""
+  while >= 1 (8 slots: 2 and 8; 16: 1, 4 and 16; so not always down to 1). Raises ValueError
+  naming a bad value."""
   if buckets is None:
     return tuple(sorted({num_slots // 4 ** i for i in range(num_slots.bit_length())
                          if num_slots // 4 ** i >= 1}))

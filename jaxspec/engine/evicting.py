@@ -153,7 +153,7 @@ class EvictingEngine(Engine):
       raise ValueError(f'policy must be an EvictionPolicy (jaxspec.cache.make_policy), '
                        f'got {policy!r}')
     if isinstance(target, ModelConfig):
-      check_no_sliding_window(target.sliding_window)
+      check_no_sliding_window(target)
     if policy.slots is None:
       raise ValueError(f"policy {policy.kind!r} has no budget; use Engine for a full cache")
     fixed = isinstance(k_policy, FixedK) or (isinstance(k_policy, str) and k_policy == 'fixed')

@@ -95,7 +95,8 @@ def check_fits(name: str, x, dtype) -> None:
   """Raises ValueError naming tensor `name` if casting its finite values to `dtype` (a storage
   dtype with a smaller range, e.g. float16's 65504) would make any of them inf."""
   x = np.asarray(x)
-  if not np.issubdtype(x.dtype, np.floating) or np.finfo(dtype).max >= np.finfo(x.dtype).max:
+  if (not np.issubdtype(x.dtype, np.floating) or
+      np.finfo(dtype).maxexp >= np.finfo(x.dtype).maxexp):   # bfloat16 from float32: same range
     return
   with np.errstate(over='ignore'):
     bad = np.isfinite(x) & ~np.isfinite(x.astype(dtype))

@@ -102,9 +102,10 @@ class RMSNorm(nn.Module):
     scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
 
     if x.dtype in (jnp.bfloat16, jnp.float16):
-      # Pin the residual stream to its dtype: XLA:CPU's excess precision otherwise fuses the
-      # low-precision residual add into this float32 cast without rounding, and fuses it
-      # differently for T = 1 and T = K + 1, so verification and decode disagreed (bf16).
+      # Round the norm's input (the residual stream) to its dtype: XLA:CPU's excess precision
+      # otherwise fuses the low-precision residual add into this float32 cast without rounding,
+      # and fuses it differently for T = 1 and T = K + 1, so verification and decode disagreed
+      # (bfloat16).
       info = jnp.finfo(x.dtype)
       x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
@@ -153,7 +154,7 @@ class Attention(nn.Module):
                    c.rope_scaling)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if eviction is not None:  # slots chosen by the eviction policy, attention masked by position
-      check_no_sliding_window(c.sliding_window)      # at trace time: before any output
+      check_no_sliding_window(c)      # at trace time: before any output
       out, cache, history = attend_and_evict(q, k, v, positions, cache, eviction, self.layer)
       out = Linear(c.d_model, dtype=c.dtype, exact=c.exact_verify, name='o')(out.reshape(b, t, -1))
       return out, cache, history
