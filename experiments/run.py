@@ -29,8 +29,8 @@ except (AttributeError, KeyError) as _error:
   exit_unknown_field(_error, sys.argv)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
 _TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input error '
-                               '(ValueError, FileNotFoundError; default: one FATAL line naming '
-                               'the bad value).')
+                               '(ValueError, FileNotFoundError, FloatingPointError: training '
+                               'diverged; default: one FATAL line naming the bad value).')
 
 
 def main(argv):
@@ -65,8 +65,10 @@ def main(argv):
     if not results.records:               # nothing measured: leave no empty run directory
       shutil.rmtree(run_dir, ignore_errors=True)
       removed = f'; nothing was measured, {run_dir} removed'
-    # Bad input (a bad value, a missing file named in the config): one line.
-    if isinstance(error, (ValueError, FileNotFoundError)) and not _TRACEBACK.value:
+    # Bad input (a bad value, a missing file named in the config, a learning rate that diverged):
+    # one line.
+    if (isinstance(error, (ValueError, FileNotFoundError, FloatingPointError)) and
+        not _TRACEBACK.value):
       sys.exit(f'FATAL: {error} (--traceback shows where{removed})')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)

@@ -234,6 +234,8 @@ def test_model_config_rejects_non_positive_floats(field, value):
      'FATAL: config.seq_len must be >= 176 with the retrieval workload'),  # named prompt_len
     (['--config=configs/eviction.py:smoke', '--config.num_sequences=3'],
      'FATAL: config.num_sequences (3) must be a multiple of config.batch_size (2)'),
+    (['--config=configs/train.py:smoke', '--config.learning_rate=1e9'],   # was a traceback
+     'FATAL: training diverged: final train loss'),
     (['--config=configs/train.py:smoke', '--config.learning_rate=nan'],
      'FATAL: learning_rate must be a finite number'),             # saved an all-NaN model
     (['--config=configs/speculative.py:smoke', '--config.experiment=nope'],

@@ -4,6 +4,7 @@ import ast
 import json
 import pathlib
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -100,3 +101,17 @@ def test_check_fields_names_the_first_field_below_its_minimum():
     check_fields(config, ('a', 'b', 'c'))
   with pytest.raises(ValueError, match='config.c must be >= 0, got -1'):
     check_fields(config, ('b', 'c'), minimum=0)
+
+
+@pytest.mark.parametrize('name', ['speculative', 'benchmark', 'hydration', 'eviction',
+                                  'eviction_batching', 'prefix_cache', 'batching'])
+def test_every_model_loading_config_has_a_dtype_that_load_at_dtype_applies(name):
+  # benchmark, hydration, eviction and eviction_batching had no dtype field: a Hugging Face
+  # model loaded only in float32 there (--config.dtype=bfloat16 was an unknown field).
+  import importlib                                   # pylint: disable=import-outside-toplevel
+  config = importlib.import_module(f'configs.{name}').get_config()
+  assert config.dtype == 'float32'
+  config.dtype = 'bfloat16'
+  model, params = common.load_at_dtype(common.shipped('draft'), config)
+  assert model.dtype == 'bfloat16'
+  assert {str(x.dtype) for x in jax.tree.leaves(params)} == {'bfloat16'}
