@@ -11,9 +11,10 @@ against the plain engine's outputs on the same requests.
     python -m experiments.report runs/eviction_batching/RUN_ID/results.jsonl       # table + plot
 
 Memory: num_pages = memory_requests x (pages of one whole request: prompt_len + max_tokens + 1
-tokens, + lookup_k when K > 0, so a prompt-lookup twin's request fits too) + 1 (the null page). The plain engine gets plain_slots batch slots (0: as many as the pool
-can admit at once with prompt pages only, so memory binds, not slots; lazy growth + preemption
-do the rest); each evicting setting gets min(num_requests, (num_pages - 1) // pages per request at
+tokens, + lookup_k when K > 0, so a prompt-lookup twin's request fits too) + 1 (the null page).
+The plain engine gets plain_slots batch slots (0: as many as the pool can admit at once with
+prompt pages only, so memory binds, not slots; lazy growth + preemption do the rest); each
+evicting setting gets min(num_requests, (num_pages - 1) // pages per request at
 its budget) slots. The control setting (window at a budget of the whole span, so nothing is ever
 evicted) separates the evicting engine's own cost and its floating-point differences from the
 plain engine (the floor of the quality metrics) from what eviction changes. lookup_k = K > 0 adds,

@@ -62,7 +62,8 @@ class Engine:
       few slots are busy (the last requests of a wave, which finish at different rounds under
       speculation) it does not pay for all B rows (vLLM pads a decode batch to the nearest
       captured CUDA-graph size alike). Default: num_slots, num_slots // 4, num_slots // 16, ...
-      while >= 1 (B = 8: 8 and 2, no 1-row bucket); (num_slots,): every round runs all B slots. Each bucket is one compile per K.
+      while >= 1 (B = 8: 8 and 2, no 1-row bucket); (num_slots,): every round runs all B
+      slots. Each bucket is one compile per K.
     draft, draft_params: the draft model (for drafter 'model').
     k: speculation length K in [1, MAX_K] (K_max for adaptive policies); K = 0 (no draft, no
       drafter) is plain continuous batching.

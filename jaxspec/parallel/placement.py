@@ -23,8 +23,9 @@ def place_pair(mesh_config, target: ModelConfig, target_params, draft_params):
   Returns:
     (steps, target_params, draft_params): pass all three to `generate`.
   Raises:
-    ValueError: mesh sizes that are not ints >= 1 (named), the mesh does not match the devices, or its model axis does not divide the
-      target's heads / d_ff / vocabulary (the message names the sizes).
+    ValueError: mesh sizes that are not ints >= 1 (named), the mesh does not match the devices,
+      or its model axis does not divide the target's heads / d_ff / vocabulary (the message
+      names the sizes).
   """
   mesh_config = dict(mesh_config or {})
   data = check_int('mesh.data', mesh_config.get('data', 1), 1)
