@@ -173,6 +173,16 @@ def test_weights_beyond_float16_range_are_named_before_writing(saved, tmp_path):
   assert not (tmp_path / 'm16').exists() and not (tmp_path / 'hf').exists()
   save_model(tmp_path / 'b', config, big, dtype='bfloat16')           # in bfloat16's range
   assert float(load_model(tmp_path / 'b')[1]['params']['embed']['embedding'][3, 0]) == 99840.0
+  # Loaded in float16 they would be inf too (NaN logits): named, on both load paths.
+  from jaxspec.models.hf import load_pretrained  # pylint: disable=import-outside-toplevel
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  save_pretrained(tmp_path / 'hf', config, big, dtype='bfloat16')
+  for load in (lambda: load_model(tmp_path / 'b', 'float16'),
+               lambda: load_sharded(tmp_path / 'b', make_mesh(1, 1), dtype='float16'),
+               lambda: load_pretrained(tmp_path / 'hf', 'float16')):
+    with pytest.raises(CheckpointError, match=r"embed.* holds 1 values outside float16's range "
+                                              r".*load in bfloat16 or float32"):
+      load()
 
 
 def test_model_config_bool_fields_must_be_bools():

@@ -128,6 +128,14 @@ def test_numpy_scalars_are_stored_as_python_numbers(kwargs, expected):
   assert params == python and hash(params) == hash(python)   # one static jit key, not two
 
 
+def test_a_traced_number_is_named_not_a_jax_conversion_error():
+  def build(t):
+    SamplingParams(temperature=t)
+    return t
+  with pytest.raises(ValueError, match='temperature must be a number >= 0, got .*Tracer'):
+    jax.jit(build)(jnp.float32(0.5))
+
+
 def test_numpy_scalar_params_share_one_compilation_with_python_ones():
   traces = []
 

@@ -79,8 +79,10 @@ def _number(value, integer: bool = False):
   `integer`); bool and np.bool_ are not numbers here (True would silently mean 1). NaN and inf
   pass through as floats for the caller's range check to refuse.
   """
+  if isinstance(value, jax.core.Tracer):  # a traced value cannot be a static jit argument
+    return None
   if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
-    value = np.asarray(value)[()]       # a concrete 0-d array; a tracer raises here, as it must
+    value = np.asarray(value)[()]       # a concrete 0-d array
   if isinstance(value, (bool, np.bool_)):
     return None
   if isinstance(value, (int, np.integer)):

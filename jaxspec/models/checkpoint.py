@@ -91,20 +91,21 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     (path / 'info.json').unlink(missing_ok=True)
 
 
-def check_fits(name: str, x, dtype) -> None:
-  """Raises ValueError naming tensor `name` if casting its finite values to `dtype` (a storage
-  dtype with a smaller range, e.g. float16's 65504) would make any of them inf."""
+def check_fits(name: str, x, dtype,
+               fix: str = 'save in a wider dtype (bfloat16 or float32)') -> None:
+  """Raises ValueError naming tensor `name` (and `fix`) if casting its finite values to `dtype`
+  (one with a smaller range, e.g. float16's 65504) would make any of them inf."""
   x = np.asarray(x)
-  if (not np.issubdtype(x.dtype, np.floating) or
-      np.finfo(dtype).maxexp >= np.finfo(x.dtype).maxexp):   # bfloat16 from float32: same range
+  if (not jnp.issubdtype(x.dtype, jnp.floating) or        # jnp: knows bfloat16 is a float
+      jnp.finfo(dtype).maxexp >= jnp.finfo(x.dtype).maxexp):  # bfloat16 from float32: same range
     return
   with np.errstate(over='ignore'):
     bad = np.isfinite(x) & ~np.isfinite(x.astype(dtype))
   if bad.any():
     worst = float(np.abs(x[bad]).max())
     raise ValueError(f'tensor {name} holds {int(bad.sum())} values outside {np.dtype(dtype).name}'
-                     f"'s range (up to {worst:.4g}; max {float(np.finfo(dtype).max):.4g}): stored "
-                     f'they would be inf; save in a wider dtype (bfloat16 or float32)')
+                     f"'s range (up to {worst:.4g}; max {float(jnp.finfo(dtype).max):.4g}): cast, "
+                     f'they would be inf; {fix}')
 
 
 def floating_dtype(dtype) -> jnp.dtype:
@@ -172,8 +173,20 @@ def load_model(path, dtype: str = 'float32'):
                           f'{orbax_reason(e)}') from e
   _check_tree(expected, restored, f'checkpoint {path}')
   verify_checksums(path / CHECKSUMS, restored)
+  _check_all_fit(restored, dtype, f'checkpoint {path}')
   params = jax.tree.map(lambda x: jnp.asarray(x, dtype), restored)
   return config, params
+
+
+def _check_all_fit(tree, dtype, where: str) -> None:
+  """CheckpointError naming `where` and the tensor if loading `tree` in `dtype` (float16)
+  would turn finite weights into inf."""
+  for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    try:
+      check_fits(jax.tree_util.keystr(keys), leaf, jnp.dtype(dtype),
+                 fix='load in bfloat16 or float32')
+    except ValueError as error:
+      raise CheckpointError(f'{where}: {error}') from error
 
 
 def _check_tree(expected, restored, where: str) -> None:

@@ -325,6 +325,10 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
             raise CheckpointError(f'{file.name}: tensor {name} is stored as {stored}; weights '
                                   f'must be floating point ({", ".join(_FLOAT_STORAGE)})')
           x = f.get_tensor(name)
+          try:
+            check_fits(name, x, _DTYPES[dtype], fix='load in bfloat16 or float32')
+          except ValueError as error:        # inf weights, then NaN logits, without a word
+            raise CheckpointError(f'{file.name}: {error}') from error
           flat[ours] = jnp.asarray(x.T if transpose else x, dtype)
           del x
     except CheckpointError:

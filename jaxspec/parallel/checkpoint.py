@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import ModelConfig, hf, param_shapes
 # pylint: disable-next=protected-access
-from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_tree, floating_dtype,
-                                       orbax_reason, verify_checksums)
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
+                                       floating_dtype, orbax_reason, verify_checksums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -78,6 +78,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
                           f'{orbax_reason(e)}') from e
   if verify:
     verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params))
+    _check_all_fit(params, dtype, f'checkpoint {path}')
     params = jax.tree.map(lambda x: x.astype(dtype), params)
   elif jax.process_count() == 1:
     verify_checksums(path / CHECKSUMS, params)       # absent: warns that nothing was checked
