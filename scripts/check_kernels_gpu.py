@@ -7,9 +7,14 @@ references. Not run in this project so far (no GPU was available); on a CUDA mac
 Prints the largest differences and exits 1 if a kernel disagrees with its reference.
 """
 
+import argparse
+import pathlib
 import sys
 
-import jax
+# This checkout's code first (as `python -m` from the repository root), not an installed copy.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,4 +65,5 @@ def main() -> int:
 
 
 if __name__ == '__main__':
+  argparse.ArgumentParser(description=__doc__.split('\n\n')[0]).parse_args()   # --help; no flags
   sys.exit(main())

@@ -7,6 +7,7 @@ a real extraction schema: schema compile time and per-token mask time.
 (xgrammar is not compared: its wheel requires torch, transformers and triton.)
 """
 
+import argparse
 import json
 import time
 
@@ -15,6 +16,8 @@ import sys
 
 # This checkout's code first (as `python -m` from the repository root), not an installed copy.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+if __name__ == '__main__':   # --help before the optional import; no flags
+  argparse.ArgumentParser(description=__doc__.split('\n\n')[0]).parse_args()
 
 import numpy as np
 try:

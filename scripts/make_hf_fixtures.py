@@ -28,15 +28,24 @@ Finally it checks that transformers reads what jaxspec's `save_pretrained` write
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import pathlib
 import shutil
+import sys
+
+if __name__ == '__main__':   # --help before the optional imports; no flags
+  argparse.ArgumentParser(description=__doc__.split('\n\n')[0]).parse_args()
 
 import numpy as np
 import tokenizers
-import torch
-import transformers
+try:
+  import torch
+  import transformers
+except ImportError as _error:
+  sys.exit(f'FATAL: {_error}: this script needs torch and transformers (the hf-reference extra: '
+           f"pip install -e '.[hf-reference]')")
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / 'tests' / 'fixtures' / 'hf'

@@ -15,6 +15,8 @@ from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import ModelConfig
 
+ROOT_DIR = pathlib.Path(__file__).resolve().parents[1]
+
 
 def test_prompt_longer_than_context(tiny):
   config, params = tiny
@@ -408,3 +410,12 @@ def test_evicting_engine_names_the_value_it_refuses(tiny, change, match):
   with pytest.raises(ValueError, match=match):
     EvictingEngine(config, params, policy=make_policy('h2o', 8), num_slots=2, num_pages=8,
                    **change)
+
+
+@pytest.mark.parametrize('script', sorted(p.name for p in (ROOT_DIR / 'scripts').glob('*.py')))
+def test_every_script_answers_help_without_running(script):
+  # check_kernels_gpu.py and constraint_libraries.py ran (or stopped on a missing GPU / package)
+  # instead of printing their usage; make_hf_fixtures.py needed torch to say what it is.
+  proc = subprocess.run([sys.executable, f'scripts/{script}', '--help'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.startswith('usage:'), proc.stdout + proc.stderr
