@@ -56,7 +56,7 @@ from jaxspec.cache import pages_needed
 from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
-from jaxspec.engine import Engine
+from jaxspec.engine import Engine, admission
 from experiments.common import check_fields, parse_workloads
 from experiments.speculative import load_pair
 
@@ -300,16 +300,14 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
-    # The run's requests must fit before the warm-ups (minutes at the default settings) run.
-    span = int(config.prompt_len) + int(config.max_tokens) + engine.window
-    if span > engine.max_seq_len:
-      raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
-                       f'tokens exceeds its max_seq_len={engine.max_seq_len}')
-    usable = engine.prefix.num_pages - 1             # a setting may give its own num_pages
-    if engine._request_pages(span) > usable:         # pylint: disable=protected-access
-      raise ValueError(f'setting {name!r}: a request of prompt_len + max_tokens + K + 1 = {span} '
-                       f'tokens needs {engine._request_pages(span)} pages, the pool has '
-                       f'{usable} (--config.pool_pages={config.pool_pages}; 0 sizes it)')
+    # The run's requests must fit before the warm-ups (minutes at the default settings) run:
+    # the engine's own admission check, on a prompt of the run's length.
+    try:
+      admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'', None)
+    except ValueError as err:
+      hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
+              if 'pages' in str(err) else '')
+      raise ValueError(f'setting {name!r}: a request of the run: {err}{hint}') from err
     engines[name] = engine
   for engine in engines.values():                  # every setting checked first, then compiled
     engine.warm_up()

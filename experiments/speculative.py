@@ -35,7 +35,6 @@ def load_pair(config):
   FileNotFoundError naming a missing `config.tokenizer`."""
   target_path = config.target or shipped('target')
   draft_path = config.draft or shipped('draft')
-  dtype = str(config.get('dtype', 'float32'))
   tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)   # cheap: checked first
   target_cfg, target_params = load_at_dtype(target_path, config)
   draft_cfg, draft_params = load_at_dtype(draft_path, config)
@@ -48,8 +47,8 @@ def load_pair(config):
   elif draft_cfg.vocab_size > target_cfg.vocab_size:
     draft_cfg, draft_params = truncate_vocab(draft_cfg, draft_params, target_cfg.vocab_size)
   exact = bool(config.get('exact_verify', False))
-  target_cfg = dataclasses.replace(target_cfg, exact_verify=exact, dtype=dtype)
-  draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact, dtype=dtype)
+  target_cfg = dataclasses.replace(target_cfg, exact_verify=exact)
+  draft_cfg = dataclasses.replace(draft_cfg, exact_verify=exact)
   return target_cfg, target_params, draft_cfg, draft_params, tokenizer
 
 

@@ -261,7 +261,7 @@ def test_model_config_rejects_non_positive_floats(field, value):
     (['--config=configs/eviction_batching.py:smoke', '--config.budgets=64,x'],
      "FATAL: config.budgets='64,x': 'x' is not a valid int"),
     (['--config=configs/batching.py:smoke', '--config.pool_pages=3'],  # was: after warm-ups
-     "FATAL: setting 'k0': a request of prompt_len + max_tokens + K + 1 = 57 tokens needs 4 "
+     "FATAL: setting 'k0': a request of the run: prompt of 48 tokens + max_tokens=8 + 1 needs 4 "
      "pages, the pool has 2 (--config.pool_pages=3; 0 sizes it)"),
     (['--config=configs/prefix_cache.py:smoke', '--config.k=40'],   # was: small_pool_pages
      'FATAL: speculation length K must be an int in [0, 16] (0 = off), got 40'),

@@ -93,12 +93,18 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
 
 def check_fits(name: str, x, dtype,
                fix: str = 'save in a wider dtype (bfloat16 or float32)') -> None:
-  """Raises ValueError naming tensor `name` (and `fix`) if casting its finite values to `dtype`
-  (one with a smaller range, e.g. float16's 65504) would make any of them inf."""
+  """Whether tensor `x` (any shape; a numpy or jax array) can be cast to `dtype` without its
+  finite values becoming inf: checked only when `dtype`'s exponent range is smaller than x's
+  (float16's max is 65504; float32 -> bfloat16 is not checked, and x is not copied then).
+
+  Raises:
+    ValueError: naming `name`, the count and the largest value out of range, and `fix`.
+  """
+  source = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
+  if (not jnp.issubdtype(source, jnp.floating) or          # jnp: knows bfloat16 is a float
+      jnp.finfo(dtype).maxexp >= jnp.finfo(source).maxexp):  # bfloat16 from float32: same range
+    return                                                 # (no copy to the host then)
   x = np.asarray(x)
-  if (not jnp.issubdtype(x.dtype, jnp.floating) or        # jnp: knows bfloat16 is a float
-      jnp.finfo(dtype).maxexp >= jnp.finfo(x.dtype).maxexp):  # bfloat16 from float32: same range
-    return
   with np.errstate(over='ignore'):
     bad = np.isfinite(x) & ~np.isfinite(x.astype(dtype))
   if bad.any():
