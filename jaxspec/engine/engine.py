@@ -6,6 +6,7 @@ tokens stream out per request.
                     draft_params=draft_params, k=4)
     rid = engine.add_request(prompt_ids, max_tokens=64, stop_tokens=[eos])
     for request_id, new_tokens in engine.step(): ...       # or: outputs = engine.run()
+    engine.abort(rid)                                      # between steps, if still running
 
     Engine(target, params, num_slots=8, num_pages=512, drafter='ngram', k=4)   # prompt lookup
     Engine(..., draft=draft, draft_params=draft_params, k=8, k_policy='goodput')  # adaptive K
@@ -216,6 +217,34 @@ class Engine:
     self.scheduler.add(request)
     return request_id
 
+  def abort(self, request_id: Hashable) -> RequestOutput:
+    """Stop a queued or running request now (a client that went away; vLLM's `abort_request`),
+    between steps.
+
+    Its pages go back to the pool (the full pages it computed stay in the prefix cache, as a
+    finished request's do), its slot frees for the next admission, and it joins `outputs` with
+    finish_reason 'abort' and the tokens emitted so far; the other requests are unaffected.
+
+    Args:
+      request_id: the id `add_request` returned.
+    Returns:
+      Its `RequestOutput`.
+    Raises:
+      KeyError: no request has that id.
+      ValueError: the request already finished (its output is in `outputs`).
+    """
+    try:
+      request = self._live.get(request_id)
+    except TypeError:          # unhashable
+      raise KeyError(f'no request has id {request_id!r}') from None
+    if request is None:
+      if request_id in self.outputs:
+        raise ValueError(f'request {request_id!r} already finished '
+                         f'({self.outputs[request_id].finish_reason!r})')
+      raise KeyError(f'no request has id {request_id!r}')
+    self._finish(request, 'abort', time.perf_counter())
+    return self.outputs[request_id]
+
   def has_unfinished(self) -> bool:
     """Whether any request is queued or running."""
     return self.scheduler.has_work()
@@ -351,23 +380,15 @@ class Engine:
     # The smallest compiled row count that holds them: a lone admission does not pay for a
     # whole [prefill_rows, C] pass.
     rows = min(b for b in self.prefill_buckets if b >= len(prefills))
-    table, lengths = device.idle_rows(rows, self.pages_per_seq)
-    tokens = np.zeros((rows, self.chunk_size), np.int32)
-    counts = np.zeros((rows,), np.int32)
-    for i, (request, chunk) in enumerate(prefills):
-      row = self._prefill_row(i, request)
-      pages = request.handle.pages
-      table[row, :len(pages)] = pages
-      lengths[row] = request.num_computed
-      tokens[row, :len(chunk)] = chunk
-      counts[row] = len(chunk)
+    layout = [(self._prefill_row(i, request), (request, chunk))
+              for i, (request, chunk) in enumerate(prefills)]
+    table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, self.pages_per_seq,
+                                                             self.chunk_size)
     drafted = self.draft_sync is not None and self.draft_sync.eager
     first = self._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
-        [(self._prefill_row(i, request), request) for i, (request, _) in enumerate(prefills)],
-        rows))
+        [(row, request) for row, (request, _) in layout], rows))
     now = time.perf_counter()
-    for i, (request, chunk) in enumerate(prefills):
-      row = self._prefill_row(i, request)
+    for row, (request, chunk) in layout:
       if drafted and request.draft_computed == request.num_computed:   # no gap before it
         request.draft_computed += len(chunk)
       request.num_computed += len(chunk)
@@ -438,7 +459,7 @@ class Engine:
   def _finish(self, request: Request, reason: str, now: float) -> None:
     if self.policy is not None:
       self.policy.forget(request.id)
-    self.scheduler.release(request)
+    self.scheduler.remove(request)
     request.state = State.FINISHED
     request.finish_reason = reason
     request.metrics.finish_s = now

@@ -95,7 +95,7 @@ class RequestOutput:
     request_id: as given to (or returned by) `add_request`.
     prompt: the prompt token ids.
     tokens: emitted token ids (a stop token that ended it included).
-    finish_reason: 'stop' (a stop token) or 'length' (max_tokens).
+    finish_reason: 'stop' (a stop token), 'length' (max_tokens) or 'abort' (`Engine.abort`).
     metrics: its `RequestMetrics`.
   """
 

@@ -31,6 +31,22 @@ def stop_table(layout, num_rows: int, width: int) -> np.ndarray:
   return stop
 
 
+def prefill_inputs(layout, num_rows: int, pages_per_seq: int, chunk_size: int) -> tuple:
+  """(page_table [num_rows, pages_per_seq] int32, lengths [num_rows] int32 tokens cached,
+  tokens [num_rows, chunk_size] int32 the chunk, right-padded with 0, counts [num_rows] int32
+  its length) of a prefill call; `layout` pairs rows with (request, chunk token ids)."""
+  table, lengths = device.idle_rows(num_rows, pages_per_seq)
+  tokens = np.zeros((num_rows, chunk_size), np.int32)
+  counts = np.zeros((num_rows,), np.int32)
+  for row, (request, chunk) in layout:
+    pages = request.handle.pages
+    table[row, :len(pages)] = pages
+    lengths[row] = request.num_computed
+    tokens[row, :len(chunk)] = chunk
+    counts[row] = len(chunk)
+  return table, lengths, tokens, counts
+
+
 def decode_inputs(layout, num_rows: int, pages_per_seq: int) -> tuple:
   """(page_table [num_rows, pages_per_seq] int32, lengths [num_rows] int32 tokens cached,
   pending [num_rows] int32 last emitted token, room [num_rows] int32 tokens it may still emit)

@@ -102,6 +102,13 @@ class Scheduler:
     self.slots[request.slot] = None
     request.slot, request.handle = None, None
 
+  def remove(self, request: Request) -> None:
+    """Take a finished or aborted request out: `release` if admitted, else out of the queue."""
+    if request.slot is None:   # by identity: dataclass equality would compare every field
+      self.waiting = collections.deque(r for r in self.waiting if r is not request)
+    else:
+      self.release(request)
+
   def preempt(self, request: Request) -> None:
     """Preempt by recomputation: release its pages and requeue it at the front."""
     self.release(request)
