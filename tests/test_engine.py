@@ -240,6 +240,8 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   config, params = tiny
   with pytest.raises(ValueError, match="prefix_caching must be True or False, got 'off'"):
     Engine(config, params, num_slots=2, num_pages=8, prefix_caching='off')
+  with pytest.raises(ValueError, match='host_pages=4 needs prefix caching on'):
+    Engine(config, params, num_slots=2, num_pages=8, host_pages=4, prefix_caching=False)
   for seed in (1.5, 2 ** 70, True):
     with pytest.raises(ValueError, match=f'seed must be a 64-bit int, got {seed!r}'):
       Engine(config, params, num_slots=2, num_pages=8, seed=seed)

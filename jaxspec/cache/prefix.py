@@ -87,7 +87,8 @@ class PrefixCache:
       the accounting is otherwise the same, so timings compare like with like.
   Raises:
     ValueError: num_pages < 2, page_size < 1, host_pages < 0 (each must be an int), enabled
-      not a bool (named as prefix_caching, the engines' argument). `match`, `admit` and
+      not a bool (named as prefix_caching, the engines' argument), host_pages > 0 with enabled
+      False. `match`, `admit` and
       `commit` refuse token ids that are not ints in [0, 2**63) (`jaxspec.checks.token_ids`).
   """
 
@@ -96,6 +97,9 @@ class PrefixCache:
     host_pages = check_int('host_pages', host_pages, 0)
     if not isinstance(enabled, (bool, np.bool_)):     # 'off' is truthy: caching would stay on
       raise ValueError(f'prefix_caching must be True or False, got {enabled!r}')
+    if host_pages and not enabled:
+      raise ValueError(f'host_pages={host_pages} needs prefix caching on: the host tier holds '
+                       f'reclaimed prefix-cache pages, and with caching off nothing is demoted')
     self.allocator = PageAllocator(num_pages)
     self.page_size = page_size
     self.enabled = enabled

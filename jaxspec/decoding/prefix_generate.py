@@ -44,8 +44,9 @@ class PrefixCachedGenerator:
       'data' axis must be 1, since requests run one at a time).
   Raises:
     ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
-      SamplingParams, a mesh whose 'data' axis is not 1. A pool too small for a request is
-      reported by `generate` (OutOfPagesError), for that request.
+      SamplingParams, host_pages > 0 with prefix_caching False, a mesh whose 'data' axis is
+      not 1. A pool too small for a request is reported by `generate` (OutOfPagesError), for
+      that request.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 

@@ -103,9 +103,9 @@ class Engine:
   Raises:
     ValueError: a bad size, K out of range, a draft without K (or K without a draft or drafter),
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
-      without speculation, draft and target vocabularies that differ, prefix_caching not a bool,
-      a seed that is not a 64-bit int, a max_seq_len too short for any request (< K + 3),
-      sampling that is not a SamplingParams.
+      without speculation, draft and target vocabularies that differ, prefix_caching not a bool
+      (or False with host_pages > 0), a seed that is not a 64-bit int, a max_seq_len too short
+      for any request (< K + 3), sampling that is not a SamplingParams.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
