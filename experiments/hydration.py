@@ -10,7 +10,6 @@ the schema constraint on and off, on the same extraction prompts.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -46,10 +45,14 @@ def _check(config):
   temps = []
   if str(config.alpha_temperatures).strip(' ,'):
     temps = comma_list(config, 'alpha_temperatures', convert=float, what='temperature')
-  bad = [t for t in temps if not 0.0 <= t < math.inf]
-  if bad:
-    raise ValueError(f'config.alpha_temperatures: {bad[0]} is not a temperature (a finite '
-                     f'number >= 0), in {config.alpha_temperatures!r}')
+  named = [(f'config.alpha_temperatures={config.alpha_temperatures!r}', t) for t in temps]
+  if config.extractor != 'oracle':
+    named.append(('config.retry_temperature', config.retry_temperature))
+  for name, t in named:          # SamplingParams' own range, before any model loads
+    try:
+      SamplingParams(t)
+    except ValueError as err:
+      raise ValueError(f'{name}: {err}') from None
   return strategies, temps
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from experiments.common import load_at_dtype, load_tokenizer, parse_workloads
+from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import shipped, truncate_vocab
@@ -56,6 +57,7 @@ def run(config, results) -> None:
   """Measure every workload of `config` (see configs/speculative.py) and write one record each."""
   sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
                             top_p=float(config.top_p))
+  check_int('max_k', config.max_k, 1)
   if not 1 <= config.k <= config.max_k:
     raise ValueError(f'speculation length K must be an int in [1, {config.max_k}], got '
                      f'{config.k}')

@@ -152,6 +152,14 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
   constrained_generate(draft, draft_params, prompt, c, max_new_tokens=8, stop_token=tok.eos_id)
   with pytest.raises(ValueError, match='the constraint has already consumed'):   # gave [eos]
     constrained_generate(draft, draft_params, prompt, c, max_new_tokens=8, stop_token=tok.eos_id)
+  # A stop_token that could never match used to be accepted and never stop an unconstrained run.
+  for stop, match in (('7', "stop token ids must be ints, got '7'"),
+                      ([7], r'stop_token must be one token id \(or None\), got \[7\]'),
+                      (tok.eos_ids, 'stop_token must be one token id'),
+                      (99999, r'stop token id 99999 outside the vocabulary \[0, 4096\)'),
+                      (-1, 'stop token id -1 outside')):
+    with pytest.raises(ValueError, match=match):
+      constrained_generate(draft, draft_params, prompt, None, max_new_tokens=8, stop_token=stop)
   with pytest.raises(ValueError, match=r'speculation length K must be an int in \[1, 16\], '
                                        r'got 17'):
     constrained_generate(target, target_params, prompt, _constraint(SCHEMAS[2]),
@@ -170,6 +178,14 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
   with pytest.raises(ConstraintError, match='eos_id an int in .0, vocab_size., got '
                                             'vocab_size=4096, eos_id=99999'):
     TokenConstraint.json_schema({'type': 'string'}, TOKENIZER, vocab_size=4096, eos_id=99999)
+  # An ordinary token as the end: it would be text and the end at once ('"' ends and opens a
+  # JSON string), so a finished run's text could be invalid.
+  quote = Tokenizer.load(TOKENIZER).encode('"')[0]
+  with pytest.raises(ConstraintError, match=f'eos_id={quote} is not a special token of .* '
+                                            r'\(its special ids: \[0, 1, 2\]\)'):
+    TokenConstraint.json_schema({'type': 'string'}, TOKENIZER, vocab_size=4096, eos_id=quote)
+  with pytest.raises(ConstraintError, match='eos_id=4000 is not a special token'):
+    TokenConstraint.regex('a+', TOKENIZER, vocab_size=4096, eos_id=4000)
 
 
 # Constrained speculative sampling on V = 8 (same test as test_rejection_sampling, with masks).

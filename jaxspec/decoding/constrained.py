@@ -29,7 +29,7 @@ from jaxspec.cache import PageAllocator, pages_needed, rollback
 from jaxspec.checks import check_int, check_seed, is_int_in, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
-from jaxspec.decoding.generate import MAX_K
+from jaxspec.decoding.generate import MAX_K, stop_ids
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import SamplingParams, check_sampling, probabilities, sample
 from jaxspec.decoding.speculative import proposals_in_reach
@@ -151,12 +151,13 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   Args:
     prompt: token ids (>= 1).
     max_new_tokens: >= 1, the first token included.
-    stop_token: ends the text (the constraint allows it once the text is complete); None
-      never stops before max_new_tokens (unconstrained runs only).
+    stop_token: one id in [0, V) that ends the text (the constraint's `eos_id`: allowed once
+      the text is complete); None never stops before max_new_tokens (unconstrained runs only).
     k: speculation length >= 1 (with a draft).
   Raises:
     ValueError: bad arguments (a seed that is not a 64-bit int, sampling that is not a
-      SamplingParams too) or a prompt that does not fit the context.
+      SamplingParams, a stop_token that is not one id in the vocabulary or differs from the
+      constraint's eos_id too) or a prompt that does not fit the context.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
   (A constraint that has consumed tokens, e.g. from an earlier call, is a ValueError: its mask
@@ -177,6 +178,10 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   if draft is not None and draft.vocab_size != target.vocab_size:
     raise ValueError(f'draft vocabulary ({draft.vocab_size}) differs from the target '
                      f'vocabulary ({target.vocab_size})')
+  if stop_token is not None:
+    if isinstance(stop_token, (list, tuple, np.ndarray)):
+      raise ValueError(f'stop_token must be one token id (or None), got {stop_token!r}')
+    stop_token = stop_ids([stop_token], target.vocab_size)[0]
   if constraint is not None and stop_token != constraint.eos_id:
     raise ValueError(f'stop_token {stop_token} differs from the constraint\'s end token '
                      f'{constraint.eos_id}')

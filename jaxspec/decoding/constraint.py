@@ -43,6 +43,13 @@ def _ll_tokenizer(path: str, eos_id: int) -> llguidance.LLTokenizer:
   return llguidance.LLTokenizer(pathlib.Path(path).read_text(), eos_token=eos_id)
 
 
+@functools.lru_cache(maxsize=4)
+def _special_ids(path: str) -> frozenset:
+  """Ids of the tokenizer file's special added tokens (`added_tokens` with special: true)."""
+  added = json.loads(pathlib.Path(path).read_text()).get('added_tokens') or ()
+  return frozenset(t['id'] for t in added if isinstance(t, dict) and t.get('special'))
+
+
 class TokenConstraint:
   """The tokens allowed after the tokens consumed so far, for one sequence.
 
@@ -78,7 +85,8 @@ class TokenConstraint:
       compact: no whitespace between tokens of the JSON (else any JSON whitespace).
     Raises:
       ConstraintError: the schema is not JSON (a set in it, nested too deep), not valid JSON
-        schema, or uses a keyword llguidance lacks; eos_id outside [0, vocab_size).
+        schema, or uses a keyword llguidance lacks; eos_id outside [0, vocab_size) or not one
+        of the tokenizer's special tokens (`added_tokens` marked special).
     """
     try:
       text = json.dumps(schema)
@@ -95,7 +103,8 @@ class TokenConstraint:
   @classmethod
   def regex(cls, pattern: str, tokenizer_path, *, vocab_size: int,
             eos_id: int = 2) -> 'TokenConstraint':
-    """Text matching the regular expression `pattern` (whole text). Raises ConstraintError."""
+    """Text matching the regular expression `pattern` (whole text). Raises ConstraintError
+    (also for the eos_id cases of `json_schema`)."""
     return cls._build(llguidance.LLMatcher.grammar_from_regex(pattern), tokenizer_path,
                       vocab_size, eos_id)
 
@@ -104,6 +113,10 @@ class TokenConstraint:
     if not is_int_in(vocab_size, 1, 2 ** 31 - 1) or not is_int_in(eos_id, 0, vocab_size - 1):
       raise ConstraintError(f'vocab_size must be an int >= 1 and eos_id an int in [0, '
                             f'vocab_size), got vocab_size={vocab_size!r}, eos_id={eos_id!r}')
+    special = _special_ids(str(tokenizer_path))
+    if eos_id not in special:    # an ordinary token would be text and the end at once
+      raise ConstraintError(f'eos_id={eos_id} is not a special token of {tokenizer_path} '
+                            f'(its special ids: {sorted(special)[:16]})')
     tok = _ll_tokenizer(str(tokenizer_path), int(eos_id))
     if tok.vocab_size > vocab_size:
       raise ConstraintError(f'tokenizer vocabulary ({tok.vocab_size}) exceeds the model '

@@ -136,6 +136,17 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     configs.append(draft)
     slack = max(slack, k + 1)
   _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name, one_request)
+  stop = np.asarray(sorted(set(stop_ids(stop_tokens, target.vocab_size))), np.int32)
+  return configs, slack, stop
+
+
+def stop_ids(stop_tokens, vocab_size: int) -> list:
+  """The stop ids as Python ints, checked: a sequence of integer ids in [0, vocab_size).
+
+  Raises:
+    ValueError: a string, a non-sequence, an id that is not an integer (bool and 2.0 included)
+      or outside the vocabulary, named.
+  """
   if isinstance(stop_tokens, (str, bytes)):
     raise ValueError(f'stop_tokens must be token ids, got the string {stop_tokens!r}')
   try:
@@ -150,10 +161,9 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
       ids.append(operator.index(t))
     except TypeError:
       raise ValueError(f'stop token ids must be ints, got {t!r}') from None
-    if not 0 <= ids[-1] < target.vocab_size:
-      raise ValueError(f'stop token id {ids[-1]} outside the vocabulary [0, {target.vocab_size})')
-  stop = np.asarray(sorted(set(ids)), np.int32)
-  return configs, slack, stop
+    if not 0 <= ids[-1] < vocab_size:
+      raise ValueError(f'stop token id {ids[-1]} outside the vocabulary [0, {vocab_size})')
+  return ids
 
 
 def decode(target, target_params, cache, first, rng, stop, *, sampling, max_new_tokens,
