@@ -1,6 +1,7 @@
 """Model directories: round trip, and clear errors for missing or corrupt checkpoints."""
 
 import json
+import pathlib
 import re
 import shutil
 
@@ -113,6 +114,31 @@ def test_a_directory_without_checksums_loads_unverified(saved):
   jax.tree.map(np.testing.assert_array_equal, loaded, params)
 
 
+def test_a_save_cut_short_is_refused_until_saved_again(saved, monkeypatch):
+  """A save killed after the new params and before the new config used to load as a silent mix
+  of the two models."""
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  path, config, params = saved
+  other = ModelConfig.from_name('test-tiny', rope_theta=500.0)
+  real = pathlib.Path.write_text
+
+  def killed(self, text, *args, **kwargs):
+    if self.name == 'config.json':
+      raise KeyboardInterrupt
+    return real(self, text, *args, **kwargs)
+
+  monkeypatch.setattr(pathlib.Path, 'write_text', killed)
+  with pytest.raises(KeyboardInterrupt):
+    save_model(path, other, init_params(other, 1), dtype='float32')
+  monkeypatch.undo()
+  for load in (lambda: load_model(path), lambda: load_sharded(path, make_mesh(1, 1))):
+    with pytest.raises(CheckpointError, match='a save_model into it did not finish '
+                                              r'\(SAVE_INCOMPLETE is there\)'):
+      load()
+  save_model(path, config, params, dtype='float32')
+  assert not (path / 'SAVE_INCOMPLETE').exists() and load_model(path)[0] == config
+
+
 def test_shipped_models_carry_checksums():
   for name in ('target', 'draft'):
     sums = json.loads((shipped(name) / 'checksums.json').read_text())['sha256']
@@ -152,8 +178,14 @@ def test_save_refuses_a_bad_dtype_or_params_before_writing_anything(saved, tmp_p
     save_model(path, other, {'params': {}})
   with pytest.raises(CheckpointError, match=r'params given to save_model: tensor .* has shape'):
     save_model(tmp_path / 'new', other, jax.tree.map(lambda x: x[..., :1], params))
+  # info that is not JSON was found after the params and config were already replaced.
+  with pytest.raises(ValueError, match='info is not JSON-serialisable'):
+    save_model(path, other, params, info={'val_loss': np.float32(3.0)})
+  with pytest.raises(ValueError, match='info is not JSON-serialisable'):
+    save_model(path, other, params, info={'val_loss': float('nan')})
   assert not (tmp_path / 'new').exists()
   assert load_model(path)[0] == config             # the directory is as it was
+  assert json.loads((path / 'info.json').read_text()) == {'val_loss': 1.5}
   save_model(path, config, params, dtype='float32')
   assert not (path / 'info.json').exists()         # a stale info.json is not left behind
 
@@ -183,6 +215,10 @@ def test_weights_beyond_float16_range_are_named_before_writing(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"embed.* holds 1 values outside float16's range "
                                               r".*load in bfloat16 or float32"):
       load()
+  (tmp_path / 'b' / 'checksums.json').unlink()   # unverified: restored straight into float16 before
+  with pytest.warns(UserWarning, match='unverified'), pytest.raises(
+      CheckpointError, match=r"embed.* holds 1 values outside float16's range"):
+    load_sharded(tmp_path / 'b', make_mesh(1, 1), dtype='float16')
 
 
 def test_model_config_bool_fields_must_be_bools():

@@ -68,27 +68,47 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
       removes an info.json left by an earlier save.
   Raises:
     ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
-      weight), or a weight outside the dtype's range (float16: |x| > 65504 would be stored as
-      inf; named); CheckpointError: params that are not `config`'s (a tensor missing, extra or of
-      the wrong shape). Both before anything is written.
+      weight), a weight outside the dtype's range (float16: |x| > 65504 would be stored as
+      inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
+      `config`'s (a tensor missing, extra or of the wrong shape). Both before anything is
+      written. A save cut short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the
+      loaders refuse.
   """
   dtype = floating_dtype(dtype)
   _check_tree(param_shapes(config), params, 'params given to save_model')
   for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     check_fits(jax.tree_util.keystr(keys), leaf, dtype)
+  try:
+    info_text = None if info is None else json.dumps(info, indent=2, allow_nan=False) + '\n'
+  except (TypeError, ValueError) as e:
+    raise ValueError(f'info is not JSON-serialisable ({e}): {str(info)[:200]}') from None
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
-  # Old checksums go first: a save cut short leaves params unverified, never a false mismatch.
+  # Until the marker goes, the directory mixes two saves: the loaders refuse it.
+  (path / INCOMPLETE).write_text('a save_model into this directory has not finished\n')
   (path / CHECKSUMS).unlink(missing_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / 'params', stored, force=True)
   write_checksums(path / CHECKSUMS, stored)
   (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
-  if info is not None:
-    (path / 'info.json').write_text(json.dumps(info, indent=2) + '\n')
+  if info_text is not None:
+    (path / 'info.json').write_text(info_text)
   else:
     (path / 'info.json').unlink(missing_ok=True)
+  (path / INCOMPLETE).unlink()
+
+
+INCOMPLETE = 'SAVE_INCOMPLETE'
+
+
+def check_complete(path: pathlib.Path) -> None:
+  """CheckpointError if a `save_model` into `path` started and did not finish (its marker file
+  is there): params, config and info may come from different saves."""
+  if (path / INCOMPLETE).exists():
+    raise CheckpointError(f'{path}: a save_model into it did not finish ({INCOMPLETE} is '
+                          f'there), so its params, config and info may come from different '
+                          f'saves: save the model again')
 
 
 def check_fits(name: str, x, dtype,
@@ -146,7 +166,8 @@ def load_model(path, dtype: str = 'float32'):
   Raises:
     ValueError: a dtype that is not a floating-point dtype, or float64 without jax_enable_x64
       (named).
-    CheckpointError: the directory, config.json or params/ is missing or unreadable, the config
+    CheckpointError: a save into the directory did not finish, the directory, config.json or
+      params/ is missing or unreadable, the config
       has unknown or missing fields, a tensor is missing or has the wrong shape, or a tensor's
       bytes differ from its checksum in checksums.json (named; a directory without
       checksums.json, written before they existed, loads unverified).
@@ -158,6 +179,7 @@ def load_model(path, dtype: str = 'float32'):
   from jaxspec.models import hf  # imports this module
   if hf.is_pretrained(path):
     return hf.load_pretrained(path, dtype)
+  check_complete(path)
   fields = None
   try:
     fields = json.loads((path / 'config.json').read_text())
@@ -186,13 +208,16 @@ def load_model(path, dtype: str = 'float32'):
 
 def _check_all_fit(tree, dtype, where: str) -> None:
   """CheckpointError naming `where` and the tensor if loading `tree` in `dtype` (float16)
-  would turn finite weights into inf."""
+  would turn finite weights into inf. A jax.Array spread over processes is checked in the shards
+  this process holds."""
   for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    try:
-      check_fits(jax.tree_util.keystr(keys), leaf, jnp.dtype(dtype),
-                 fix='load in bfloat16 or float32')
-    except ValueError as error:
-      raise CheckpointError(f'{where}: {error}') from error
+    whole = not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
+    for part in [leaf] if whole else [shard.data for shard in leaf.addressable_shards]:
+      try:
+        check_fits(jax.tree_util.keystr(keys), part, jnp.dtype(dtype),
+                   fix='load in bfloat16 or float32')
+      except ValueError as error:
+        raise CheckpointError(f'{where}: {error}') from error
 
 
 def _check_tree(expected, restored, where: str) -> None:
@@ -271,7 +296,8 @@ def verify_checksums(file, tree) -> None:
   file = pathlib.Path(file)
   if not file.exists():
     warnings.warn(f'{file.parent} has no {file.name}: its tensors are loaded unverified (written '
-                  'before checksums existed, or the file was removed)', stacklevel=3)
+                  'before checksums existed, by a save cut short, or the file was removed)',
+                  stacklevel=3)
     return
   try:
     listed = json.loads(file.read_text())

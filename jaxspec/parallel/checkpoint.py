@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxspec.models import ModelConfig, hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
-                                       floating_dtype, orbax_reason, verify_checksums)
+                                       check_complete, floating_dtype, orbax_reason,
+                                       verify_checksums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -32,7 +33,9 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   Returns:
     (ModelConfig, params) with params global jax.Arrays on the mesh.
   Raises:
-    CheckpointError: missing or unreadable directory, config or tensors; a Hugging Face
+    CheckpointError: missing or unreadable directory, config or tensors; a save into the
+      directory that did not finish; weights outside float16's range when loading in float16
+      (named, checked in the shards a process holds); a Hugging Face
       directory (named, with the way to shard one); a tensor whose shape
       differs from what the config implies, or (in one process, where every tensor is whole
       here) whose bytes differ from its checksum in checksums.json (named). Across processes
@@ -47,6 +50,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
                           f'save_model directories only: load it with '
                           f'jaxspec.models.hf.load_pretrained and place it with '
                           f'jaxspec.parallel.shard_params (it is read whole on the host first)')
+  check_complete(path)
   try:
     config = ModelConfig(**json.loads((path / 'config.json').read_text()))
   except FileNotFoundError as e:
@@ -65,8 +69,12 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
       _check_tree(shapes, stored, f'checkpoint {path}')
       # Where the checksums can be checked (one process: every tensor whole here), restored in
       # the stored dtype, checked, then cast; else straight into `dtype` (no second copy).
+      # A cast to a narrower range (float16) is checked too, shard by shard, so those tensors
+      # are restored in the stored dtype whatever the checksums.
       verify = jax.process_count() == 1 and (path / CHECKSUMS).exists()
-      as_dtype = lambda meta: meta.dtype if verify else jnp.dtype(dtype)
+      narrows = lambda meta: (jnp.issubdtype(meta.dtype, jnp.floating) and
+                              jnp.finfo(dtype).maxexp < jnp.finfo(meta.dtype).maxexp)
+      as_dtype = lambda meta: meta.dtype if verify or narrows(meta) else jnp.dtype(dtype)
       target = jax.tree.map(lambda s, sh, meta: jax.ShapeDtypeStruct(s.shape, as_dtype(meta),
                                                                      sharding=sh),
                             shapes, shardings, stored)
@@ -78,8 +86,10 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
                           f'{orbax_reason(e)}') from e
   if verify:
     verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params))
-    _check_all_fit(params, dtype, f'checkpoint {path}')
-    params = jax.tree.map(lambda x: x.astype(dtype), params)
   elif jax.process_count() == 1:
     verify_checksums(path / CHECKSUMS, params)       # absent: warns that nothing was checked
+  _check_all_fit(params, dtype, f'checkpoint {path}')
+  if any(x.dtype != jnp.dtype(dtype) for x in jax.tree.leaves(params)):
+    params = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t),
+                     out_shardings=shardings)(params)
   return config, params
