@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import shutil
 
@@ -16,8 +17,9 @@ def run(config, results) -> None:
   """Train `config.model` on the train split, evaluate on val, save, write one record."""
   # What is checked only at the end (saving) is checked first: a long run is not lost to it.
   floating_dtype(config.store_dtype)
-  if config.out and pathlib.Path(config.out).exists() and not pathlib.Path(config.out).is_dir():
-    raise ValueError(f'config.out={config.out!r} is a file, not a model directory')
+  for field in ('out', 'checkpoint_dir'):
+    if config[field]:
+      _check_directory(f'config.{field}', pathlib.Path(config[field]))
   if config.max_docs < 0:
     raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
@@ -38,13 +40,32 @@ def run(config, results) -> None:
   # The model's vocabulary travels with it: experiments pairing it with a draft or target check
   # their tokenizers against this one (experiments.common.load_tokenizer). A Hugging Face
   # tokenizer's special ids live in the files beside it: they travel too.
-  shutil.copyfile(tokenizer.source, pathlib.Path(out) / 'tokenizer.json')
-  for name in ('generation_config.json', 'tokenizer_config.json'):
-    if (tokenizer.source.parent / name).is_file():
-      shutil.copyfile(tokenizer.source.parent / name, pathlib.Path(out) / name)
+  out = pathlib.Path(out)
+  for source, name in ((tokenizer.source, 'tokenizer.json'),
+                       (tokenizer.source.parent / 'generation_config.json', None),
+                       (tokenizer.source.parent / 'tokenizer_config.json', None)):
+    target = out / (name or source.name)
+    if source.is_file() and source.resolve() != target.resolve():   # retrained in place: kept
+      shutil.copyfile(source, target)
   ids = lambda t: (t.pad_id, t.bos_id, t.eos_ids)
-  if ids(Tokenizer.load(out)) != ids(tokenizer):     # they were in the source's config.json
-    (pathlib.Path(out) / 'generation_config.json').write_text(json.dumps(dict(
+  try:
+    same = ids(Tokenizer.load(out)) == ids(tokenizer)
+  except ValueError:                # e.g. the special ids were only in the source's config.json
+    same = False
+  if not same:
+    (out / 'generation_config.json').write_text(json.dumps(dict(
         pad_token_id=tokenizer.pad_id, bos_token_id=tokenizer.bos_id,
         eos_token_id=list(tokenizer.eos_ids)), indent=2) + '\n')
   results.write(dict(info, out=str(out)))
+
+
+def _check_directory(name: str, path: pathlib.Path) -> None:
+  """ValueError unless `path` is a directory, or can be made one: the first of it and its parents
+  that exists is a writable directory (checked before training, which would be lost)."""
+  for p in (path, *path.absolute().parents):
+    if p.exists():
+      if not p.is_dir():
+        raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is a file, not a directory')
+      if not os.access(p, os.W_OK):
+        raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is not writable')
+      return

@@ -187,6 +187,15 @@ def test_token_stream_joins_documents_with_eos(tok):
   assert tok.decode(stream) == ''.join(d.text + '<|eos|>' for d in docs)
 
 
+def test_a_tokenizer_without_eos_is_named_by_the_stream_builders(tmp_path):
+  fixture = pathlib.Path(__file__).parent / 'fixtures/hf/llama/tokenizer.json'
+  (tmp_path / 'tokenizer.json').write_bytes(fixture.read_bytes())
+  (tmp_path / 'generation_config.json').write_text('{"bos_token_id": 0}')
+  no_eos = Tokenizer.load(tmp_path)
+  with pytest.raises(ValueError, match='names no end-of-sequence id'):   # was int(None)
+    train_mixture(no_eos, split='val', max_docs=1)
+
+
 def test_train_mixture_holds_both_kinds(tok):
   stream = train_mixture(tok, split='val', max_docs=4)
   assert int((stream == tok.eos_id).sum()) == 8
@@ -213,6 +222,12 @@ def test_random_windows_shape_dtype_and_contiguity():
   np.testing.assert_array_equal(edge, np.tile(tokens[:33], (4, 1)))
   with pytest.raises(ValueError, match='32'):
     random_windows(tokens[:32], batch=1, seq_len=32, rng=np.random.default_rng(0))
+  for kwargs, match in ((dict(batch=2.5), 'batch must be an int >= 1, got 2.5'),
+                        (dict(seq_len=2.5), 'seq_len must be an int >= 1, got 2.5'),
+                        (dict(rng=0), 'rng must be a numpy Generator')):
+    with pytest.raises(ValueError, match=match):
+      random_windows(tokens, **{**dict(batch=1, seq_len=8, rng=np.random.default_rng(0)),
+                                **kwargs})
 
 
 def test_agent_conversations_share_an_exact_prefix_and_use_real_distinct_files(tok):

@@ -265,6 +265,10 @@ def test_model_config_rejects_non_positive_floats(field, value):
      "pages, the pool has 2 (--config.pool_pages=3; 0 sizes it)"),
     (['--config=configs/prefix_cache.py:smoke', '--config.k=40'],   # was: small_pool_pages
      'FATAL: speculation length K must be an int in [0, 16] (0 = off), got 40'),
+    (['--config=configs/train.py:smoke', '--config.checkpoint_dir=/proc/version'],  # was: after
+     "FATAL: config.checkpoint_dir='/proc/version': '/proc/version' is a file"),  # training
+    (['--config=configs/train.py:smoke', '--config.out=/proc/version/model'],
+     "FATAL: config.out='/proc/version/model': '/proc/version' is a file"),
     (['--config=configs/speculative.py:smoke', '--config.max_k=0'],   # was: 'K ... in [1, 0]'
      'FATAL: max_k must be an int >= 1, got 0'),
     (['--config=configs/hydration.py:smoke', '--config.alpha_temperatures=0,1e-5'],  # was: late

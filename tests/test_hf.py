@@ -263,7 +263,8 @@ def test_rope_scaling_forms_and_errors():
   assert base[1] / 8 < scaled[1] < base[1]
   for bad, match in [({'rope_type': 'dynamic', 'factor': 2.0}, "type 'dynamic' is not supported"),
                      ({'type': 'linear', 'factor': 0.5}, 'factor must be >= 1'),
-                     ({**llama3, 'high_freq_factor': 1.0}, 'must exceed low_freq_factor')]:
+                     ({**llama3, 'high_freq_factor': 1.0}, 'must exceed low_freq_factor'),
+                     ({'factor': 4.0}, 'gives factor but no rope_type')]:   # was: dropped
     with pytest.raises(ValueError, match=match):
       ModelConfig.from_name('test-tiny', rope_scaling=bad)
   with pytest.raises(ValueError, match='sliding_window must be None or a positive int, got 0'):

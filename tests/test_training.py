@@ -2,7 +2,9 @@
 checkpoint."""
 
 import importlib
+import json
 import math
+import shutil
 
 import jax
 import numpy as np
@@ -26,6 +28,9 @@ SIZES = dict(steps=2, batch_size=2, seq_len=16, learning_rate=1e-3, warmup_steps
     (dict(warmup_steps=-1), 'warmup_steps must be an int >= 0, got -1'),
     (dict(eval_batches=0), 'eval_batches must be an int >= 1, got 0'),
     (dict(steps=2.5), 'steps must be an int >= 1, got 2.5'),
+    (dict(seed=-1), r'seed must be an int in \[0, 2\*\*63\), got -1'),   # numpy's, unnamed
+    (dict(seed=1.5), r'seed must be an int in \[0, 2\*\*63\), got 1.5'),  # a jit tracer error
+    (dict(seed=True), 'seed must be an int'),                              # was seed 1
 ])
 def test_bad_hyperparameters_are_named_before_training(change, match):
   config = ModelConfig.from_name('test-tiny')
@@ -49,6 +54,17 @@ def test_token_ids_outside_the_vocabulary_are_named_before_training(which, bad, 
   train_tokens, val_tokens = (tokens, TOKENS) if which == 'train' else (TOKENS, tokens)
   with pytest.raises(ValueError, match=match):
     train(config, train_tokens, val_tokens, **SIZES, progress=False)
+
+
+def test_a_stream_shorter_than_one_window_is_named_before_training(monkeypatch):
+  # A short val_tokens used to fail in `evaluate`, after every step, without its name.
+  monkeypatch.setattr(importlib.import_module('jaxspec.training.train'), 'init_params', lambda *a: pytest.fail('training started'))
+  for which in ('train_tokens', 'val_tokens'):
+    streams = {'train_tokens': TOKENS, 'val_tokens': TOKENS, which: TOKENS[:10]}
+    with pytest.raises(ValueError, match=f'{which} holds 10 ids, shorter than one window of '
+                                         r'seq_len \+ 1 = 17'):
+      train(ModelConfig.from_name('test-tiny'), streams['train_tokens'], streams['val_tokens'],
+            **SIZES, progress=False)
 
 
 def test_diverged_training_raises_instead_of_returning_nan_params():
@@ -83,6 +99,7 @@ def test_an_interrupted_run_resumed_from_its_checkpoint_equals_an_uninterrupted_
                          checkpoint_dir=tmp_path / 'ckpt', checkpoint_every=2)
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)
   assert again['train_loss'] == info['train_loss'] and again['val_loss'] == info['val_loss']
+  assert (info['resumed_at_step'], again['resumed_at_step']) == (0, 2)
   done, _ = train(config, TOKENS, TOKENS, **sizes, progress=False,      # finished: no step runs
                   checkpoint_dir=tmp_path / 'ckpt')
   jax.tree.map(np.testing.assert_array_equal, done, straight)
@@ -113,7 +130,8 @@ def test_a_damaged_training_state_is_refused(tmp_path):
     train(config, TOKENS, TOKENS, **SIZES, progress=False, checkpoint_dir=tmp_path / 'ckpt')
 
 
-@pytest.mark.parametrize('tokenizer', ['', 'tests/fixtures/hf/llama/tokenizer.json'])
+@pytest.mark.parametrize('tokenizer', ['', 'tests/fixtures/hf/llama/tokenizer.json',
+                                       'config_only'])
 def test_a_trained_model_directory_carries_its_tokenizer(tmp_path, tokenizer):
   # Pairing checks (experiments.common.load_tokenizer) compare a model's own tokenizer.json with
   # the one in use, so the train experiment writes it beside the weights, with a Hugging Face
@@ -129,6 +147,12 @@ def test_a_trained_model_directory_carries_its_tokenizer(tmp_path, tokenizer):
   config = get_config('smoke')
   config.out = str(tmp_path / 'model')
   config.tokenizer = str(root / tokenizer) if tokenizer else ''
+  if tokenizer == 'config_only':   # special ids only in a config.json (the model's is ours)
+    (tmp_path / 'tok').mkdir()
+    shutil.copyfile(root / 'tests/fixtures/hf/llama/tokenizer.json', tmp_path / 'tok/tokenizer.json')
+    (tmp_path / 'tok/config.json').write_text(json.dumps(json.loads(
+        (root / 'tests/fixtures/hf/llama/generation_config.json').read_text())))
+    config.tokenizer = str(tmp_path / 'tok')       # used to fail after saving: run lost
   train_experiment.run(config, Results(tmp_path / 'run', config, verbose=False))
   own, used = Tokenizer.load(tmp_path / 'model'), Tokenizer.load(config.tokenizer or
                                                                   shipped('tokenizer.json'))

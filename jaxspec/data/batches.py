@@ -31,6 +31,10 @@ def _as_kinds(kinds: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def _stream(docs: Sequence[corpus.Document], tokenizer: Tokenizer) -> np.ndarray:
+  if tokenizer.eos_id is None:
+    raise ValueError(f'the tokenizer {tokenizer.source} names no end-of-sequence id, which the '
+                     f'token stream puts after each document (a Hugging Face tokenizer: give '
+                     f'eos_token_id in generation_config.json or config.json beside it)')
   eos = np.array([tokenizer.eos_id], np.int32)
   parts = []
   for i in range(0, len(docs), _ENCODE_CHUNK):
@@ -50,8 +54,8 @@ def token_stream(kinds: str | Sequence[str], split: str, tokenizer: Tokenizer,
 
   kinds: 'code', 'json' or a sequence of them; documents come kind by kind, each kind in name
   order. max_docs: keep only the first ``max_docs`` documents of each kind (None = all).
-  Returns [N] int32. Raises ValueError for an unknown kind or split, an empty ``kinds``, or
-  max_docs not None or an int >= 1.
+  Returns [N] int32. Raises ValueError for an unknown kind or split, an empty ``kinds``,
+  max_docs not None or an int >= 1, or a tokenizer without an eos id.
   """
   max_docs = _max_docs(max_docs)
   docs = []
@@ -84,14 +88,16 @@ def random_windows(tokens: np.ndarray, batch: int, seq_len: int,
 
   tokens: [N] integer ids, N >= seq_len + 1. Returns [batch, seq_len + 1] int32; windows may
   cross document boundaries (the ``eos`` between documents is a normal training target).
-  Raises ValueError if batch or seq_len < 1, the stream is too short or its ids are not
-  integers (a float array would be truncated to ids silently).
+  Raises ValueError if batch or seq_len is not an int >= 1, rng not a numpy Generator, the
+  stream is too short or its ids are not integers (a float array would be truncated to ids
+  silently).
   """
   tokens = np.asarray(tokens)
   if tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f'tokens must be an integer array of ids, got dtype {tokens.dtype}')
-  if batch < 1 or seq_len < 1:
-    raise ValueError(f'batch and seq_len must be >= 1, got batch={batch}, seq_len={seq_len}')
+  batch, seq_len = check_int('batch', batch, 1), check_int('seq_len', seq_len, 1)
+  if not isinstance(rng, np.random.Generator):
+    raise ValueError(f'rng must be a numpy Generator (np.random.default_rng(seed)), got {rng!r}')
   if tokens.ndim != 1 or tokens.shape[0] < seq_len + 1:
     raise ValueError(f'tokens must be 1-D with >= {seq_len + 1} ids, got shape {tokens.shape}')
   starts = rng.integers(0, tokens.shape[0] - seq_len, size=batch)

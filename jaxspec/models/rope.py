@@ -42,8 +42,9 @@ def normalize_scaling(scaling) -> tuple:
     () or a tuple of (str, float | int | str) pairs sorted by key, keeping only 'rope_type' and
     the keys its type uses.
   Raises:
-    ValueError: naming an unsupported type, a missing key, or a value that is not a positive
-      finite number (factor must be >= 1; high_freq_factor > low_freq_factor).
+    ValueError: naming an unsupported type, a missing key (also a type missing beside a
+      scaling key such as factor), or a value that is not a positive finite number (factor must
+      be >= 1; high_freq_factor > low_freq_factor).
   """
   if scaling is None or (not isinstance(scaling, str) and len(scaling) == 0):
     return ()
@@ -52,6 +53,10 @@ def normalize_scaling(scaling) -> tuple:
   except (TypeError, ValueError) as e:
     raise ValueError(f'rope_scaling must be a dict or (key, value) pairs, got {scaling!r}') from e
   kind = fields.get('rope_type', fields.get('type'))
+  scaling_keys = sorted(set(fields) & {k for keys in SCALING_KEYS.values() for k in keys})
+  if kind is None and scaling_keys:   # transformers refuses it too: the scaling would be lost
+    raise ValueError(f'rope_scaling gives {", ".join(scaling_keys)} but no rope_type (or type), '
+                     f'got {scaling!r}')
   if kind in (None, 'default'):
     return ()
   if kind not in SCALING_KEYS:

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import tqdm
 
-from jaxspec.checks import check_int, check_real
+from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.data import random_windows
 from jaxspec.models import ModelConfig, Transformer
 from jaxspec.training import resume
@@ -61,12 +61,16 @@ def evaluate(params, config: ModelConfig, tokens: np.ndarray, *, batch_size: int
   return float(np.mean(losses))
 
 
-def _check_stream(name: str, tokens, vocab_size: int) -> None:
-  """Raises ValueError naming `name` unless `tokens` is a 1-D integer array of ids in [0, V)."""
+def _check_stream(name: str, tokens, vocab_size: int, seq_len: int) -> None:
+  """Raises ValueError naming `name` unless `tokens` is a 1-D integer array of at least one
+  window's seq_len + 1 ids in [0, V)."""
   tokens = np.asarray(tokens)
   if tokens.ndim != 1 or tokens.dtype == np.bool_ or not np.issubdtype(tokens.dtype, np.integer):
     raise ValueError(f'{name} must be a 1-D integer array of token ids, got shape {tokens.shape} '
                      f'dtype {tokens.dtype}')
+  if tokens.shape[0] < seq_len + 1:
+    raise ValueError(f'{name} holds {tokens.shape[0]} ids, shorter than one window of '
+                     f'seq_len + 1 = {seq_len + 1}')
   bad = np.flatnonzero((tokens < 0) | (tokens >= vocab_size))
   if bad.size:
     raise ValueError(f'{name}[{bad[0]}] = {tokens[bad[0]]} is outside the vocabulary '
@@ -91,14 +95,16 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
       sampler replayed to its step, so an interrupted run resumed gives the params an
       uninterrupted one would have.
   Returns:
-    (params, info): info holds steps, train_tokens (tokens consumed), seconds, final train loss
-    and the held-out val_loss (nats/token).
+    (params, info): info holds steps, resumed_at_step (steps a resumed state had done; 0 for a
+    fresh run), train_tokens (tokens consumed by all steps), seconds (of this call's steps
+    only), final train loss and the held-out val_loss (nats/token).
   Raises:
     ValueError: for non-positive sizes, a learning rate that is not a finite number > 0, a
       weight decay or warmup that is negative (or not finite), a grad_clip that is not > 0, a
       stream that is not a 1-D integer array or holds an id outside [0, vocab_size) (named:
       an id past the table gave NaN, a negative one wrapped to the last rows silently), a
-      stream shorter than one window; FloatingPointError: a final train or val loss that is not
+      stream shorter than one window (both checked before step 1), a seed that is not an int
+      in [0, 2**63); FloatingPointError: a final train or val loss that is not
       finite (diverged: the params are not worth saving); CheckpointError: a state in
       checkpoint_dir written with other arguments, or unreadable.
   """
@@ -116,8 +122,11 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   checkpoint_every = check_int('checkpoint_every', checkpoint_every, 0)
   if seq_len > config.max_seq_len:
     raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
+  if not is_int_in(seed, 0, 2 ** 63 - 1):    # numpy's window sampler takes no negative seed
+    raise ValueError(f'seed must be an int in [0, 2**63), got {seed!r}')
+  seed = int(seed)
   for name, stream in (('train_tokens', train_tokens), ('val_tokens', val_tokens)):
-    _check_stream(name, stream, config.vocab_size)
+    _check_stream(name, stream, config.vocab_size, seq_len)
   params = init_params(config, seed) if params is None else params
   optimizer = make_optimizer(learning_rate=learning_rate, warmup_steps=warmup_steps,
                              total_steps=steps, weight_decay=weight_decay, grad_clip=grad_clip)
@@ -158,7 +167,8 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   seconds = time.perf_counter() - start
   val_loss = evaluate(params, config, val_tokens, batch_size=batch_size, seq_len=seq_len,
                       num_batches=eval_batches)
-  info = dict(steps=steps, train_tokens=steps * batch_size * seq_len, seconds=round(seconds, 1),
+  info = dict(steps=steps, resumed_at_step=done, train_tokens=steps * batch_size * seq_len,
+              seconds=round(seconds, 1),
               train_loss=float(loss), val_loss=val_loss, num_params=config.num_params)
   if not (math.isfinite(info['train_loss']) and math.isfinite(val_loss)):
     raise FloatingPointError(f'training diverged: final train loss {info["train_loss"]}, val loss '
