@@ -114,6 +114,20 @@ def test_tokenizer_load_corrupt_file_names_path(tmp_path, content):
     Tokenizer.load(path)
 
 
+def test_encode_batch_checks_its_texts_and_a_config_that_is_not_an_object(tok, tmp_path):
+  for texts, match in (('abc', 'takes a sequence of str, got a str'),   # was [[a], [b], [c]]
+                       ([None], 'str texts, got NoneType at index 0'),
+                       (['ok', '\ud800'], 'text 1 cannot be encoded as UTF-8')):
+    with pytest.raises(ValueError, match=match):
+      tok.encode_batch(texts)
+  assert tok.encode_batch(['ab', 'c']) == [tok.encode('ab'), tok.encode('c')]
+  fixture = pathlib.Path(__file__).parent / 'fixtures/hf/llama/tokenizer.json'
+  (tmp_path / 'tokenizer.json').write_bytes(fixture.read_bytes())
+  (tmp_path / 'config.json').write_text('[1, 2]')       # was an AttributeError
+  with pytest.raises(ValueError, match='config.json must hold a JSON object, got a list'):
+    Tokenizer.load(tmp_path)
+
+
 def test_tokenizer_train_rejects_tiny_vocab():
   with pytest.raises(ValueError, match='vocab_size must be an int >= 259, got 100'):
     Tokenizer.train(['abc'], vocab_size=100)
@@ -255,6 +269,22 @@ def test_agent_conversations_share_an_exact_prefix_and_use_real_distinct_files(t
     turn_prompt(convs[0], 4, replies * 2)
   with pytest.raises(ValueError, match='prefix_tokens=10'):
     make_conversations(tok, num_conversations=1, num_turns=1, prefix_tokens=10, tool_tokens=8)
+  for turn, reps, match in ((1.0, replies, 'turn must be an int >= 0, got 1.0'),
+                            (True, replies, 'turn must be an int >= 0, got True'),   # was turn 1
+                            (1, ['hello'], r'replies\[0\] must be a list')):  # was spliced
+    with pytest.raises(ValueError, match=match):
+      turn_prompt(convs[0], turn, reps)
+
+
+def test_wrapped_tool_results_take_new_windows_when_offsets_collide(tok, monkeypatch):
+  from jaxspec.data import agent  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(agent, '_hash', lambda *salt: 0)   # every window at offset 0: all collide
+  # Few files hold >= 20000 tokens: 12 results wrap round them.
+  convs = agent.make_conversations(tok, num_conversations=4, num_turns=3, prefix_tokens=200,
+                                   tool_tokens=20000)
+  sources = [s for c in convs for s in c.sources]
+  assert len(set(sources)) == len(sources) == 12
+  assert len({s.split('@')[0] for s in sources}) < 12            # they did wrap
 
 
 def test_a_numpy_seed_draws_what_the_same_python_seed_draws_and_floats_are_refused(tok):

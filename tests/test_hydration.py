@@ -33,8 +33,15 @@ def test_tool_results_are_the_files_records(episode):
   ops = json.loads(doc.text)['operations']
   for call in episode.turns:
     assert call.value == ops[call.argument] and call.result in doc.text.replace('\n    ', '\n')
-  with pytest.raises(ValueError, match='operations'):
-    operation_texts('{"shapes": {}}')
+  for text in ('{"shapes": {}}', '[1, 2]'):            # a list was an AttributeError
+    with pytest.raises(ValueError, match='operations'):
+      operation_texts(text)
+
+
+def test_tool_episodes_checks_max_result_tokens(tok):
+  for bad in ('512', None, 0):
+    with pytest.raises(ValueError, match=f'max_result_tokens must be an int >= 1, got {bad!r}'):
+      tool_episodes(tok, 1, 2, max_result_tokens=bad)
 
 
 def test_true_records_validate_against_their_schemas(episode):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from jaxspec.checks import check_int, check_seed
+from jaxspec.checks import check_int, check_seed, token_ids
 from jaxspec.data import corpus
 from jaxspec.data.tokenizer import Tokenizer
 
@@ -61,15 +61,17 @@ def turn_prompt(conversation: Conversation, turn: int, replies) -> list[int]:
   Args:
     replies: the model's reply ids of turns 0 .. turn-1 (at least `turn` of them).
   Raises:
-    ValueError: a turn outside the conversation or too few replies.
+    ValueError: a turn that is not an int inside the conversation, too few replies, or a reply
+      that is not a sequence of token ids (a str would be spliced in character by character).
   """
-  if not 0 <= turn < len(conversation.tool_results):
+  turn = check_int('turn', turn, 0)
+  if turn >= len(conversation.tool_results):
     raise ValueError(f'turn {turn} outside 0 .. {len(conversation.tool_results) - 1}')
   if len(replies) < turn:
     raise ValueError(f'turn {turn} needs {turn} earlier replies, got {len(replies)}')
   ids = list(conversation.prefix)
   for t in range(turn):
-    ids += list(conversation.tool_results[t]) + list(replies[t])
+    ids += list(conversation.tool_results[t]) + token_ids(replies[t], f'replies[{t}]')
   return ids + list(conversation.tool_results[turn])
 
 
@@ -87,7 +89,7 @@ def make_conversations(tokenizer: Tokenizer, *, num_conversations: int, num_turn
     has too few files).
   Raises:
     ValueError: a count not an int >= 1, a seed not a 64-bit int, a prefix too short for the
-      instructions, or no file long enough.
+      instructions, no file long enough, or fewer distinct windows than tool results.
   """
   num_conversations = check_int('num_conversations', num_conversations, 1)
   num_turns = check_int('num_turns', num_turns, 1)
@@ -124,12 +126,22 @@ def make_conversations(tokenizer: Tokenizer, *, num_conversations: int, num_turn
     raise ValueError(f'split {split!r} has no JSON file of {tool_tokens} tokens')
   assistant = tokenizer.encode(ASSISTANT)
   conversations = []
+  taken = {}                  # doc name -> offsets used: a wrap-around takes a new window
   for c in range(num_conversations):
     results, sources = [], []
     for t in range(num_turns):
       i = c * num_turns + t
       doc = tools[i % len(tools)]
       window, off = _window(ids_of(doc), tool_tokens, seed, 'tool', doc.name, i // len(tools))
+      span = len(ids_of(doc)) - tool_tokens + 1
+      used = taken.setdefault(doc.name, set())
+      if len(used) == span:
+        raise ValueError(f'split {split!r} has too few distinct {tool_tokens}-token windows for '
+                         f'{num_conversations} x {num_turns} tool results')
+      while off in used:      # a hash collision: the next free offset
+        off = (off + 1) % span
+      used.add(off)
+      window = ids_of(doc)[off:off + tool_tokens]
       results.append(tuple(tokenizer.encode(TOOL_HEADER.format(turn=t + 1)) + window + assistant))
       sources.append(f'{doc.name}@{off}')
     conversations.append(Conversation(prefix, tuple(results), tuple(sources)))

@@ -116,7 +116,9 @@ class Tokenizer:
     return loaded
 
   def encode(self, text: str) -> list[int]:
-    """Token ids of ``text`` (no specials added); ``decode(encode(text)) == text`` always.
+    """Token ids of ``text`` (no specials added). ``decode(encode(text)) == text`` for our
+    byte-level BPE tokenizers; a Hugging Face tokenizer with a normalizer may change the text
+    (Qwen2's NFC: 'e\\u0301' comes back as 'é').
 
     Raises ValueError when ``text`` is not a str, or holds a lone surrogate (not encodable as
     UTF-8: it has no bytes to tokenize)."""
@@ -129,8 +131,25 @@ class Tokenizer:
       raise
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    """``[encode(t) for t in texts]``, run in parallel in Rust (uses all cores)."""
-    encs = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+    """``[encode(t) for t in texts]``, run in parallel in Rust (uses all cores).
+
+    Raises ValueError as `encode` does, naming the text's index; and for a str given as `texts`
+    (it would be encoded character by character)."""
+    if isinstance(texts, (str, bytes)):
+      raise ValueError(f'encode_batch takes a sequence of str, got a {type(texts).__name__}')
+    texts = list(texts)
+    for i, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise ValueError(f'encode_batch takes str texts, got {type(text).__name__} at index {i}')
+    try:
+      encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
+    except TypeError:                    # a lone surrogate somewhere: find and name it
+      for i, text in enumerate(texts):
+        try:
+          text.encode('utf-8')
+        except UnicodeEncodeError as e:
+          raise ValueError(f'text {i} cannot be encoded as UTF-8: {e}') from None
+      raise
     return [e.ids for e in encs]
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -203,6 +222,8 @@ def _hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
       fields = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
       raise ValueError(f'{file} is not valid JSON: {e}') from e
+    if not isinstance(fields, dict):
+      raise ValueError(f'{file} must hold a JSON object, got a {type(fields).__name__}')
     for key in found:
       if found[key] not in (None, ()):
         continue

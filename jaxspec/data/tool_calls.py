@@ -59,7 +59,7 @@ def operation_texts(text: str) -> dict[str, str]:
   whose text cannot be cut out verbatim. Raises ValueError if ``text`` has no operations.
   """
   value = json.loads(text)
-  ops = value.get('operations')
+  ops = value.get('operations') if isinstance(value, dict) else None
   if not isinstance(ops, dict) or not ops:
     raise ValueError('not a botocore service description: no "operations"')
   out = {}
@@ -84,11 +84,12 @@ def tool_episodes(tokenizer: Tokenizer, num_episodes: int, num_turns: int, *,
   are skipped, not cut). Deterministic in its arguments.
 
   Raises:
-    ValueError: num_episodes or num_turns not an int >= 1, a seed not a 64-bit int, or too few
-      qualifying services in the split.
+    ValueError: num_episodes, num_turns or max_result_tokens not an int >= 1, a seed not a
+      64-bit int, or too few qualifying services in the split.
   """
   num_episodes = check_int('num_episodes', num_episodes, 1)
   num_turns = check_int('num_turns', num_turns, 1)
+  max_result_tokens = check_int('max_result_tokens', max_result_tokens, 1)
   seed = check_seed(seed)     # a Python int: the hashed repr of np.int64(0) is not that of 0
   docs = [d for d in corpus.documents('json', split) if '/service-2.json' in d.name]
   docs.sort(key=lambda d: hashlib.sha256(repr((seed, d.name)).encode()).digest())
