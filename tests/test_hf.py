@@ -384,8 +384,9 @@ def test_qwen2_window_on_some_layers_is_rejected(tmp_path):
   path = _copy(tmp_path, 'qwen2')
   _edit_config(path, use_sliding_window=True, sliding_window=4, max_window_layers=1,
                layer_types=None)
-  with pytest.raises(CheckpointError, match='sliding window on only some layers'):
+  with pytest.raises(CheckpointError, match='sliding window on only some layers') as error:
     load_pretrained(path)
+  assert str(error.value).count('config.json') == 1        # was named twice
   _edit_config(path, max_window_layers=0)                  # every layer: honoured
   assert load_pretrained(path)[0].sliding_window == 4
 

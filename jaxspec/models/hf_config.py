@@ -94,6 +94,8 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
         tie_embeddings=tie,
         qkv_bias=arch == 'Qwen2ForCausalLM', rope_scaling=scaling,
         sliding_window=_sliding_window(fields, arch, where), dtype=dtype)
+  except CheckpointError:                 # already names `where`
+    raise
   except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
     raise CheckpointError(f'{where}: {e}') from e
 
