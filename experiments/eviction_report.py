@@ -6,6 +6,7 @@ import collections
 import pathlib
 
 import matplotlib
+import numpy as np
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -16,7 +17,7 @@ _PANELS = [('agreement', 'next-token agreement with the full cache'),
 
 def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
   """quality_vs_budget.png: agreement and perplexity increase vs budget (% of the sequence), a
-  column per workload, a line per policy; worker_memory.png: cached tokens and KV bytes vs
+  column per workload, a line per policy (the mean of the records at a point); worker_memory.png: cached tokens and KV bytes vs
   tokens generated in worker mode. Returns the PNG paths written."""
   paths = []
   quality = [r for r in records if r.get('agreement') is not None and r.get('policy')]
@@ -25,15 +26,16 @@ def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
     fig, axes = plt.subplots(len(_PANELS), len(workloads), squeeze=False,
                              figsize=(5 * len(workloads), 3.6 * len(_PANELS)))
     for col, workload in enumerate(workloads):
-      lines = collections.defaultdict(dict)
-      for r in quality:
+      lines = collections.defaultdict(lambda: collections.defaultdict(list))
+      for r in quality:      # records of one point (repeats, other cases) are averaged
         if r['workload'] == workload:
-          lines[r['policy']][100 * r['budget_frac']] = r
+          lines[r['policy']][100 * r['budget_frac']].append(r)
       for row, (metric, label) in enumerate(_PANELS):
         ax = axes[row][col]
         for policy in sorted(lines):
           xs = sorted(lines[policy])
-          ax.plot(xs, [lines[policy][x][metric] for x in xs], marker='o', label=policy)
+          ax.plot(xs, [np.mean([r[metric] for r in lines[policy][x]]) for x in xs], marker='o',
+                  label=policy)
         ax.set_xscale('log')
         ax.set_xticks([5, 10, 20, 50, 100], ['5', '10', '20', '50', '100'])
         ax.set_xlabel('KV budget (% of the sequence)')

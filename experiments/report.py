@@ -205,6 +205,15 @@ def guess_experiment(results_path) -> Optional[str]:
     return None
 
 
+def _sweep_ids(path: pathlib.Path) -> Optional[list]:
+  """The case ids a sweep's sweep.json lists, in sweep order; None if it is missing or
+  unreadable (every finished case is reported then)."""
+  try:
+    return [case['case_id'] for case in json.loads(path.read_text())]
+  except (OSError, ValueError, TypeError, KeyError):
+    return None
+
+
 def main(argv) -> None:
   """CLI: `python -m experiments.report RESULTS_JSONL [--out DIR] [--experiment NAME]`."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
@@ -221,11 +230,15 @@ def main(argv) -> None:
   except ValueError as error:
     sys.exit(f'FATAL: {error}')
   cases = path.parent / 'cases'
-  if cases.is_dir():          # a sweep: as the sweep reports, only its finished cases
-    kept = [r for r in records if (cases / str(r.get('case_id')) / 'done').exists()]
+  if cases.is_dir():          # a sweep: as the sweep reports, its finished cases in its order
+    ids = _sweep_ids(path.parent / 'sweep.json')
+    order = {cid: n for n, cid in enumerate(ids or ())}
+    kept = [r for r in records if (cases / str(r.get('case_id')) / 'done').exists()
+            and (ids is None or r.get('case_id') in order)]
     if len(kept) < len(records):
-      print(f'{len(records) - len(kept)} records of unfinished cases left out')
-    records = kept
+      print(f'{len(records) - len(kept)} records of unfinished cases or cases no longer in '
+            f'sweep.json left out')
+    records = sorted(kept, key=lambda r: order.get(r.get('case_id'), 0))
   if not records:                                     # never overwrite a report with nothing
     sys.exit(f'FATAL: no result records in {str(path)!r} (is it a results.jsonl?); nothing '
              f'written')
@@ -235,6 +248,10 @@ def main(argv) -> None:
   except OSError as error:          # a file in the way, no permission, read-only
     sys.exit(f'FATAL: cannot use --out={out}: {error}')
   experiment = flags.FLAGS.experiment or guess_experiment(path)
+  if flags.FLAGS.experiment and experiment not in PLOTS:   # a typo drew nothing, silently
+    sys.exit(f'FATAL: --experiment={experiment!r} has no plots; those with plots: '
+             f'{sorted(PLOTS)} (leave the flag out to read it from the config.json beside the '
+             f'results)')
   summarize(records, out / 'summary.md', out / 'summary.csv')
   try:
     pngs = plot(records, out / 'plots', experiment)

@@ -146,11 +146,11 @@ def validate_sweep(config: ml_collections.ConfigDict, cases) -> list[ml_collecti
   Raises:
     ValueError: the sweep is not a non-empty list of dicts, a case names an unknown field or has
       a value of the wrong type (the message names the case and the field), or two cases share
-      an id.
+      an id or, once their values are converted to the fields' types, a config.
   """
   if not isinstance(cases, (list, tuple)) or not cases:
     raise ValueError(f'a sweep must be a non-empty list of override dicts, got {cases!r}')
-  seen, configs = {}, []
+  seen, same_config, configs = {}, {}, []
   for i, case in enumerate(cases):
     if not isinstance(case, dict) or not all(isinstance(k, str) for k in case):
       raise ValueError(f'sweep case {i} must be a dict of field -> value, got {case!r}')
@@ -162,6 +162,12 @@ def validate_sweep(config: ml_collections.ConfigDict, cases) -> list[ml_collecti
       configs.append(apply_overrides(config, case))
     except ValueError as e:
       raise ValueError(f'sweep case {i} ({cid}): {e}') from e
+    text = configs[-1].to_json(sort_keys=True)     # after coercion: 1 and 1.0 are one case
+    if text in same_config:
+      j = same_config[text]
+      raise ValueError(f'sweep cases {j} ({case_id(cases[j])}) and {i} ({cid}) give the same '
+                       f'config: each would be measured twice')
+    same_config[text] = i
   return configs
 
 

@@ -65,6 +65,10 @@ def test_apply_overrides_copies_coerces_and_names_unknown_fields():
     sweeps.apply_overrides(config, {'name': 3})
   with pytest.raises(ValueError, match='same id'):
     sweeps.validate_sweep(config, [{'k': 1}, {'k': 1}])
+  # Ids differ, configs do not: both ran, every record twice.
+  for cases in ([{'temperature': 1}, {'temperature': 1.0}], [{'k': 4}, {}]):
+    with pytest.raises(ValueError, match='sweep cases 0 .* and 1 .* give the same config'):
+      sweeps.validate_sweep(config, cases)
 
 
 def test_only_and_shard_parsing():
@@ -238,10 +242,22 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
   assert 'k=1,temperature=0.0' not in (outcome.sweep_dir / 'summary.md').read_text()
   # The report CLI on the sweep directory leaves the unfinished case out too.
   proc = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
-                         '--out', str(tmp_path / 'cli'), '--experiment=fake'], cwd=ROOT,
+                         '--out', str(tmp_path / 'cli')], cwd=ROOT,
                         capture_output=True, text=True, check=True)
-  assert '1 records of unfinished cases left out' in proc.stdout
+  assert '1 records of unfinished cases or cases no longer in sweep.json left out' in proc.stdout
   assert 'k=1,temperature=0.0' not in (tmp_path / 'cli' / 'summary.md').read_text()
+  # ... and, as the sweep does, the cases a sweep.json no longer lists (the grid shrank).
+  sweep_json = outcome.sweep_dir / 'sweep.json'
+  cases = [c for c in json.loads(sweep_json.read_text()) if c['case_id'] != 'k=2,temperature=1.0']
+  sweep_json.write_text(json.dumps(cases))
+  subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir), '--out',
+                  str(tmp_path / 'cli2')], cwd=ROOT, capture_output=True, text=True, check=True)
+  summary = (tmp_path / 'cli2' / 'summary.md').read_text()
+  assert 'k=2,temperature=0.0' in summary and 'k=2,temperature=1.0' not in summary
+  typo = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
+                         '--out', str(tmp_path / 'cli3'), '--experiment=speculativ'], cwd=ROOT,
+                        capture_output=True, text=True)
+  assert typo.returncode == 1 and "FATAL: --experiment='speculativ' has no plots" in typo.stderr
 
 
 def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):
