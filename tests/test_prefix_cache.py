@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.cache import (NULL_PAGE, OutOfPagesError, PrefixCache, init_cache, page_keys,
-                           read_pages)
+from jaxspec.cache import (NULL_PAGE, HostTier, OutOfPagesError, PrefixCache, init_cache,
+                           page_keys, read_pages)
 from jaxspec.decoding import PrefixCachedGenerator, generate
 from jaxspec.models import Transformer, cache_for
 
@@ -210,6 +210,22 @@ def test_unapplied_plan_is_refused():
     prefix.reset()
   with pytest.raises(ValueError, match='not the pending one'):
     prefix.apply(type(plan)(), [])                          # an empty plan cannot drop it
+  # Moving pages with no caches stored empty host entries that later promoted as an IndexError.
+  with pytest.raises(ValueError, match='the plan moves 2 demoted and 0 promoted pages, and no '
+                                       'caches were given'):
+    prefix.apply(plan, [])
+  with pytest.raises(ValueError, match='plan is pending'):  # still pending: apply it properly
+    prefix.admit([1, 2, 3])
+
+
+def test_reserving_a_key_the_host_tier_holds_keeps_its_data():
+  host = HostTier(2)
+  for key in (b'a', b'b'):
+    assert host.reserve(key)
+    host.put(key, [(np.ones(2), np.zeros(2))])
+  assert host.reserve(b'a')                     # emptied 'a' before: get() then raised
+  assert host.has_data(b'a') and host.has_data(b'b')
+  assert host.reserve(b'c') and b'b' not in host and host.has_data(b'a')   # 'a' was touched
 
 
 def _filled_caches(config, params, num_pages):
@@ -242,6 +258,8 @@ def test_demote_promote_bit_identical_and_reset_forgets(tiny):
   third, plan = prefix.admit(prompt)                 # host hit: promoted into fresh pages
   assert third.num_cached == 3 * L and third.num_promoted == 3 * L
   assert [k for k, _ in plan.promote] == page_keys(prompt, L)[:3]
+  with pytest.raises(ValueError, match=r'demoted from 1 caches \(one per model\), 2 given'):
+    prefix.apply(plan, caches * 2)
   caches = prefix.apply(plan, caches)
   promoted = read_pages(caches, third.pages[:3])[0]
   for a, b in zip(original, promoted):

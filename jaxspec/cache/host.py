@@ -52,7 +52,11 @@ class HostTier:
 
   def reserve(self, key: bytes, pinned: Iterable[bytes] = ()) -> bool:
     """Make room for `key` (its data arrives through `put`), evicting least recently used
-    entries not in `pinned`. Returns False (nothing changes) when everything left is pinned."""
+    entries not in `pinned`. Returns False (nothing changes) when everything left is pinned.
+    A key already present keeps its entry (and data) and becomes the most recently used."""
+    if key in self._entries:
+      self._entries.move_to_end(key)
+      return True
     pinned = set(pinned)
     while len(self._entries) >= self.capacity:
       victim = next((k for k in self._entries if k not in pinned), None)

@@ -348,14 +348,24 @@ class PrefixCache:
     Returns:
       The updated caches, same order.
     Raises:
-      ValueError: `plan` is not the pending one. An error while moving data (e.g. host memory
-        exhausted) is raised as is, after undoing what counted on it: the promoted pages lose
-        their keys (a later request misses instead of reading a page whose data never
-        arrived) and the plan stops being pending.
+      ValueError: `plan` is not the pending one; a plan that moves pages with no caches, or
+        with another number of caches than its promoted pages were demoted from (the plan
+        stays pending: apply it again with the right caches). An error while moving data (e.g.
+        host memory exhausted) is raised as is, after undoing what counted on it: the
+        promoted pages lose their keys (a later request misses instead of reading a page whose
+        data never arrived) and the plan stops being pending.
     """
     if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
     caches = list(caches)
+    if self.host is not None and (plan.demote or plan.promote):   # checked while still pending
+      if not caches:
+        raise ValueError(f'the plan moves {len(plan.demote)} demoted and {len(plan.promote)} '
+                         f'promoted pages, and no caches were given')
+      for key, _ in plan.promote:
+        if self.host.has_data(key) and len(self.host.get(key)) != len(caches):
+          raise ValueError(f'a promoted page was demoted from {len(self.host.get(key))} caches '
+                           f'(one per model), {len(caches)} given')
     try:
       return self._move(plan, caches)
     except BaseException:
