@@ -152,6 +152,13 @@ def test_a_malformed_record_from_a_custom_extractor_is_a_fallback(episode):
 
 def test_model_extraction_that_cannot_finish_falls_back_and_is_counted(episode, tok):
   draft, params = load_model(shipped('draft'))
+  for kwargs, match in ((dict(retries=1.5), 'retries must be an int >= 0, got 1.5'),
+                        (dict(retries=True), 'retries must be an int >= 0, got True'),
+                        (dict(max_new_tokens=0), 'max_new_tokens must be an int >= 1, got 0'),
+                        (dict(seed=2 ** 70), f'seed must be a 64-bit int, got {2 ** 70}'),
+                        (dict(constrained='yes'), "constrained must be True or False")):
+    with pytest.raises(ValueError, match=match):        # were first-call TypeErrors, or taken
+      ModelExtractor(draft, params, tok, shipped('tokenizer.json'), **kwargs)
   extractor = ModelExtractor(draft, params, tok, shipped('tokenizer.json'), max_new_tokens=4,
                              retries=1)
   ex = extractor(episode.turns[0])
@@ -189,7 +196,11 @@ def test_prefix_reuse_gives_the_logits_of_a_full_prefill(tiny):
 def test_context_session_refuses_bad_ids_and_gives_pages_back_when_prefill_fails(tiny,
                                                                                 monkeypatch):
   config, params = tiny
+  with pytest.raises(ValueError, match="prefix_cache must be True or False, got 'yes'"):
+    ContextSession(config, params, max_tokens=64, prefix_cache='yes')
   session = ContextSession(config, params, max_tokens=64, page_size=8, width_step=4)
+  with pytest.raises(ValueError, match="commit must be True or False, got 'no'"):
+    session.prefill([3, 4], commit='no')
   for tokens, match in (([3, 2 ** 40], 'token id 1099511627776 outside the vocabulary'),
                         ([3, 64], r'token id 64 outside the vocabulary \[0, 64\)'),
                         ([3, -1], 'token id -1'), ([3, 3.9], 'flat sequence of int token ids'),

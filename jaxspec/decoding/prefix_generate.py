@@ -99,10 +99,13 @@ class PrefixCachedGenerator:
     and with them every prefix cached before (call it before serving, not between requests).
 
     Raises:
-      ValueError / OutOfPagesError: as `generate` for the longest dummy prompt.
+      ValueError: max_prompt_len or max_new_tokens not an int >= 1.
+      ValueError / OutOfPagesError: as `generate` for the longest dummy prompt (tried first).
     """
-    for width in range(self.prompt_bucket, max_prompt_len + self.prompt_bucket,
-                       self.prompt_bucket):
+    max_prompt_len = check_int('max_prompt_len', max_prompt_len, 1)
+    max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+    widths = range(self.prompt_bucket, max_prompt_len + self.prompt_bucket, self.prompt_bucket)
+    for width in reversed(widths):             # the longest first: its errors before any compile
       n = min(width, max_prompt_len)
       vocab = self.target.vocab_size         # dummy ids inside any vocabulary
       self.generate([(3 + i % 50) % vocab for i in range(n)], max_new_tokens=max_new_tokens,

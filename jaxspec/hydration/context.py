@@ -51,14 +51,16 @@ class ContextSession:
     prefix_cache: reuse cached pages (a prefix cache's hits); False recomputes every context.
   Raises:
     ValueError: max_tokens not an int in [1, the model's max_seq_len], page_size or width_step
-      not an int >= 1; from `prefill`: a context longer than max_tokens, empty, or with a token
-      id that is not an int in [0, V).
+      not an int >= 1, prefix_cache not a bool; from `prefill`: a context longer than
+      max_tokens, empty, or with a token id that is not an int in [0, V), commit not a bool.
   """
 
   def __init__(self, config: ModelConfig, params, *, max_tokens: int, page_size: int = 16,
                prefix_cache: bool = False, width_step: int = 16):
     width_step = check_int('width_step', width_step, 1)
     page_size = check_int('page_size', page_size, 1)
+    if not isinstance(prefix_cache, (bool, np.bool_)):   # PrefixCache would name prefix_caching
+      raise ValueError(f'prefix_cache must be True or False, got {prefix_cache!r}')
     if not is_int_in(max_tokens, 1, config.max_seq_len):
       raise ValueError(f'max_tokens must be an int in [1, max_seq_len={config.max_seq_len}], '
                        f'got {max_tokens!r}')
@@ -98,6 +100,8 @@ class ContextSession:
       ValueError: an empty context, one longer than the session's max_tokens, a token id that
         is not an int in [0, V). A failure after the pages were taken gives them back.
     """
+    if not isinstance(commit, (bool, np.bool_)):   # 'no' is truthy: it would commit
+      raise ValueError(f'commit must be True or False, got {commit!r}')
     tokens = token_ids(tokens, 'context', self.config.vocab_size)
     if not tokens:
       raise ValueError('empty context')

@@ -16,7 +16,9 @@ import time
 from typing import Optional, Sequence
 
 import jsonschema
+import numpy as np
 
+from jaxspec.checks import check_int, check_seed
 from jaxspec.data.tool_calls import ToolCall
 from jaxspec.data.tokenizer import Tokenizer
 from jaxspec.decoding.constrained import constrained_generate
@@ -66,14 +68,21 @@ class ModelExtractor:
     constrained: False decodes without the schema (an ablation: the output must still parse and
       validate, taking the first JSON value of the text).
     demos: tool calls shown before the result, each followed by its true record (few-shot).
+    seed: a 64-bit int; attempt a of call c samples with seed + 1000 c + a (mod 2**63).
+  Raises:
+    ValueError: retries not an int >= 0, max_new_tokens not an int >= 1, a seed that is not a
+      64-bit int, constrained not a bool, a retry_temperature SamplingParams refuses.
   """
 
   def __init__(self, config, params, tokenizer: Tokenizer, tokenizer_path, *,
                max_new_tokens: int = 192, retries: int = 2, retry_temperature: float = 1.0,
                constrained: bool = True, demos: Sequence[ToolCall] = (), draft=None,
                draft_params=None, k=None, seed: int = 0):
-    if retries < 0:
-      raise ValueError(f'retries must be >= 0, got {retries}')
+    retries = check_int('retries', retries, 0)
+    max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+    seed = check_seed(seed)
+    if not isinstance(constrained, (bool, np.bool_)):
+      raise ValueError(f'constrained must be True or False, got {constrained!r}')
     self.config, self.params = config, params
     self.tokenizer, self.tokenizer_path = tokenizer, tokenizer_path
     self.max_new_tokens, self.retries = max_new_tokens, retries
@@ -106,7 +115,7 @@ class ModelExtractor:
           self.config, self.params, prompt, constraint, max_new_tokens=self.max_new_tokens,
           stop_token=self.tokenizer.eos_id,
           sampling=SamplingParams() if attempt == 0 else self.retry_sampling,
-          seed=self.seed + 1000 * self.calls + attempt, **self.spec)
+          seed=(self.seed + 1000 * self.calls + attempt) % 2 ** 63, **self.spec)
       new_tokens += len(out.tokens)
       body = out.tokens[:-1] if out.finished else out.tokens
       # Unconstrained, a model whose embedding is padded past the tokenizer may emit an id it
