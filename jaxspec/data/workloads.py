@@ -117,8 +117,9 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
   from distinct files while the split has enough files that fit.
 
   Raises ValueError for an unknown workload or split, num_prompts not an int >= 1, prompt_len not
-  an int >= 1 (retrieval: >= 48), a seed not a 64-bit int, or a split with no file long enough (retrieval's instruction + quote take
-  25-45 tokens, so prompt_len < 96 leaves little document and may find too few prompts).
+  an int >= 1 (retrieval: >= 48), a seed not a 64-bit int, or a split with no file long enough
+  (retrieval's instruction + quote take 25-45 tokens, so prompt_len < 96 leaves little document
+  and may find too few prompts).
   """
   if workload not in WORKLOADS:
     raise ValueError(f'unknown workload {workload!r}; expected one of {WORKLOADS}')
@@ -133,6 +134,7 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
   docs = _ordered_docs(kinds, split, seed, workload)
   token_cache: dict[str, list[int]] = {}
   prompts: list[Prompt] = []
+  names: set = set()          # of the prompts so far (a list scan made this quadratic)
   for round_ in range(max(4, num_prompts)):  # Extra rounds reuse files at new offsets.
     made_any = False
     for doc in docs:
@@ -144,10 +146,11 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
         p = _retrieval_prompt(tokenizer, doc, ids, round_, seed, prompt_len)
       else:
         p = _window_prompt(workload, doc, ids, round_, seed, prompt_len)
-      if p is None or any(p.name == o.name for o in prompts):
+      if p is None or p.name in names:
         continue
       made_any = True
       prompts.append(p)
+      names.add(p.name)
       if len(prompts) == num_prompts:
         return prompts
     if not made_any and round_ > 0:
