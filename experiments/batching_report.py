@@ -157,6 +157,23 @@ def _by_setting(records):
   return groups
 
 
+def _check_one_case(records) -> None:
+  """ValueError unless each (B, workload, setting) comes from one sweep case: records of a sweep
+  over more than batch_size (other prompt lengths, say) would be averaged as if they were
+  repeats of one cell. (Records of one case appended twice are averaged; `_per_pass` leaves
+  their passes unpaired.)"""
+  case_of = {}
+  for r in records:
+    if r.get('setting') is None:
+      continue
+    key = (int(r['batch_size']), r['workload'], r['setting'])
+    case = r.get('case_id')
+    if case_of.setdefault(key, case) != case:
+      raise ValueError(f'B={key[0]} {key[1]} {key[2]!r} has records of sweep cases '
+                       f'{case_of[key]!r} and {case!r}: the threshold analysis takes a sweep over '
+                       f'batch_size only; report the cases apart')
+
+
 def analyze(records: list[dict], source: str = 'steps') -> dict:
   """The threshold analysis of batching records (any subset of batch sizes and settings).
 
@@ -174,7 +191,11 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     static setting (K = 0 included), the same pass by pass with its standard error
     (`_per_pass`), and against the static setting chosen on the other passes (`_held_out`)]}.
     α* is math.inf where no K pays.
+  Raises:
+    ValueError: records of one (B, workload, setting) from several sweep cases
+      (`_check_one_case`).
   """
+  _check_one_case(records)
   costs = cost_table(records, source)
   other = cost_table(records, 'idle' if source == 'steps' else 'steps')
   thresholds = []

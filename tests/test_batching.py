@@ -172,6 +172,12 @@ def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
   assert br.analyze(again)['adaptive'][0]['per_pass'] == [pytest.approx(0.8)]
   bare = [{k: v for k, v in r.items() if k != 'repeat'} for r in records[1:3]]
   assert br.analyze(bare)['adaptive'][0]['per_pass'] == []
+  # Two sweep cases of one B (a sweep over prompt_len too) were averaged as one cell's repeats.
+  mixed = [dict(r, case_id='batch_size=4') for r in records] + [
+      dict(records[0], case_id='batch_size=4,prompt_len=128')]
+  with pytest.raises(ValueError, match="B=4 json 'k0' has records of sweep cases "
+                                       "'batch_size=4' and 'batch_size=4,prompt_len=128'"):
+    br.analyze(mixed)
 
 
 def test_held_out_fraction_chooses_the_static_setting_on_the_other_passes():
