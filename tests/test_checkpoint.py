@@ -137,6 +137,11 @@ def test_a_save_cut_short_is_refused_until_saved_again(saved, monkeypatch):
       load()
   save_model(path, config, params, dtype='float32')
   assert not (path / 'SAVE_INCOMPLETE').exists() and load_model(path)[0] == config
+  # A save cut short over a Hugging Face directory: its old model loaded silently.
+  hf = shutil.copytree(pathlib.Path(__file__).parent / 'fixtures/hf/llama', path.parent / 'hf')
+  (hf / 'SAVE_INCOMPLETE').write_text('')
+  with pytest.raises(CheckpointError, match='did not finish'):
+    load_model(hf)
 
 
 def test_shipped_models_carry_checksums():

@@ -3,6 +3,7 @@ constrained speculative sampling's distribution (chi-square, as in test_rejectio
 
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,33 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
     TokenConstraint.json_schema({'type': 'string'}, TOKENIZER, vocab_size=4096, eos_id=quote)
   with pytest.raises(ConstraintError, match='eos_id=4000 is not a special token'):
     TokenConstraint.regex('a+', TOKENIZER, vocab_size=4096, eos_id=4000)
+
+
+def test_an_eos_marked_special_by_tokenizer_config_is_accepted(tmp_path):
+  # transformers also reads special tokens from tokenizer_config.json (added_tokens_decoder,
+  # eos_token), as Tokenizer.load does: such an eos ends the text and is never text.
+  from jaxspec.decoding import constraint  # pylint: disable=import-outside-toplevel
+  fixture = pathlib.Path(__file__).parent / 'fixtures/hf/llama/tokenizer.json'
+  data = json.loads(fixture.read_text())
+  for token in data['added_tokens']:
+    if token['id'] == 297:
+      token['special'] = False
+      text = token['content']
+  (tmp_path / 'tokenizer.json').write_text(json.dumps(data))
+  with pytest.raises(ConstraintError, match='eos_id=297 is not a special token'):
+    TokenConstraint.json_schema({'type': 'string'}, tmp_path / 'tokenizer.json', vocab_size=300,
+                                eos_id=297)
+  for config in ({'eos_token': text},
+                 {'added_tokens_decoder': {'297': {'content': text, 'special': True}}}):
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps(config))
+    constraint._special_ids.cache_clear()    # (cached per path) read the new config
+    tok = tokenizers.Tokenizer.from_file(str(tmp_path / 'tokenizer.json'))
+    c = TokenConstraint.json_schema({'type': 'string'}, tmp_path / 'tokenizer.json',
+                                    vocab_size=300, eos_id=297)
+    for t in tok.encode('"ab"', add_special_tokens=False).ids:
+      assert c.allowed()[t] and not c.allowed()[297]
+      c.advance(t)
+    assert c.allowed()[297]
 
 
 # Constrained speculative sampling on V = 8 (same test as test_rejection_sampling, with masks).

@@ -285,6 +285,26 @@ def test_wrapped_tool_results_take_new_windows_when_offsets_collide(tok, monkeyp
   sources = [s for c in convs for s in c.sources]
   assert len(set(sources)) == len(sources) == 12
   assert len({s.split('@')[0] for s in sources}) < 12            # they did wrap
+  # A file with no window left moves the round robin on (it refused the whole split before):
+  # two tool files, 'short' with exactly one 40-token window, 'long' with several.
+  real = agent.corpus.documents
+  text = lambda n: ' '.join(f'w{i}' for i in range(n))
+  short = next(n for n in range(10, 200) if len(tok.encode(text(n))) >= 40)
+  files = [corpus.Document('json', 'x/service-2.json', real('json', 'test')[0].text * 4),
+           corpus.Document('json', 'long.json', text(3 * short)),
+           corpus.Document('json', 'short.json', text(short))]
+  monkeypatch.setattr(agent.corpus, 'documents',
+                      lambda kind, split: files if kind == 'json' else real(kind, split))
+  width = len(tok.encode(text(short)))
+  convs = agent.make_conversations(tok, num_conversations=4, num_turns=1, prefix_tokens=200,
+                                   tool_tokens=width)
+  sources = [s for c in convs for s in c.sources]
+  assert len(set(sources)) == 4 and sum(s.startswith('short.json@') for s in sources) == 1
+  files.pop(1)                      # 'short' alone: one window for two results
+  with pytest.raises(ValueError, match=f'has 1 distinct {width}-token windows, fewer than the '
+                                       r'2 x 1 tool results'):
+    agent.make_conversations(tok, num_conversations=2, num_turns=1, prefix_tokens=200,
+                             tool_tokens=width)
 
 
 def test_a_numpy_seed_draws_what_the_same_python_seed_draws_and_floats_are_refused(tok):

@@ -491,6 +491,6 @@ def test_generator_words_errors_for_its_one_prompt(tiny):
     gen.generate([], max_new_tokens=2)
   for bad, match in ((0, 'max_prompt_len must be an int >= 1, got 0'),   # compiled nothing
                      (10.5, 'max_prompt_len must be an int >= 1, got 10.5'),   # a TypeError
-                     (300, 'exceeds the context of 256')):   # after compiling the rest
+                     (300, 'exceeds the context of 256')):   # was after the shorter ones
     with pytest.raises(ValueError, match=match):
       gen.warm_up(bad, 2)

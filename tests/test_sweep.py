@@ -257,7 +257,12 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
   typo = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
                          '--out', str(tmp_path / 'cli3'), '--experiment=speculativ'], cwd=ROOT,
                         capture_output=True, text=True)
-  assert typo.returncode == 1 and "FATAL: --experiment='speculativ' has no plots" in typo.stderr
+  assert typo.returncode == 1 and "FATAL: --experiment='speculativ' names no experiment" in (
+      typo.stderr)
+  train = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
+                          '--out', str(tmp_path / 'cli4'), '--experiment=train'], cwd=ROOT,
+                         capture_output=True, text=True)      # an experiment without plots
+  assert train.returncode == 0 and (tmp_path / 'cli4' / 'summary.md').exists(), train.stderr
 
 
 def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):

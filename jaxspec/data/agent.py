@@ -131,13 +131,17 @@ def make_conversations(tokenizer: Tokenizer, *, num_conversations: int, num_turn
     results, sources = [], []
     for t in range(num_turns):
       i = c * num_turns + t
-      doc = tools[i % len(tools)]
-      window, off = _window(ids_of(doc), tool_tokens, seed, 'tool', doc.name, i // len(tools))
-      span = len(ids_of(doc)) - tool_tokens + 1
-      used = taken.setdefault(doc.name, set())
-      if len(used) == span:
-        raise ValueError(f'split {split!r} has too few distinct {tool_tokens}-token windows for '
+      for j in range(len(tools)):      # round robin; a file whose windows are all taken: the next
+        doc = tools[(i + j) % len(tools)]
+        span = len(ids_of(doc)) - tool_tokens + 1
+        used = taken.setdefault(doc.name, set())
+        if len(used) < span:
+          break
+      else:
+        raise ValueError(f'split {split!r} has {sum(len(u) for u in taken.values())} '
+                         f'distinct {tool_tokens}-token windows, fewer than the '
                          f'{num_conversations} x {num_turns} tool results')
+      _, off = _window(ids_of(doc), tool_tokens, seed, 'tool', doc.name, i // len(tools))
       while off in used:      # a hash collision: the next free offset
         off = (off + 1) % span
       used.add(off)

@@ -45,9 +45,31 @@ def _ll_tokenizer(path: str, eos_id: int) -> llguidance.LLTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _special_ids(path: str) -> frozenset:
-  """Ids of the tokenizer file's special added tokens (`added_tokens` with special: true)."""
-  added = json.loads(pathlib.Path(path).read_text()).get('added_tokens') or ()
-  return frozenset(t['id'] for t in added if isinstance(t, dict) and t.get('special'))
+  """Ids of the tokenizer's special tokens: tokenizer.json's `added_tokens` marked special, and
+  (as transformers reads them) those a tokenizer_config.json beside it marks special in
+  `added_tokens_decoder` or names as its eos / bos / pad token."""
+  data = json.loads(pathlib.Path(path).read_text())
+  added = [t for t in data.get('added_tokens') or () if isinstance(t, dict)]
+  ids = {t.get('id') for t in added if t.get('special')}
+  config = pathlib.Path(path).with_name('tokenizer_config.json')
+  try:
+    fields = json.loads(config.read_text()) if config.is_file() else {}
+  except (OSError, ValueError):
+    fields = {}
+  if isinstance(fields, dict):
+    decoder = fields.get('added_tokens_decoder')
+    if isinstance(decoder, dict):
+      ids |= {int(i) for i, t in decoder.items()
+              if str(i).isdigit() and isinstance(t, dict) and t.get('special')}
+    vocab = data.get('model', {}).get('vocab') if isinstance(data.get('model'), dict) else None
+    by_text = {t.get('content'): t.get('id') for t in added}
+    for name in ('eos_token', 'bos_token', 'pad_token'):
+      token = fields.get(name)
+      token = token.get('content') if isinstance(token, dict) else token
+      if isinstance(token, str):
+        found = by_text.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
+        ids.add(found)
+  return frozenset(i for i in ids if isinstance(i, int))
 
 
 class TokenConstraint:
@@ -86,7 +108,8 @@ class TokenConstraint:
     Raises:
       ConstraintError: the schema is not JSON (a set in it, nested too deep), not valid JSON
         schema, or uses a keyword llguidance lacks; eos_id outside [0, vocab_size) or not one
-        of the tokenizer's special tokens (`added_tokens` marked special).
+        of the tokenizer's special tokens (`added_tokens` marked special, or special in a
+        tokenizer_config.json beside it).
     """
     try:
       text = json.dumps(schema)

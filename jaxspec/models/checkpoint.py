@@ -176,10 +176,10 @@ def load_model(path, dtype: str = 'float32'):
   path = pathlib.Path(path).absolute()
   if not path.is_dir():
     raise CheckpointError(f'no model directory at {path}')
+  check_complete(path)        # also before a Hugging Face layout the save may be replacing
   from jaxspec.models import hf  # imports this module
   if hf.is_pretrained(path):
     return hf.load_pretrained(path, dtype)
-  check_complete(path)
   fields = None
   try:
     fields = json.loads((path / 'config.json').read_text())
