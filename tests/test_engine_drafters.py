@@ -11,7 +11,8 @@ import pytest
 from scipy import stats
 
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample
-from jaxspec.engine import Engine, compile_counts
+from jaxspec.cache import make_policy
+from jaxspec.engine import Engine, EvictingEngine, FixedK, compile_counts
 from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
 from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens
 from jaxspec.engine.live_costs import nondecreasing
@@ -455,9 +456,24 @@ def test_bad_engine_arguments(tiny, tiny_draft):
                                        r'\[0, k=1\]'):
     Engine(config, params, **base, drafter='ngram', k=1, k_policy=BeyondKMax())
   shared = ScheduleK()
+  # An engine that fails to build gives the instance back (it was bound, and refused for the
+  # corrected retry): a bad seed after setup, ScheduleK's own K_max check in setup.
+  with pytest.raises(ValueError, match='seed must be a 64-bit int'):
+    Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared, seed=0.5)
+  picky = ScheduleK(min_k=3)
+  with pytest.raises(ValueError, match='ScheduleK min_k=3 exceeds K_max=2'):
+    Engine(config, params, **base, drafter='ngram', k=2, k_policy=picky)
+  Engine(config, params, **base, drafter='ngram', k=3, k_policy=picky)   # was: already bound
   Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
   with pytest.raises(ValueError, match='already bound to an engine'):
     Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
+  assert shared.k_max == 2                          # the refusal left the first binding alone
+  lookup_policy = FixedK()
+  with pytest.raises(ValueError, match='prefill_group must be an int'):
+    EvictingEngine(config, params, policy=make_policy('window', 8, reuse_delay=3), num_slots=2,
+                   num_pages=8, page_size=L, chunk_size=8, drafter='ngram', k=2,
+                   k_policy=lookup_policy, prefill_group=3)
+  assert lookup_policy.k_max is None
   with pytest.raises(ValueError, match='initial must be an int'):
     ScheduleK(initial=2.5)
 

@@ -144,9 +144,13 @@ def test_measure_costs_widths(tiny, tiny_draft):
                   k=2, k_policy='goodput')
   assert engine.measure_costs(1, widths=(1, 1)) == {}
   assert set(engine.row_costs) == {1} and engine.policy.needs_costs
-  for bad in (4, (True,), (3,), ('1',)):
+  for bad in (4, (True,), (3,), ('1',), (1.0,)):     # 1.0 == 1 was a TypeError deeper down
     with pytest.raises(ValueError, match='widths'):
       engine.measure_costs(1, widths=bad)
+  engine.measure_costs(1, widths=(np.int64(1),))
+  assert all(type(rows) is int for rows in engine.row_costs)
+  with pytest.raises(ValueError, match='cost_repeats must be an int >= 1, got 0'):
+    engine.warm_up(cost_repeats=0)                     # was 'repeats', after the compiles
   rid = engine.add_request([5, 9, 13], max_tokens=3)
   assert len(engine.run()[rid].tokens) == 3
   assert set(engine.row_costs) == {1, 4} and not engine.policy.needs_costs

@@ -130,50 +130,51 @@ class Engine:
     k = check_int('k', k, 0)
     self.drafter, self.policy = speculation.setup(drafter, k_policy,
                                                   has_draft_model=draft is not None, k=k)
-    check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
-                  k=k if draft is not None else None)
-    check_sampling(sampling)
-    seed = check_seed(seed)
-    check_params(target, target_params, 'target_params')
-    if draft is not None:
-      check_params(draft, draft_params, 'draft_params')
-    self.target, self.target_params = target, target_params
-    self.draft, self.draft_params, self.k = draft, draft_params, k
-    self.sampling = sampling
-    self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
-    self.prefill_buckets = device.prefill_buckets(prefill_rows)
-    self.decode_buckets = device.decode_buckets(num_slots, decode_buckets)
-    self.max_stop_tokens = max_stop_tokens
-    self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
-    self.k_rounds: collections.Counter = collections.Counter()
-    self.row_costs: dict = {}
-    self.prefill_costs: dict = {}
-    self._schedule_s = 0.0       # host seconds of the last step's scheduling
-    configs = [target] if draft is None else [target, draft]
-    context = min(c.max_seq_len for c in configs)
-    if max_seq_len is not None:
-      max_seq_len = check_int('max_seq_len', max_seq_len, 1)
-      if max_seq_len > context:
-        raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
-    self.max_seq_len = context if max_seq_len is None else max_seq_len
-    if self.max_seq_len < 2 + self.window:      # a 1-token prompt, 1 token, the round's slack
-      raise ValueError(f'max_seq_len={self.max_seq_len} admits no request: the shortest spans '
-                       f'1 prompt token + max_tokens=1 + K + 1 = {2 + self.window} tokens')
-    self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
-    self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
-    table, _ = device.idle_rows(1, self.pages_per_seq)
-    self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
-    lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
-            0 in self.policy.candidates)
-    self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
-    self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
-                               prefill_rows=prefill_rows, apply_plan=self._apply_plan)
-    self.outputs: dict[Hashable, RequestOutput] = {}
-    self._live: dict[Hashable, Request] = {}
-    self._ids = itertools.count()
-    self._arrivals = itertools.count()
-    self._rng = jax.random.PRNGKey(seed)
-    self.num_steps = 0
+    with speculation.released_on_error(self.policy):   # a check below fails: policy freed
+      check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params,
+                    k=k if draft is not None else None)
+      check_sampling(sampling)
+      seed = check_seed(seed)
+      check_params(target, target_params, 'target_params')
+      if draft is not None:
+        check_params(draft, draft_params, 'draft_params')
+      self.target, self.target_params = target, target_params
+      self.draft, self.draft_params, self.k = draft, draft_params, k
+      self.sampling = sampling
+      self.num_slots, self.chunk_size, self.prefill_rows = num_slots, chunk_size, prefill_rows
+      self.prefill_buckets = device.prefill_buckets(prefill_rows)
+      self.decode_buckets = device.decode_buckets(num_slots, decode_buckets)
+      self.max_stop_tokens = max_stop_tokens
+      self.window = k + 1          # cache slots a decode round writes per request, at most (K_max)
+      self.k_rounds: collections.Counter = collections.Counter()
+      self.row_costs: dict = {}
+      self.prefill_costs: dict = {}
+      self._schedule_s = 0.0       # host seconds of the last step's scheduling
+      configs = [target] if draft is None else [target, draft]
+      context = min(c.max_seq_len for c in configs)
+      if max_seq_len is not None:
+        max_seq_len = check_int('max_seq_len', max_seq_len, 1)
+        if max_seq_len > context:
+          raise ValueError(f'max_seq_len={max_seq_len} exceeds the models\' context of {context}')
+      self.max_seq_len = context if max_seq_len is None else max_seq_len
+      if self.max_seq_len < 2 + self.window:      # a 1-token prompt, 1 token, the round's slack
+        raise ValueError(f'max_seq_len={self.max_seq_len} admits no request: the shortest spans '
+                         f'1 prompt token + max_tokens=1 + K + 1 = {2 + self.window} tokens')
+      self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
+      self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
+      table, _ = device.idle_rows(1, self.pages_per_seq)
+      self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
+      lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
+              0 in self.policy.candidates)
+      self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
+      self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
+                                 prefill_rows=prefill_rows, apply_plan=self._apply_plan)
+      self.outputs: dict[Hashable, RequestOutput] = {}
+      self._live: dict[Hashable, Request] = {}
+      self._ids = itertools.count()
+      self._arrivals = itertools.count()
+      self._rng = jax.random.PRNGKey(seed)
+      self.num_steps = 0
 
   # ---------------------------------------------------------------- requests
 

@@ -46,7 +46,7 @@ from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
 from jaxspec.cache.eviction import check_no_sliding_window
 from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.sampling import SamplingParams
-from jaxspec.engine import device
+from jaxspec.engine import device, speculation
 from jaxspec.engine import device_evicting
 from jaxspec.engine.drafters import NGramDrafter, Round, observation
 from jaxspec.engine.engine import Engine
@@ -188,28 +188,29 @@ class EvictingEngine(Engine):
                      prefix_caching=False, max_stop_tokens=max_stop_tokens,
                      max_seq_len=max_seq_len, seed=seed, k=k, drafter=drafter,
                      k_policy=k_policy)
-    if prefill_group is None:   # the largest divisor of the chunk up to 4
-      prefill_group = next(g for g in range(min(self.chunk_size, 4), 0, -1)
-                           if self.chunk_size % g == 0)
-    if not is_int_in(prefill_group, 1, self.chunk_size) or self.chunk_size % prefill_group:
-      raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
-                       f'got {prefill_group!r}')
-    self.prefill_group = int(prefill_group)
-    self.eviction_policy = policy
-    self.request_pages = pages_needed(policy.slots, page_size)
-    if self.request_pages > num_pages - 1:
-      raise ValueError(f'budget {policy.budget} + reuse_delay {policy.reuse_delay} needs '
-                       f'{self.request_pages} pages of {page_size} per request, the pool has '
-                       f'num_pages - 1 = {num_pages - 1}')
-    self.pages_per_seq = self.request_pages      # page-table width: attention reads S slots
-    self.prefill_buckets = (num_slots,)           # prefill row b is slot b: every call B rows
-    self.decode_buckets = (num_slots,)            # and so is decode row b
-    self.scheduler = EvictingScheduler(self.prefix, pages_of=self._pages_of, num_slots=num_slots,
-                                       chunk_size=chunk_size, prefill_rows=num_slots,
-                                       apply_plan=self._apply_plan)
-    table, lengths = device.idle_rows(num_slots, self.pages_per_seq)
-    bound = device.bind(self.caches, table, lengths)[0]
-    self.eviction = init_eviction(policy, bound, use_kernel=use_kernel, interpret=interpret)
+    with speculation.released_on_error(self.policy):   # a check below fails: policy freed
+      if prefill_group is None:   # the largest divisor of the chunk up to 4
+        prefill_group = next(g for g in range(min(self.chunk_size, 4), 0, -1)
+                             if self.chunk_size % g == 0)
+      if not is_int_in(prefill_group, 1, self.chunk_size) or self.chunk_size % prefill_group:
+        raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
+                         f'got {prefill_group!r}')
+      self.prefill_group = int(prefill_group)
+      self.eviction_policy = policy
+      self.request_pages = pages_needed(policy.slots, page_size)
+      if self.request_pages > num_pages - 1:
+        raise ValueError(f'budget {policy.budget} + reuse_delay {policy.reuse_delay} needs '
+                         f'{self.request_pages} pages of {page_size} per request, the pool has '
+                         f'num_pages - 1 = {num_pages - 1}')
+      self.pages_per_seq = self.request_pages      # page-table width: attention reads S slots
+      self.prefill_buckets = (num_slots,)           # prefill row b is slot b: every call B rows
+      self.decode_buckets = (num_slots,)            # and so is decode row b
+      self.scheduler = EvictingScheduler(self.prefix, pages_of=self._pages_of,
+                                         num_slots=num_slots, chunk_size=chunk_size,
+                                         prefill_rows=num_slots, apply_plan=self._apply_plan)
+      table, lengths = device.idle_rows(num_slots, self.pages_per_seq)
+      bound = device.bind(self.caches, table, lengths)[0]
+      self.eviction = init_eviction(policy, bound, use_kernel=use_kernel, interpret=interpret)
 
   # ---------------------------------------------------------------- hooks of Engine
 

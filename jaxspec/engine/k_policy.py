@@ -90,6 +90,11 @@ class KPolicy(abc.ABC):
                        f'own instance')
     self.k_max = k_max
 
+  def release(self) -> None:
+    """Unbind K_max: an engine that failed to build gives its policy back (it ran no request,
+    so there is no per-request state to drop) and the instance can serve a corrected one."""
+    self.k_max = None
+
   @property
   def candidates(self) -> tuple:
     """Every K this policy may choose (the engine compiles and times these at warm_up)."""

@@ -5,6 +5,7 @@ the K and per-row caps of each decode round (checked every round). Host side, pl
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 from typing import Callable, Mapping, Optional, Sequence
@@ -50,12 +51,30 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
       raise ValueError(f"k_policy={k_policy!r} chooses K but the engine does not speculate "
                        f"(give a draft model or drafter='ngram', and k >= 1)")
     return None, None
-  policy.setup(k)
-  bad = [c for c in policy.candidates if not is_int_in(c, 0, k)]
-  if bad or not policy.candidates:
-    raise ValueError(f'k_policy {policy!r} declares candidates {policy.candidates}: each must '
-                     f'be an int in [0, k={k}]')
+  unbound = policy.k_max is None
+  try:
+    policy.setup(k)
+    bad = [c for c in policy.candidates if not is_int_in(c, 0, k)]
+    if bad or not policy.candidates:
+      raise ValueError(f'k_policy {policy!r} declares candidates {policy.candidates}: each must '
+                       f'be an int in [0, k={k}]')
+  except BaseException:
+    if unbound:        # bound here: free for the corrected engine (another's binding stays)
+      policy.release()
+    raise
   return made, policy
+
+
+@contextlib.contextmanager
+def released_on_error(policy):
+  """Around an engine's checks after `setup`: if one raises, the `KPolicy` instance it bound is
+  released (`KPolicy.release`), so the corrected engine can take the same instance."""
+  try:
+    yield
+  except BaseException:
+    if policy is not None:
+      policy.release()
+    raise
 
 
 def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],

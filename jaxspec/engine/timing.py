@@ -9,7 +9,7 @@ from typing import Callable, Hashable, Mapping, Optional, Sequence
 import numpy as np
 
 from jaxspec.cache import host as host_lib
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.engine import device
 from jaxspec.engine.live_costs import line_through
 from jaxspec.engine import rows as rows_lib
@@ -59,7 +59,9 @@ def warm_up(engine, cost_repeats: int) -> None:
   """`Engine.warm_up`: compile the host-tier copies (when there is a host tier) and every
   prefill row bucket (timed into `engine.prefill_costs` only for a policy that prices lock-step
   admissions, `speculation.split_cost`), with a lazy draft cache also the prefill that fills
-  the draft too (`DraftSync.eager`), then time the decode rounds (`measure_costs`)."""
+  the draft too (`DraftSync.eager`), then time the decode rounds (`measure_costs`).
+  Raises ValueError (before compiling anything) for cost_repeats not an int >= 1."""
+  cost_repeats = check_int('cost_repeats', cost_repeats, 1)
   if engine.prefix.host is not None:
     engine.caches = host_lib.warm_up_copies(engine.caches, engine.pages_per_seq)
   priced = engine.policy is not None and engine.policy.needs_costs
@@ -121,12 +123,13 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict
   if widths is None:
     widths = engine.decode_buckets
   try:
-    widths = tuple(sorted(set(widths)))
+    listed = list(widths)
   except TypeError:
     raise ValueError(f'widths must be a sequence of decode buckets {engine.decode_buckets}, '
                      f'got {widths!r}') from None
-  if any(isinstance(w, bool) or w not in engine.decode_buckets for w in widths):
-    raise ValueError(f'widths {widths} must be decode buckets {engine.decode_buckets}')
+  if not all(is_int_in(w, 1, engine.num_slots) and w in engine.decode_buckets for w in listed):
+    raise ValueError(f'widths {listed} must be decode buckets {engine.decode_buckets}')
+  widths = tuple(sorted({int(w) for w in listed}))     # 3.0 == 3 was a bucket; np ints as ints
   for (rows, k), seconds in decode_costs(engine, repeats, widths).items():
     engine.row_costs.setdefault(rows, {})[k] = seconds
   if engine.draft_sync is not None:
