@@ -226,6 +226,19 @@ def test_weights_beyond_float16_range_are_named_before_writing(saved, tmp_path):
     load_sharded(tmp_path / 'b', make_mesh(1, 1), dtype='float16')
 
 
+def test_float32_values_past_bfloat16s_max_are_named(saved, tmp_path):
+  # bfloat16's max is 3.39e38, float32's 3.40e38: the cast between them was not checked.
+  _, config, params = saved
+  big = jax.tree.map(lambda x: x, params)
+  big['params']['embed']['embedding'] = big['params']['embed']['embedding'].at[1, 1].set(3.4e38)
+  with pytest.raises(ValueError, match=r"embedding'\] holds 1 values outside bfloat16's range "
+                                       r'.*save in a wider dtype \(float32\)'):
+    save_model(tmp_path / 'b', config, big)                  # bfloat16 by default
+  save_model(tmp_path / 'f', config, big, dtype='float32')
+  with pytest.raises(CheckpointError, match=r"outside bfloat16's range .*load in float32"):
+    load_model(tmp_path / 'f', 'bfloat16')
+
+
 def test_model_config_bool_fields_must_be_bools():
   for field in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
     with pytest.raises(ValueError, match=f"ModelConfig.{field} must be true or false, got 'no'"):

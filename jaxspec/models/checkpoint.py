@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import os
 import pathlib
 import re
@@ -111,19 +112,29 @@ def check_complete(path: pathlib.Path) -> None:
                           f'saves: save the model again')
 
 
-def check_fits(name: str, x, dtype,
-               fix: str = 'save in a wider dtype (bfloat16 or float32)') -> None:
+def check_fits(name: str, x, dtype, fix: Optional[str] = None) -> None:
   """Whether tensor `x` (any shape; a numpy or jax array) can be cast to `dtype` without its
-  finite values becoming inf: checked only when `dtype`'s exponent range is smaller than x's
-  (float16's max is 65504; float32 -> bfloat16 is not checked, and x is not copied then).
+  finite values becoming inf (float16's max is 65504). A cast within the same exponent range
+  (float32 -> bfloat16, whose max is a little lower: 3.39e38 against 3.40e38) first checks only
+  the largest magnitude, on x's own device, without copying x to the host; a widening cast is
+  not checked.
 
   Raises:
-    ValueError: naming `name`, the count and the largest value out of range, and `fix`.
+    ValueError: naming `name`, the count and the largest value out of range, and `fix` (what
+      to do instead; default: save in a wider dtype).
   """
   source = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
+  target = jnp.dtype(dtype)
+  wider = 'float32' if target == jnp.bfloat16 else 'bfloat16 or float32'
+  fix = f'save in a wider dtype ({wider})' if fix is None else fix.format(wider=wider)
   if (not jnp.issubdtype(source, jnp.floating) or          # jnp: knows bfloat16 is a float
-      jnp.finfo(dtype).maxexp >= jnp.finfo(source).maxexp):  # bfloat16 from float32: same range
-    return                                                 # (no copy to the host then)
+      float(jnp.finfo(target).max) >= float(jnp.finfo(source).max)):   # widening
+    return
+  if jnp.finfo(target).maxexp >= jnp.finfo(source).maxexp:   # same range: only the very top
+    xp = jnp if isinstance(x, jax.Array) else np
+    top = float(max(xp.max(x), -xp.min(x))) if np.size(x) else 0.0
+    if math.isfinite(top) and np.isfinite(np.asarray(top, source).astype(target)):
+      return
   x = np.asarray(x)
   with np.errstate(over='ignore'):
     bad = np.isfinite(x) & ~np.isfinite(x.astype(dtype))
@@ -215,7 +226,7 @@ def _check_all_fit(tree, dtype, where: str) -> None:
     for part in [leaf] if whole else [shard.data for shard in leaf.addressable_shards]:
       try:
         check_fits(jax.tree_util.keystr(keys), part, jnp.dtype(dtype),
-                   fix='load in bfloat16 or float32')
+                   fix='load in {wider}')
       except ValueError as error:
         raise CheckpointError(f'{where}: {error}') from error
 

@@ -182,7 +182,7 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
                                   f'must be floating point ({", ".join(_FLOAT_STORAGE)})')
           x = f.get_tensor(name)
           try:
-            check_fits(name, x, _DTYPES[dtype], fix='load in bfloat16 or float32')
+            check_fits(name, x, _DTYPES[dtype], fix='load in {wider}')
           except ValueError as error:        # inf weights, then NaN logits, without a word
             raise CheckpointError(f'{file.name}: {error}') from error
           flat[ours] = jnp.asarray(x.T if transpose else x, dtype)
