@@ -28,7 +28,7 @@ class RequestMetrics:
   Attributes:
     arrival_s: when `add_request` accepted it.
     first_token_s: when its first token was emitted (None before).
-    finish_s: when it finished (None before).
+    finish_s: when it finished or was aborted (None before).
     prompt_tokens: prompt length.
     prefill_tokens: tokens its prefills computed (recomputation after preemptions included).
     cached_tokens: tokens its admissions found in the prefix cache (device or host tier).
@@ -60,7 +60,8 @@ class RequestMetrics:
 
   @property
   def tpot_s(self) -> float:
-    """Seconds per output token after the first, NaN with fewer than two tokens or unfinished."""
+    """Seconds per output token after the first, NaN with fewer than two tokens or unfinished
+    (an aborted request: up to the abort, time queued after a preemption included)."""
     if self.finish_s is None or self.first_token_s is None or self.num_tokens < 2:
       return math.nan
     return (self.finish_s - self.first_token_s) / (self.num_tokens - 1)
