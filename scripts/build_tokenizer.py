@@ -17,6 +17,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from jaxspec.data import Tokenizer, documents
 from jaxspec.data.corpus import KINDS
+from jaxspec.data.tokenizer import check_save_path
 
 
 def _mb(docs) -> float:
@@ -28,6 +29,10 @@ def main() -> None:
   parser.add_argument('--out', default='assets/tokenizer.json', help='where to write the JSON')
   parser.add_argument('--vocab_size', type=int, default=4096)
   args = parser.parse_args()
+  try:
+    check_save_path(args.out)
+  except ValueError as err:
+    sys.exit(f'FATAL: --out: {err}')
 
   for kind in KINDS:
     for split in ('train', 'val', 'test'):
@@ -37,7 +42,10 @@ def main() -> None:
   start = time.perf_counter()
   tok = Tokenizer.train((d.text for d in train_docs), args.vocab_size)
   seconds = time.perf_counter() - start
-  tok.save(args.out)
+  try:
+    tok.save(args.out)
+  except ValueError as err:
+    sys.exit(f'FATAL: --out: {err}')
   print(f'trained on {len(train_docs)} docs ({_mb(train_docs):.1f} MB) in {seconds:.1f} s; '
         f'vocab_size={tok.vocab_size}; saved {args.out}')
   for kind in KINDS:

@@ -1,10 +1,13 @@
 """Compile and run the eviction kernels on a GPU (Pallas' Triton backend) against their jnp
-references. Not run in this project so far (no GPU was available); on a CUDA machine:
+references.
+
+Not run in this project so far (no GPU was available); on a CUDA machine:
 
     pip install -e '.[cuda]'  # or jax[cuda13]
     python scripts/check_kernels_gpu.py
 
-Prints the largest differences and exits 1 if a kernel disagrees with its reference.
+Prints the largest differences and exits 1 if a kernel disagrees with its reference, 2 (saying
+so) when JAX's default backend is not a GPU.
 """
 
 import argparse
@@ -65,5 +68,5 @@ def main() -> int:
 
 
 if __name__ == '__main__':
-  argparse.ArgumentParser(description=__doc__.split('\n\n')[0]).parse_args()   # --help; no flags
+  argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split())).parse_args()   # --help; no flags
   sys.exit(main())

@@ -124,7 +124,7 @@ def main():
       costs = engines[args.k_policy].step_costs
       print(f'  t(K) of the {args.k_policy} engine at B={b}, ms: ' +
             ', '.join(f'{k}: {t * 1e3:.1f}' for k, t in sorted(costs.items())), flush=True)
-  if 1 in [int(x) for x in args.batch.split(',')]:
+  if 1 in batches:
     print(f'one request of {args.max_tokens} tokens, engine (B=1, K=0) seconds ÷ generate '
           f'seconds: {statistics.mean(overhead):.2f} ({min(overhead):.2f}–{max(overhead):.2f})')
 

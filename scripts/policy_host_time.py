@@ -59,21 +59,42 @@ def _timed(totals: collections.Counter, part: str, function):
   return call
 
 
-def _override(engines, override: str, parser) -> None:
-  """Set SETTING.PATH=VALUE on the setting's engine (PATH dotted attributes from it)."""
+def _parse_override(override: str, names, parser) -> tuple:
+  """(SETTING, [PATH...], VALUE) of SETTING.PATH=VALUE, checked against the setting names
+  before any engine is built."""
   target, _, value = override.partition('=')
   name, *path = target.split('.')
-  if not _ or not path or name not in engines:
-    parser.error(f'--set {override!r}: want SETTING.PATH=VALUE with SETTING in {list(engines)}')
+  if not _ or not path or name not in names:
+    parser.error(f'--set {override!r}: want SETTING.PATH=VALUE with SETTING in {list(names)}')
   try:
     value = ast.literal_eval(value)
   except (ValueError, SyntaxError):
     parser.error(f'--set {override!r}: {value!r} is not a Python literal')
+  return name, path, value
+
+
+def _kind(value):
+  return 'bool' if isinstance(value, bool) else (
+      'number' if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _override(engines, override: str, parser) -> None:
+  """Set SETTING.PATH=VALUE on the setting's engine (PATH dotted attributes from it). The value
+  must be of the attribute's kind (a number for a number, None allowed either way), and a count
+  (an int >= 1, such as draft_sync.probe_every) stays >= 1."""
+  name, path, value = _parse_override(override, engines, parser)
   owner = engines[name][0]
   for attribute in path[:-1]:
     owner = getattr(owner, attribute, None)
   if owner is None or not hasattr(owner, path[-1]):
     parser.error(f'--set {override!r}: the {name} engine has no {".".join(path)}')
+  old = getattr(owner, path[-1])
+  if old is not None and value is not None and _kind(old) != _kind(value):
+    parser.error(f'--set {override!r}: {".".join(path)} is a {_kind(old)} ({old!r}), got '
+                 f'{value!r}')
+  if _kind(old) == 'number' and isinstance(old, int) and old >= 1 and value is not None and \
+      not (isinstance(value, int) and value >= 1):
+    parser.error(f'--set {override!r}: {".".join(path)} is a count ({old!r}): want an int >= 1')
   setattr(owner, path[-1], value)
 
 
@@ -151,6 +172,8 @@ def main():
     settings = batching.parse_settings(config.settings)
   except ValueError as error:
     parser.error(f'--settings: {error}')
+  for override in args.set:           # the setting names, before anything is built
+    _parse_override(override, settings, parser)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
   prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, n, config.prompt_len,

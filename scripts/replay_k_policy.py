@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import types
 from typing import Optional
@@ -51,6 +50,7 @@ import numpy as np
 
 from configs import batching as batching_config
 from experiments import batching
+from experiments.common import read_results
 from jaxspec.engine import device, speculation
 from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
@@ -160,7 +160,11 @@ def live_table(records, batch: int, k_max: int) -> dict:
   for r in records:
     if r.get('batch_size') == batch and r.get('k_policy') == 'fixed' and \
         r.get('round_s') is not None and (r.get('k') == 0 or r.get('drafter') == 'model'):
-      by_k[int(r['k'])].append(float(r['round_s']))
+      seconds = float(r['round_s'])
+      if not 0 < seconds < math.inf:
+        raise ValueError(f'a study record at B={batch} K={r["k"]} has round_s={seconds}: a '
+                         f'round time must be a finite number > 0')
+      by_k[int(r['k'])].append(seconds)
   known = sorted(by_k)
   if not known or known[0] != 0 or len(known) < 2:
     raise ValueError(f'the study records hold no decode-only round times at K = 0 and K >= 1 '
@@ -199,9 +203,12 @@ def main():
   try:
     static = [int(k) for k in args.static.split(',') if k.strip()] if args.static else \
         [k for k in (1, 2, 3, 4, 8) if k <= args.k_max]
+    if args.static and not static:
+      raise ValueError
     given = [float(c) for c in args.costs.split(',') if c.strip()]
   except ValueError:
-    parser.error(f'--static and --costs must be numbers, got {args.static!r}, {args.costs!r}')
+    parser.error(f'--static (at least one K) and --costs must be numbers, got {args.static!r}, '
+                 f'{args.costs!r}')
   for name, value, ok in (('--batch', args.batch, args.batch >= 1),
                           ('--requests', args.requests, args.requests >= 0),
                           ('--k_max', args.k_max, 1 <= args.k_max <= 8),
@@ -213,6 +220,12 @@ def main():
                 not all(0 < c < math.inf for c in given)):
     parser.error(f'--costs wants --batch 1, no --live and {args.k_max + 1} finite positive '
                  f'numbers (K = 0..{args.k_max}), got --batch {args.batch} and {given}')
+  live = None
+  if args.live:               # read before the engines are built: a bad file is named at once
+    try:
+      live = live_table(read_results(args.live), args.batch, args.k_max)
+    except (OSError, ValueError) as err:
+      parser.error(f'--live {args.live}: {err}')
   config = batching_config.get_config()
   config.batch_size, config.workloads = args.batch, args.workloads
   requests = args.requests or max(config.requests_per_slot * args.batch, config.min_requests)
@@ -228,11 +241,8 @@ def main():
     costs, prefill_costs = {1: dict(enumerate(given))}, None
   else:
     costs, prefill_costs = engines['gp'][0].row_costs, engines['gp'][0].prefill_costs
-  if args.live:
+  if live is not None:
     # Live rounds of the full bucket from the study; other buckets scaled alike per K.
-    with open(args.live) as f:
-      live = live_table([json.loads(line) for line in f if line.strip()], args.batch,
-                        args.k_max)
     idle = costs[args.batch]
     costs = {rows: {k: t * live[k] / idle[k] for k, t in table.items()}
              for rows, table in costs.items()}

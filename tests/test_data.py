@@ -138,6 +138,10 @@ def test_tokenizer_train_rejects_tiny_vocab():
 def test_tokenizer_save_to_a_directory_names_it(tok, tmp_path):
   with pytest.raises(ValueError, match='a directory .give a file path'):
     tok.save(tmp_path)                                 # was a bare 'Is a directory' Exception
+  (tmp_path / 'file').write_text('')
+  with pytest.raises(ValueError, match=r'cannot save the tokenizer to .*file/tok.json: .*file is '
+                                       'a file'):
+    tok.save(tmp_path / 'file' / 'tok.json')           # was FileExistsError
 
 
 # --- workloads ----------------------------------------------------------------------------------

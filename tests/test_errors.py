@@ -420,6 +420,23 @@ def test_evicting_engine_names_the_value_it_refuses(tiny, change, match):
                    **change)
 
 
+@pytest.mark.parametrize('args, line', [
+    (['replay_k_policy.py', '--live', 'no/such.jsonl'],   # was a traceback after the warm-ups
+     "--live no/such.jsonl: [Errno 2] No such file or directory"),
+    (['replay_k_policy.py', '--static', ',,'],             # was: no static K, silently
+     '--static (at least one K) and --costs must be numbers'),
+    (['build_tokenizer.py', '--out', '/proc/version/tok.json'],   # was: after training
+     "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
+    (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups
+     "--set 'nope.policy.spec_margin=1': want SETTING.PATH=VALUE with SETTING in"),
+])
+def test_script_arguments_are_refused_before_any_work(args, line):
+  proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr
+  assert 'Traceback' not in proc.stderr
+
+
 @pytest.mark.parametrize('script', sorted(p.name for p in (ROOT_DIR / 'scripts').glob('*.py')))
 def test_every_script_answers_help_without_running(script):
   # check_kernels_gpu.py and constraint_libraries.py ran (or stopped on a missing GPU / package)

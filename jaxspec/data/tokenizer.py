@@ -25,6 +25,25 @@ PAD, BOS, EOS = '<|pad|>', '<|bos|>', '<|eos|>'
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
 
 
+def check_save_path(path: str | os.PathLike[str]) -> pathlib.Path:
+  """`path` if a tokenizer file can be written there: not a directory, and the first of its
+  parents that exists is a directory (checked before training, which would be lost).
+
+  Raises:
+    ValueError: naming the path.
+  """
+  path = pathlib.Path(path)
+  if path.is_dir():
+    raise ValueError(f'cannot save the tokenizer to {path}: a directory (give a file path, '
+                     f'e.g. {path / "tokenizer.json"})')
+  for parent in path.absolute().parents:
+    if parent.exists():
+      if not parent.is_dir():
+        raise ValueError(f'cannot save the tokenizer to {path}: {parent} is a file')
+      break
+  return path
+
+
 class Tokenizer:
   """BPE tokenizer: ours (pad/bos/eos at ids 0/1/2) or a Hugging Face model's."""
 
@@ -68,13 +87,14 @@ class Tokenizer:
 
   def save(self, path: str | os.PathLike[str]) -> None:
     """Writes the tokenizer as one JSON file at ``path``, creating parent directories.
-    Raises ValueError naming ``path`` when it is a directory."""
-    path = pathlib.Path(path)
-    if path.is_dir():
-      raise ValueError(f'cannot save the tokenizer to {path}: a directory (give a file path, '
-                       f'e.g. {path / "tokenizer.json"})')
-    path.parent.mkdir(parents=True, exist_ok=True)
-    self._tok.save(str(path))
+    Raises ValueError naming ``path`` when it is a directory or cannot be written (a parent
+    that is a file, no permission)."""
+    path = check_save_path(path)
+    try:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self._tok.save(str(path))
+    except Exception as e:      # tokenizers raises a bare Exception without the path
+      raise ValueError(f'cannot save the tokenizer to {path}: {e}') from None
 
   @classmethod
   def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
