@@ -17,8 +17,9 @@ _PANELS = [('agreement', 'next-token agreement with the full cache'),
 
 def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Path]:
   """quality_vs_budget.png: agreement and perplexity increase vs budget (% of the sequence), a
-  column per workload, a line per policy (the mean of the records at a point); worker_memory.png: cached tokens and KV bytes vs
-  tokens generated in worker mode. Returns the PNG paths written."""
+  column per workload, a line per policy (the mean of the records at a point);
+  worker_memory.png: cached tokens and KV bytes vs tokens generated in worker mode. Returns the
+  PNG paths written."""
   paths = []
   quality = [r for r in records if r.get('agreement') is not None and r.get('policy')]
   if quality:

@@ -114,7 +114,8 @@ def summarize(workload, config, ar_runs, sp_runs, sampling) -> dict:
     matches = all(a.tokens == s.tokens for a, s in zip(ar_runs, sp_runs))
   return dict(
       workload=workload, k=int(config.k), temperature=sampling.temperature,
-      top_k=sampling.top_k, top_p=sampling.top_p, batch_size=int(config.batch_size), num_prompts=int(config.num_prompts),
+      top_k=sampling.top_k, top_p=sampling.top_p, batch_size=int(config.batch_size),
+      num_prompts=int(config.num_prompts),
       acceptance_rate=ratio(total(sp_runs, 'accepted'), proposed),
       acceptance_per_position=ratio(total(sp_runs, 'accepted'),
                                     total(sp_runs, 'accepted') + total(sp_runs, 'rejected')),

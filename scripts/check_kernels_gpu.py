@@ -68,5 +68,6 @@ def main() -> int:
 
 
 if __name__ == '__main__':
-  argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split())).parse_args()   # --help; no flags
+  description = ' '.join(__doc__.split('\n\n')[0].split())
+  argparse.ArgumentParser(description=description).parse_args()   # --help; no flags
   sys.exit(main())

@@ -58,7 +58,8 @@ def test_token_ids_outside_the_vocabulary_are_named_before_training(which, bad, 
 
 def test_a_stream_shorter_than_one_window_is_named_before_training(monkeypatch):
   # A short val_tokens used to fail in `evaluate`, after every step, without its name.
-  monkeypatch.setattr(importlib.import_module('jaxspec.training.train'), 'init_params', lambda *a: pytest.fail('training started'))
+  monkeypatch.setattr(importlib.import_module('jaxspec.training.train'), 'init_params',
+                      lambda *a: pytest.fail('training started'))
   for which in ('train_tokens', 'val_tokens'):
     streams = {'train_tokens': TOKENS, 'val_tokens': TOKENS, which: TOKENS[:10]}
     with pytest.raises(ValueError, match=f'{which} holds 10 ids, shorter than one window of '
@@ -149,7 +150,8 @@ def test_a_trained_model_directory_carries_its_tokenizer(tmp_path, tokenizer):
   config.tokenizer = str(root / tokenizer) if tokenizer else ''
   if tokenizer == 'config_only':   # special ids only in a config.json (the model's is ours)
     (tmp_path / 'tok').mkdir()
-    shutil.copyfile(root / 'tests/fixtures/hf/llama/tokenizer.json', tmp_path / 'tok/tokenizer.json')
+    shutil.copyfile(root / 'tests/fixtures/hf/llama/tokenizer.json',
+                    tmp_path / 'tok/tokenizer.json')
     (tmp_path / 'tok/config.json').write_text(json.dumps(json.loads(
         (root / 'tests/fixtures/hf/llama/generation_config.json').read_text())))
     config.tokenizer = str(tmp_path / 'tok')       # used to fail after saving: run lost
