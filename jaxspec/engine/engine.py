@@ -14,7 +14,8 @@ tokens stream out per request.
 Host side: `Scheduler` (slots, queue, pages through `PrefixCache`), the drafter
 (`jaxspec.engine.drafters`) and the K policy (`jaxspec.engine.k_policy`). Device side: the jitted
 steps of `jaxspec.engine.device` and `jaxspec.engine.spec_steps`, compiled once per static shape
-(and once per K a policy uses). With K = 0 the engine is the plain continuous-batching baseline.
+(and once per K a policy uses); a step's prefill chunks and decode round are in
+`jaxspec.engine.rounds`. With K = 0 the engine is the plain continuous-batching baseline.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.checks import check_int, check_seed
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
-from jaxspec.engine import admission, device, draft_sync, speculation, timing
-from jaxspec.engine import rows as rows_lib
+from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
@@ -265,9 +265,9 @@ class Engine:
     self._schedule_s = time.perf_counter() - start
     emitted: dict = {}
     if prefills:
-      self._prefill(prefills, emitted)
+      rounds.prefill_chunks(self, prefills, emitted)
     if decodes:
-      self._decode(decodes, emitted)
+      rounds.decode_round(self, decodes, emitted)
     self.num_steps += 1
     return list(emitted.items())
 
@@ -376,72 +376,6 @@ class Engine:
                                          sampling=sampling)
     self.caches = caches + self.caches[len(caches):]
     return result
-
-  def _prefill(self, prefills, emitted) -> None:
-    # The smallest compiled row count that holds them: a lone admission does not pay for a
-    # whole [prefill_rows, C] pass.
-    rows = min(b for b in self.prefill_buckets if b >= len(prefills))
-    layout = [(self._prefill_row(i, request), (request, chunk))
-              for i, (request, chunk) in enumerate(prefills)]
-    table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, self.pages_per_seq,
-                                                             self.chunk_size)
-    drafted = self.draft_sync is not None and self.draft_sync.eager
-    first = self._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
-        [(row, request) for row, (request, _) in layout], rows))
-    now = time.perf_counter()
-    for row, (request, chunk) in layout:
-      if drafted and request.draft_computed == request.num_computed:   # no gap before it
-        request.draft_computed += len(chunk)
-      request.num_computed += len(chunk)
-      request.metrics.prefill_tokens += len(chunk)
-      if request.num_computed < len(request.prefill_tokens):
-        continue
-      self.scheduler.commit(request)   # its prompt pages can be shared from now on
-      request.state = State.DECODE
-      if not request.output:           # a resumed request's pending token is its last output
-        self._emit(request, [int(first[row])], now, emitted)
-
-  def _decode(self, decodes, emitted) -> None:
-    if self.policy is not None and self.policy.needs_costs:
-      self.measure_costs()     # before the round's clock starts: not host time of a round
-    start = time.perf_counter()
-    width, rows = self._decode_layout(decodes)
-    layout = list(zip(rows, decodes))
-    table, lengths, pending, room = rows_lib.decode_inputs(layout, width, self.pages_per_seq)
-    synced = self.draft_sync.seconds if self.draft_sync is not None else 0.0
-    k, row_caps = speculation.choose(
-        self.policy, decodes, width, self.k, self.draft_sync,
-        queued=speculation.num_queued(self, decodes) if self.policy is not None else None,
-        horizon=lambda: speculation.horizon(self, decodes))
-    if self.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
-      start += self.draft_sync.seconds - synced
-    caps = np.zeros((width,), np.int32)
-    caps[rows] = row_caps
-    contexts = [None] * width
-    if getattr(self.drafter, 'uses_context', False):
-      for row, request in layout:
-        contexts[row] = request.context
-    call_start = time.perf_counter()
-    stop = rows_lib.stop_table(layout, width, self.max_stop_tokens)
-    result = self._call_decode(table, lengths, pending, room, stop,
-                               rows_lib.sampling(layout, width), k=k, caps=caps,
-                               contexts=contexts)
-    device_s = time.perf_counter() - call_start
-    self.k_rounds[k] += 1
-    now = time.perf_counter()
-    if k or self.draft_sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
-      speculation.observe_round(self.policy, layout, result, caps)   # before a finish forgets
-    for row, request in layout:
-      e = int(result.emitted[row])
-      request.num_computed += e      # pending + the first e - 1 new tokens are now cached
-      request.metrics.accepted_lengths.append(e)
-      self._emit(request, result.window[row, :e].tolist(), now, emitted,
-                 None if result.token_p is None else [float(result.token_p[row])] * e)
-    if self.draft_sync is not None:
-      self.draft_sync.after_round(decodes, k, self.row_costs.get(width, {}).get(0, 0.0))
-    if self.policy is not None:   # host seconds of this round besides the device call
-      host_s = max(0.0, time.perf_counter() - start - device_s + self._schedule_s)
-      self.policy.round_timing(k, device_s, host_s)
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
             token_p=None) -> None:

@@ -1,0 +1,91 @@
+"""The work of one engine step (`Engine.step`), host side around the jitted calls: the prefill
+chunks of the requests being admitted, and the decode round of the requests decoding (batched
+speculative decoding when the engine has a drafter). Rows follow the engine's hooks
+(`_prefill_row`, `_decode_layout`, `_call_prefill`, `_call_decode`), which `EvictingEngine`
+overrides.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jaxspec.engine import rows as rows_lib
+from jaxspec.engine import speculation
+from jaxspec.engine.request import State
+
+
+def prefill_chunks(engine, prefills, emitted: dict) -> None:
+  """One prefill call for the step's prefilling requests: `prefills` [(request, chunk token
+  ids)], at most `prefill_rows` of them, each chunk <= chunk_size tokens. A request whose
+  prefill completes starts decoding and emits its first token (into `emitted`, {request id:
+  [token ids]}) unless it resumes after a preemption."""
+  # The smallest compiled row count that holds them: a lone admission does not pay for a
+  # whole [prefill_rows, C] pass.
+  rows = min(b for b in engine.prefill_buckets if b >= len(prefills))
+  layout = [(engine._prefill_row(i, request), (request, chunk))
+            for i, (request, chunk) in enumerate(prefills)]
+  table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, engine.pages_per_seq,
+                                                           engine.chunk_size)
+  drafted = engine.draft_sync is not None and engine.draft_sync.eager
+  first = engine._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
+      [(row, request) for row, (request, _) in layout], rows))
+  now = time.perf_counter()
+  for row, (request, chunk) in layout:
+    if drafted and request.draft_computed == request.num_computed:   # no gap before it
+      request.draft_computed += len(chunk)
+    request.num_computed += len(chunk)
+    request.metrics.prefill_tokens += len(chunk)
+    if request.num_computed < len(request.prefill_tokens):
+      continue
+    engine.scheduler.commit(request)   # its prompt pages can be shared from now on
+    request.state = State.DECODE
+    if not request.output:           # a resumed request's pending token is its last output
+      engine._emit(request, [int(first[row])], now, emitted)
+
+def decode_round(engine, decodes, emitted: dict) -> None:
+  """One decode round over every decoding request (`decodes`, oldest first): the K policy
+  chooses K (and per-row caps), the drafter proposes, one target call verifies every row, and
+  each request emits its accepted tokens + 1 (into `emitted`), finishing at a stop token or
+  max_tokens; the policy is told what the round accepted and what it cost (seconds)."""
+  if engine.policy is not None and engine.policy.needs_costs:
+    engine.measure_costs()     # before the round's clock starts: not host time of a round
+  start = time.perf_counter()
+  width, rows = engine._decode_layout(decodes)
+  layout = list(zip(rows, decodes))
+  table, lengths, pending, room = rows_lib.decode_inputs(layout, width, engine.pages_per_seq)
+  synced = engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
+  k, row_caps = speculation.choose(
+      engine.policy, decodes, width, engine.k, engine.draft_sync,
+      queued=speculation.num_queued(engine, decodes) if engine.policy is not None else None,
+      horizon=lambda: speculation.horizon(engine, decodes))
+  if engine.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
+    start += engine.draft_sync.seconds - synced
+  caps = np.zeros((width,), np.int32)
+  caps[rows] = row_caps
+  contexts = [None] * width
+  if getattr(engine.drafter, 'uses_context', False):
+    for row, request in layout:
+      contexts[row] = request.context
+  call_start = time.perf_counter()
+  stop = rows_lib.stop_table(layout, width, engine.max_stop_tokens)
+  result = engine._call_decode(table, lengths, pending, room, stop,
+                             rows_lib.sampling(layout, width), k=k, caps=caps,
+                             contexts=contexts)
+  device_s = time.perf_counter() - call_start
+  engine.k_rounds[k] += 1
+  now = time.perf_counter()
+  if k or engine.draft_sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
+    speculation.observe_round(engine.policy, layout, result, caps)   # before a finish forgets
+  for row, request in layout:
+    e = int(result.emitted[row])
+    request.num_computed += e      # pending + the first e - 1 new tokens are now cached
+    request.metrics.accepted_lengths.append(e)
+    engine._emit(request, result.window[row, :e].tolist(), now, emitted,
+               None if result.token_p is None else [float(result.token_p[row])] * e)
+  if engine.draft_sync is not None:
+    engine.draft_sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0))
+  if engine.policy is not None:   # host seconds of this round besides the device call
+    host_s = max(0.0, time.perf_counter() - start - device_s + engine._schedule_s)
+    engine.policy.round_timing(k, device_s, host_s)
