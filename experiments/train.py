@@ -7,6 +7,7 @@ import os
 import pathlib
 import shutil
 
+from jaxspec.checks import nearest_existing
 from jaxspec.data import Tokenizer, train_mixture
 from jaxspec.models import ModelConfig, save_model, shipped
 from jaxspec.models.checkpoint import floating_dtype
@@ -62,10 +63,8 @@ def run(config, results) -> None:
 def _check_directory(name: str, path: pathlib.Path) -> None:
   """ValueError unless `path` is a directory, or can be made one: the first of it and its parents
   that exists is a writable directory (checked before training, which would be lost)."""
-  for p in (path, *path.absolute().parents):
-    if p.exists():
-      if not p.is_dir():
-        raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is a file, not a directory')
-      if not os.access(p, os.W_OK):
-        raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is not writable')
-      return
+  p = nearest_existing(path)
+  if not p.is_dir():
+    raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is a file, not a directory')
+  if not os.access(p, os.W_OK):
+    raise ValueError(f'{name}={str(path)!r}: {str(p)!r} is not writable')

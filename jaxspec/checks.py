@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import pathlib
 from typing import Optional
 
 import jax
@@ -140,3 +141,11 @@ def concrete(x) -> Optional[np.ndarray]:
   if isinstance(x, jax.core.Tracer) or not getattr(x, 'is_fully_addressable', True):
     return None
   return np.asarray(x)
+
+
+def nearest_existing(path) -> pathlib.Path:
+  """The first of `path` (made absolute) and its parents that exists: where writing to `path`
+  would start creating directories. Callers check it is a directory before long work whose
+  result would then be lost."""
+  path = pathlib.Path(path).absolute()
+  return next(p for p in (path, *path.parents) if p.exists())

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from jaxspec.checks import check_int, is_int_in, token_ids
+from jaxspec.checks import check_int, is_int_in, nearest_existing, token_ids
 
 PAD, BOS, EOS = '<|pad|>', '<|bos|>', '<|eos|>'
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
@@ -36,11 +36,9 @@ def check_save_path(path: str | os.PathLike[str]) -> pathlib.Path:
   if path.is_dir():
     raise ValueError(f'cannot save the tokenizer to {path}: a directory (give a file path, '
                      f'e.g. {path / "tokenizer.json"})')
-  for parent in path.absolute().parents:
-    if parent.exists():
-      if not parent.is_dir():
-        raise ValueError(f'cannot save the tokenizer to {path}: {parent} is a file')
-      break
+  parent = nearest_existing(path.parent)
+  if not parent.is_dir():
+    raise ValueError(f'cannot save the tokenizer to {path}: {parent} is a file')
   return path
 
 
@@ -120,7 +118,7 @@ class Tokenizer:
     ours = all(tok.token_to_id(t) == i for i, t in enumerate(SPECIAL_TOKENS))
     special = None
     if not ours and any((path.parent / f).is_file() for f in _HF_CONFIG_FILES):
-      special = _hf_special_ids(path.parent, tok)
+      special = hf_special_ids(path.parent, tok)
       if special == {'pad': None, 'bos': None, 'eos': ()}:   # e.g. our own model's config.json
         special = None                                      # names none: not Hugging Face's
     if special is not None:
@@ -228,11 +226,12 @@ class Tokenizer:
 _HF_CONFIG_FILES = ('generation_config.json', 'config.json', 'tokenizer_config.json')
 
 
-def _hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
-  """Special ids of a Hugging Face model directory: ``*_token_id`` from generation_config.json,
-  then config.json (eos may be a list: every id is a stop token), else the ``*_token`` strings of
-  tokenizer_config.json. Raises ValueError naming a file that is not valid JSON or a special
-  token the tokenizer does not know."""
+def hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
+  """Special ids of a Hugging Face model directory: {'pad': id or None, 'bos': id or None,
+  'eos': tuple of ids}, from ``*_token_id`` in generation_config.json, then config.json (eos may
+  be a list: every id is a stop token), else the ``*_token`` strings of tokenizer_config.json.
+  Raises ValueError naming a file that is not valid JSON or a special token the tokenizer does
+  not know."""
   found = {'pad': None, 'bos': None, 'eos': ()}
   for name in _HF_CONFIG_FILES:
     file = directory / name

@@ -18,10 +18,12 @@ import json
 import pathlib
 
 import llguidance
+import tokenizers
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 import numpy as np
 
 from jaxspec.checks import is_int_in
+from jaxspec.data.tokenizer import hf_special_ids
 
 
 def _first_line(message: str) -> str:
@@ -45,30 +47,24 @@ def _ll_tokenizer(path: str, eos_id: int) -> llguidance.LLTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _special_ids(path: str) -> frozenset:
-  """Ids of the tokenizer's special tokens: tokenizer.json's `added_tokens` marked special, and
-  (as transformers reads them) those a tokenizer_config.json beside it marks special in
-  `added_tokens_decoder` or names as its eos / bos / pad token."""
-  data = json.loads(pathlib.Path(path).read_text())
-  added = [t for t in data.get('added_tokens') or () if isinstance(t, dict)]
-  ids = {t.get('id') for t in added if t.get('special')}
-  config = pathlib.Path(path).with_name('tokenizer_config.json')
+  """Ids of the tokenizer's special tokens: tokenizer.json's `added_tokens` marked special, the
+  pad / bos / eos ids the files beside it declare (`jaxspec.data.tokenizer.hf_special_ids`, as
+  `Tokenizer.load` reads them), and those tokenizer_config.json's `added_tokens_decoder` marks
+  special (as transformers reads it)."""
+  path = pathlib.Path(path)
+  data = json.loads(path.read_text())
+  ids = {t.get('id') for t in data.get('added_tokens') or () if isinstance(t, dict) and
+         t.get('special')}
   try:
-    fields = json.loads(config.read_text()) if config.is_file() else {}
-  except (OSError, ValueError):
-    fields = {}
-  if isinstance(fields, dict):
-    decoder = fields.get('added_tokens_decoder')
+    declared = hf_special_ids(path.parent, tokenizers.Tokenizer.from_file(str(path)))
+    ids |= {declared['pad'], declared['bos'], *declared['eos']}
+    fields = json.loads((path.parent / 'tokenizer_config.json').read_text())
+    decoder = fields.get('added_tokens_decoder') if isinstance(fields, dict) else None
     if isinstance(decoder, dict):
       ids |= {int(i) for i, t in decoder.items()
               if str(i).isdigit() and isinstance(t, dict) and t.get('special')}
-    vocab = data.get('model', {}).get('vocab') if isinstance(data.get('model'), dict) else None
-    by_text = {t.get('content'): t.get('id') for t in added}
-    for name in ('eos_token', 'bos_token', 'pad_token'):
-      token = fields.get(name)
-      token = token.get('content') if isinstance(token, dict) else token
-      if isinstance(token, str):
-        found = by_text.get(token, vocab.get(token) if isinstance(vocab, dict) else None)
-        ids.add(found)
+  except (OSError, ValueError):   # no tokenizer_config.json, or files Tokenizer.load names
+    pass
   return frozenset(i for i in ids if isinstance(i, int))
 
 
