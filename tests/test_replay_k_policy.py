@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 from jaxspec.engine import Engine
+from jaxspec.engine import rounds as step_rounds
 from jaxspec.engine.k_policy import FixedK, ScheduleK
 
 _PATH = pathlib.Path(__file__).parent.parent / 'scripts' / 'replay_k_policy.py'
@@ -74,7 +75,7 @@ def test_a_round_cut_by_the_outputs_end_invents_no_rejection():
   assert seen == [(2, 2, 2.0, 2.0)]
 
 
-def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft):
+def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft, monkeypatch):
   """Two slots at fixed K: the engine's prefill calls (requests per call), decode rounds and each
   request's tokens per round are the replay's; finishes apart admit one request a call."""
   (config, params), (draft, draft_params) = tiny, tiny_draft
@@ -89,9 +90,9 @@ def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft):
   engine = Engine(config, params, num_slots=2, num_pages=64, page_size=4, chunk_size=8,
                   draft=draft, draft_params=draft_params, k=k)
   calls = []
-  prefill = engine._prefill
-  engine._prefill = lambda prefills, emitted: calls.append(len(prefills)) or \
-      prefill(prefills, emitted)
+  prefill = step_rounds.prefill_chunks     # one engine step's prefill call
+  monkeypatch.setattr(step_rounds, 'prefill_chunks', lambda engine, prefills, emitted: calls.append(
+      len(prefills)) or prefill(engine, prefills, emitted))
   ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
   done = engine.run()
   rounds, prefills, seconds = replay_k_policy.replay(
