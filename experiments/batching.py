@@ -419,7 +419,8 @@ def run(config, results) -> None:
         idle_s, idle_cost = idle.get(name, (None, None))
         results.write(dict(
             workload=workload, setting=name, repeat=repeat, batch_size=b,
-            **describe(settings[name]),
+            temperature=float(config.temperature), top_k=int(config.top_k),
+            top_p=float(config.top_p), **describe(settings[name]),
             **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),
             decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
             round_cost=_ratio(m['round_s'], ref.get('round_s')),

@@ -167,11 +167,12 @@ def _check_one_case(records) -> None:
     if r.get('setting') is None:
       continue
     key = (int(r['batch_size']), r['workload'], r['setting'])
-    case = r.get('case_id')
+    case = (r.get('case_id'), r.get('temperature'), r.get('top_k'), r.get('top_p'))
     if case_of.setdefault(key, case) != case:
-      raise ValueError(f'B={key[0]} {key[1]} {key[2]!r} has records of sweep cases '
-                       f'{case_of[key]!r} and {case!r}: the threshold analysis takes a sweep over '
-                       f'batch_size only; report the cases apart')
+      raise ValueError(f'B={key[0]} {key[1]} {key[2]!r} has records of sweep cases / sampling '
+                       f'(case_id, temperature, top_k, top_p) {case_of[key]!r} and {case!r}: the '
+                       f'threshold analysis takes a sweep over batch_size only; report the cases '
+                       f'apart')
 
 
 def analyze(records: list[dict], source: str = 'steps') -> dict:

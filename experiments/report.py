@@ -248,7 +248,8 @@ def main(argv) -> None:
   except OSError as error:          # a file in the way, no permission, read-only
     sys.exit(f'FATAL: cannot use --out={out}: {error}')
   experiment = flags.FLAGS.experiment or guess_experiment(path)
-  known = sorted(p.stem for p in pathlib.Path(__file__).parent.glob('*.py'))
+  configs = pathlib.Path(__file__).parent.parent / 'configs'      # experiments with a config
+  known = sorted(p.stem for p in configs.glob('*.py') if p.stem != '__init__')
   if flags.FLAGS.experiment and experiment not in PLOTS and experiment not in known:
     sys.exit(f'FATAL: --experiment={experiment!r} names no experiment; those with plots: '  # a typo
              f'{sorted(PLOTS)} (leave the flag out to read it from the config.json beside the '

@@ -175,9 +175,13 @@ def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
   # Two sweep cases of one B (a sweep over prompt_len too) were averaged as one cell's repeats.
   mixed = [dict(r, case_id='batch_size=4') for r in records] + [
       dict(records[0], case_id='batch_size=4,prompt_len=128')]
-  with pytest.raises(ValueError, match="B=4 json 'k0' has records of sweep cases "
-                                       "'batch_size=4' and 'batch_size=4,prompt_len=128'"):
+  with pytest.raises(ValueError, match=r"B=4 json 'k0' has records of sweep cases .*"
+                                       r"'batch_size=4', None.* and .*'batch_size=4,prompt_len"):
     br.analyze(mixed)
+  # Records of one case at different temperatures (two runs appended): not one cell either.
+  hot = [dict(r, temperature=0.0) for r in records] + [dict(records[0], temperature=1.0)]
+  with pytest.raises(ValueError, match=r"0.0, None, None\) and \('batch_size=4', 1.0"):
+    br.analyze(hot)
 
 
 def test_held_out_fraction_chooses_the_static_setting_on_the_other_passes():
@@ -312,6 +316,7 @@ def test_run_gives_each_repeat_and_workload_its_own_step_order(monkeypatch):
   written = []
   batching.run(config, types.SimpleNamespace(write=written.append))
   assert seeds == [0, 1, 2, 3] and len(written) == 4 * 2          # 2 repeats x 2 workloads
+  assert {(r['temperature'], r['top_k'], r['top_p']) for r in written} == {(0.0, 0, 1.0)}
 
 
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():

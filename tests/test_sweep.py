@@ -254,11 +254,12 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
                   str(tmp_path / 'cli2')], cwd=ROOT, capture_output=True, text=True, check=True)
   summary = (tmp_path / 'cli2' / 'summary.md').read_text()
   assert 'k=2,temperature=0.0' in summary and 'k=2,temperature=1.0' not in summary
-  typo = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
-                         '--out', str(tmp_path / 'cli3'), '--experiment=speculativ'], cwd=ROOT,
-                        capture_output=True, text=True)
-  assert typo.returncode == 1 and "FATAL: --experiment='speculativ' names no experiment" in (
-      typo.stderr)
+  for name in ('speculativ', 'common'):      # a typo; a module of experiments/ but no experiment
+    typo = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
+                           '--out', str(tmp_path / 'cli3'), f'--experiment={name}'], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert typo.returncode == 1 and f"FATAL: --experiment='{name}' names no experiment" in (
+        typo.stderr)
   train = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
                           '--out', str(tmp_path / 'cli4'), '--experiment=train'], cwd=ROOT,
                          capture_output=True, text=True)      # an experiment without plots
