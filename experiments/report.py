@@ -26,7 +26,8 @@ import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-pos
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # pylint: disable-next=g-import-not-at-top
-from experiments.batching_report import plot_batching, write_summary as summarize_batching
+from experiments.batching_plots import plot_batching
+from experiments.batching_report import write_summary as summarize_batching  # pylint: disable=all
 from experiments.eviction_report import plot_eviction  # pylint: disable=g-import-not-at-top
 
 
