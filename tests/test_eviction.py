@@ -332,26 +332,36 @@ def test_padding_query_leaves_tova_scores():
   assert float(before.scores.sum()) > 0
 
 
-def test_model_keeps_each_layer0_key_at_its_own_position_under_eviction(tiny):
+@pytest.mark.parametrize('reuse_delay', [0, 1])
+def test_model_keeps_each_layer0_key_at_its_own_position_under_eviction(tiny, reuse_delay):
   """Whole-model check of the bug class where cached keys end up rotated for the wrong position:
   after greedy decoding under H2O with a budget the sequence overflows, every kept layer-0 key
   equals the key a full-cache forward pass computes at the position the slot records (layer 0's
-  keys depend only on the token and its position, so the two must agree)."""
+  keys depend only on the token and its position, so the two must agree). Row 1 stops early on
+  its own stop token: a finished row's later steps (at reuse_delay 0 they wrote the pending
+  token over the victim's slot) must leave its cache as it was."""
   config, params = tiny
   page, prompts = 8, [[5, 9, 14, 3, 22], [7, 40, 2, 11, 30, 8, 19, 33, 4, 25, 61, 6, 17]]
-  policy = make_policy('h2o', 12, reuse_delay=1)
+  policy = make_policy('h2o', 12, reuse_delay=reuse_delay)
   per = pages_needed(policy.slots, page)
-  cache = cache_for(config, np.arange(1, 1 + 2 * per).reshape(2, per), 1 + 2 * per, page)
   tokens = np.zeros((2, 16), np.int32)
   for row, p in enumerate(prompts):
     tokens[row, :len(p)] = p
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  first, cache, state = prefill_evicting(config, params, cache, init_eviction(policy, cache),
-                                         jnp.asarray(tokens), lengths, jax.random.PRNGKey(0),
-                                         sampling=SamplingParams())
-  out, cache, state = decode_autoregressive_evicting(
-      config, params, cache, state, first, jax.random.PRNGKey(1), jnp.zeros((0,), jnp.int32),
-      sampling=SamplingParams(), max_new_tokens=24)
+
+  def decode(stop):
+    cache = cache_for(config, np.arange(1, 1 + 2 * per).reshape(2, per), 1 + 2 * per, page)
+    first, cache, state = prefill_evicting(config, params, cache, init_eviction(policy, cache),
+                                           jnp.asarray(tokens), lengths, jax.random.PRNGKey(0),
+                                           sampling=SamplingParams())
+    return decode_autoregressive_evicting(
+        config, params, cache, state, first, jax.random.PRNGKey(1), jnp.asarray(stop, jnp.int32),
+        sampling=SamplingParams(), max_new_tokens=24)
+
+  free = np.asarray(decode([[-1], [-1]])[0].tokens[1, :24]).tolist()
+  stop_at = next(i for i in range(4, 24) if free[i] not in free[:i])     # row 1's first new id
+  out, cache, state = decode([[-1], [free[stop_at]]])
+  assert int(out.num_tokens[1]) == stop_at + 1 < int(out.num_tokens[0])
   seqs = [(p + np.asarray(out.tokens[row, :int(out.num_tokens[row])]).tolist())
           [:int(cache.lengths[row])] for row, p in enumerate(prompts)]
   width = max(map(len, seqs))
@@ -371,6 +381,7 @@ def test_model_keeps_each_layer0_key_at_its_own_position_under_eviction(tiny):
   for row, seq in enumerate(seqs):
     kept = np.nonzero(key_pos[0, row] >= 0)[0]
     assert len(seq) > 12 and len(kept) == 12               # the budget was overflowed and held
+    assert sorted(key_pos[0, row, kept]) == sorted(set(key_pos[0, row, kept]))
     for slot in kept:
       np.testing.assert_allclose(key(cache, row, slot), key(full, row, key_pos[0, row, slot]),
                                  rtol=1e-5, atol=1e-5)

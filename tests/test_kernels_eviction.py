@@ -84,7 +84,7 @@ def test_select_kernel_matches_reference(seed):
     key_pos[row, rng.permutation(s)[:n]] = rng.permutation(40)[:n]
   positions = np.array([40, 42, 44, -1], np.int32)
   priority = rng.integers(0, 4, size=(b, s)).astype(np.float32)        # ties on purpose
-  params = SelectParams(budget=int(rng.integers(2, 12)), sinks=2, window=3,
+  params = SelectParams(budget=int(rng.integers(6, 12)), sinks=2, window=3,
                         reuse_delay=int(rng.integers(0, 3)))
   got = select_slots(priority, key_pos, free_from, positions, params, interpret=True)
   want = select_slots_reference(priority, key_pos, free_from, positions, params)
@@ -98,6 +98,9 @@ def test_select_kernel_matches_reference(seed):
     if victim[row] >= 0:                                         # evicts only when at budget,
       assert live >= params.budget                               # never a sink or recent token
       assert params.sinks <= key_pos[row, victim[row]] < positions[row] - params.window
+      candidates = [i for i in range(s) if params.sinks <= key_pos[row, i] < positions[row] -
+                    params.window]      # the victim: lowest priority, then the oldest position
+      assert min(candidates, key=lambda i: (priority[row, i], key_pos[row, i])) == victim[row]
     if slot[row] >= 0:
       assert got[0][row, slot[row]] == positions[row]
 
@@ -327,3 +330,51 @@ def test_a_pool_without_kv_heads_is_named():
   with pytest.raises(ValueError, match=r'query heads 2 not a multiple of kv heads 0 \(>= 1\)'):
     paged_attention_with_mass_reference(q, pages, pages, jnp.array([[1]]), jnp.array([[0, 1]]),
                                         jnp.array([[1]]))
+
+
+@pytest.mark.parametrize('kwargs,needle', [
+    (dict(budget=0), 'SelectParams.budget must be an int >= 1, got 0'),
+    (dict(budget=2.5), 'got 2.5'),
+    (dict(budget=3, window=-1), 'SelectParams.window must be an int >= 0, got -1'),
+    (dict(budget=3, sinks=2, window=1), 'budget=3 must be >= sinks + window + 1 = 4'),
+])
+def test_select_params_are_checked_when_built(kwargs, needle):
+  # Built directly, budget 0 evicted slot 0 though a slot was free, a negative delay was kept.
+  with pytest.raises(ValueError, match=re.escape(needle)):
+    SelectParams(**kwargs)
+
+
+@pytest.mark.parametrize('select', [
+    functools.partial(select_slots, interpret=True), select_slots_reference])
+def test_a_tie_evicts_the_oldest_token_whatever_slot_it_is_in(select):
+  # Slots 1 and 3 tie at the lowest priority; slot 3 holds the older token (position 2). By slot
+  # index, which tokens survive depended on where they landed (reuse_delay moves that).
+  priority = np.array([[5.0, 1.0, 5.0, 1.0]], np.float32)
+  key_pos, free_from = np.array([[0, 6, 4, 2]], np.int32), np.zeros((1, 4), np.int32)
+  got = select(priority, key_pos, free_from, np.array([7], np.int32), SelectParams(budget=4))
+  assert int(got[2][0]) == 3 and int(got[3][0]) == 3
+  np.testing.assert_array_equal(got[0], [[0, 6, 4, 7]])
+
+
+@pytest.mark.parametrize('attend', [functools.partial(paged_attention_with_mass, interpret=True),
+                                    paged_attention_with_mass_reference])
+def test_paged_attention_refuses_page_ids_outside_the_pool(attend):
+  # Ids 7 and -1 in a 3-page pool were clamped or wrapped to page 2 (arbitrary memory on a GPU).
+  pool = jnp.zeros((1, 3, 2, 4))
+  for bad in (7, -1):
+    with pytest.raises(ValueError, match=r'page_table entries must lie in \[0, 3\)'):
+      attend(jnp.ones((1, 1, 1, 4)), pool, pool, jnp.asarray([[1, bad]]),
+             jnp.asarray([[0, 1, 2, 3]]), jnp.asarray([[3]]))
+  with pytest.raises(ValueError, match=r'q must have 4 dimensions, got shape \(1, 1, 4\)'):
+    attend(jnp.ones((1, 1, 4)), pool, pool, jnp.asarray([[1, 2]]), jnp.asarray([[0, 1, 2, 3]]),
+           jnp.asarray([[3]]))
+
+
+def test_attention_helpers_name_bad_windows_and_heads():
+  from jaxspec.kernels import slot_causal_mask  # pylint: disable=import-outside-toplevel
+  for window in (0, -2):          # an all-False mask: every output silently 0
+    with pytest.raises(ValueError, match=f'window must be an int >= 1, got {window}'):
+      slot_causal_mask(jnp.zeros((1, 1), jnp.int32), 4, window)
+  q, no_heads = jnp.ones((1, 1, 2, 4)), jnp.ones((1, 3, 0, 4))
+  with pytest.raises(ValueError, match=r'not a multiple of kv heads 0 \(>= 1\)'):
+    gqa_attention(q, no_heads, no_heads, jnp.ones((1, 1, 3), bool))

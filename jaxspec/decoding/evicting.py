@@ -195,8 +195,11 @@ def _decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction
     cache, eviction, out, pending, rng = state
     rng, step_rng = jax.random.split(rng)
     old_lengths = cache.lengths
-    logits, cache, history = Transformer(config).apply(
-        params, pending[:, None], cache.lengths[:, None], cache, eviction)
+    # A finished row runs as padding: with reuse_delay 0 its eviction step would still write the
+    # pending token over the victim's slot, and restoring the state after would not undo that.
+    positions = jnp.where(out.done, -1, cache.lengths)[:, None]
+    logits, cache, history = Transformer(config).apply(params, pending[:, None], positions, cache,
+                                                       eviction)
     token = sample(step_rng, probabilities(logits[:, 0], sampling))
     out, n = commit(out, token[:, None], jnp.ones((b,), jnp.int32), stop_tokens, max_new_tokens)
     kept = jnp.minimum(n, 1)
@@ -274,7 +277,8 @@ def _decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target
     xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
                                        k=k, sampling=sampling)
     verify = jnp.concatenate([pending[:, None], xs], axis=1)                  # [B, K+1]
-    positions = old_lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    positions = jnp.where(active[:, None], old_lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32),
+                          -1)                               # finished rows: padding, as above
     logits, target_cache, history = Transformer(target).apply(
         target_params, verify, positions, target_cache, eviction)
     window, n = accept(rng_accept, xs, qs, probabilities(logits, sampling))

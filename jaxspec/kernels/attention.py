@@ -7,6 +7,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from jaxspec.checks import check_int
+
 
 def slot_causal_mask(q_slots, num_keys: int, window: Optional[int] = None):
   """Which cached slots each query may attend to: key slot j is visible to a query at slot s iff
@@ -20,7 +22,11 @@ def slot_causal_mask(q_slots, num_keys: int, window: Optional[int] = None):
     window: static int >= 1 or None (no window).
   Returns:
     [B, T, S] bool.
+  Raises:
+    ValueError: a window that is not an int >= 1 (0 would hide every key: zero outputs).
   """
+  if window is not None:
+    window = check_int('window', window, 1)
   key_slots = jnp.arange(num_keys, dtype=jnp.int32)[None, None, :]
   visible = key_slots <= q_slots[:, :, None]
   if window is not None:
@@ -67,12 +73,14 @@ def gqa_attention(q, k, v, mask):
     [B, T, N, H] in q's dtype: 0 for a query that sees no key (padding) or whose visible scores
     are all -inf (`masked_softmax`; invisible keys never get weight).
   Raises:
-    ValueError: when N is not a multiple of K.
+    ValueError: q or k not 4-D, or N not a multiple of K (K >= 1).
   """
+  if q.ndim != 4 or k.ndim != 4:
+    raise ValueError(f'q [B, T, N, H] and k [B, S, K, H] must be 4-D, got {q.shape} and {k.shape}')
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
-  if n % kv_heads:
-    raise ValueError(f'query heads {n} not a multiple of kv heads {kv_heads}')
+  if kv_heads < 1 or n % kv_heads:
+    raise ValueError(f'query heads {n} not a multiple of kv heads {kv_heads} (>= 1)')
   g = n // kv_heads
   qg = q.reshape(b, t, kv_heads, g, h).astype(jnp.float32)
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', qg, k.astype(jnp.float32)) * (h ** -0.5)

@@ -6,7 +6,7 @@ token, in order). For the token at position p:
 
 1. live = slots holding a token (key_pos >= 0). If there are `budget` or more, evict the live slot
    of lowest priority among the candidates: key_pos >= sinks and key_pos < p - window (ties: the
-   lowest slot index). Its position becomes -1 and it is free for tokens at positions
+   oldest position, so a decision does not depend on which slot a token landed in). Its position becomes -1 and it is free for tokens at positions
    >= p + reuse_delay (a delay of K+1 keeps a verification round from overwriting a token a
    rejected draft position evicted, so speculative decoding can roll eviction back).
 2. The new token takes the lowest-index free slot whose delay has passed; its position is set.
@@ -28,22 +28,36 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from jaxspec.checks import check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class SelectParams:
-  """Static parameters of the selection (validated by `jaxspec.cache.eviction.make_policy`).
+  """Static parameters of the selection (`EvictionPolicy.select_params` builds them).
 
   Attributes:
     budget: live tokens kept per sequence, the new one included (tokens).
     sinks: first positions never evicted (StreamingLLM's attention sinks).
     window: most recent positions before the new token never evicted.
     reuse_delay: positions an evicted slot waits before it is written again.
+
+  Raises:
+    ValueError: a field not an int, budget < 1, sinks / window / reuse_delay < 0, or budget <
+      sinks + window + 1 (no token could ever be evicted, so more than budget would stay live).
   """
 
   budget: int
   sinks: int = 0
   window: int = 0
   reuse_delay: int = 0
+
+  def __post_init__(self):
+    for name, low in (('budget', 1), ('sinks', 0), ('window', 0), ('reuse_delay', 0)):
+      # Stored as Python ints: the params are a static (hashed) argument of the jitted selection.
+      object.__setattr__(self, name, check_int(f'SelectParams.{name}', getattr(self, name), low))
+    if self.budget < self.sinks + self.window + 1:
+      raise ValueError(f'SelectParams.budget={self.budget} must be >= sinks + window + 1 = '
+                       f'{self.sinks + self.window + 1}: otherwise no token is ever evictable')
 
 
 def _select(priority, key_pos, free_from, p, params: SelectParams):
@@ -56,7 +70,9 @@ def _select(priority, key_pos, free_from, p, params: SelectParams):
   # A NaN priority (a model that produced NaN) counts as lowest, so a slot is still freed.
   masked = jnp.where(candidate, jnp.where(jnp.isnan(priority), -jnp.inf, priority), jnp.inf)
   lowest = jnp.min(masked)
-  victim = jnp.min(jnp.where(candidate & (masked == lowest), idx, s))
+  tied = candidate & (masked == lowest)
+  oldest = jnp.min(jnp.where(tied, key_pos, jnp.iinfo(jnp.int32).max))   # live positions differ
+  victim = jnp.min(jnp.where(tied & (key_pos == oldest), idx, s))
   evicted = idx == victim
   key_pos = jnp.where(evicted, -1, key_pos)
   free_from = jnp.where(evicted, p + params.reuse_delay, free_from)
@@ -140,9 +156,10 @@ def _select_reference(priority, key_pos, free_from, p, params: SelectParams):
   candidate = live & (key_pos >= params.sinks) & (key_pos < p - params.window)
   priority = jnp.where(jnp.isnan(priority), -jnp.inf, priority)    # NaN: lowest (as the kernel)
   masked = jnp.where(candidate, priority, jnp.inf)
-  # The first candidate of lowest priority; argmin alone would pick slot 0 (maybe no candidate)
+  # The oldest candidate of lowest priority; argmin alone would pick slot 0 (maybe no candidate)
   # when every candidate's priority is +inf.
-  victim = jnp.argmax(candidate & (masked == masked.min()))
+  tied = candidate & (masked == masked.min())
+  victim = jnp.argmax(tied & (key_pos == jnp.where(tied, key_pos, jnp.iinfo(jnp.int32).max).min()))
   victim = jnp.where(must_evict & candidate.any(), victim, -1)
   key_pos = key_pos.at[victim].set(jnp.where(victim >= 0, -1, key_pos[victim]))
   free_from = free_from.at[victim].set(

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxspec.checks import check_int
+from jaxspec.checks import check_int, concrete
 from jaxspec.kernels.attention import gqa_attention, masked_softmax
 
 # Invisible keys score -inf (never a finite stand-in a visible score could undercut); a row whose
@@ -123,6 +123,10 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
   for name, x in (('page_table', page_table), ('key_pos', key_pos), ('q_pos', q_pos)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f'{name} must be an integer array, got dtype {x.dtype}')
+  for name, x, ndim in (('q', q, 4), ('k_pages', k_pages, 4), ('v_pages', v_pages, 4),
+                        ('page_table', page_table, 2), ('key_pos', key_pos, 2), ('q_pos', q_pos, 2)):
+    if jnp.ndim(x) != ndim:
+      raise ValueError(f'{name} must have {ndim} dimensions, got shape {jnp.shape(x)}')
   b, t, n, h = q.shape
   kv_heads, _, page_size, h_k = k_pages.shape
   if v_pages.shape != k_pages.shape or h_k != h:
@@ -142,7 +146,15 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
                      f'{padded} pages per sequence (padded to a power of two)')
 
 
-@functools.partial(jax.jit, static_argnames=('block_sizes', 'interpret'))
+def _check_page_ids(page_table, k_pages) -> None:
+  # Values are readable only outside a jit (a model step passes tracers): an id outside the pool
+  # was clamped here and would read arbitrary memory on a GPU.
+  from jaxspec.cache.paged import check_page_table  # pylint: disable=g-import-not-at-top (cycle)
+  table = concrete(page_table)
+  if table is not None:
+    check_page_table(table, k_pages.shape[1])
+
+
 def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
                               block_sizes: BlockSizes = BlockSizes(), *, interpret: bool = False):
   """Attention of T query tokens over a sequence's paged keys, plus the mass each key received.
@@ -162,9 +174,18 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     A query that sees no key, or only keys of score -inf, gives 0 and puts no mass anywhere.
     A batch of B = 0 gives empty results.
   Raises:
-    ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, or
-      a pages_per_block that does not divide NP rounded up to a power of two.
+    ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, a
+      pages_per_block that does not divide NP rounded up to a power of two, or (for a page table
+      whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
   """
+  _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
+  _check_page_ids(page_table, k_pages)
+  return _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes,
+                          interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=('block_sizes', 'interpret'))
+def _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes, *, interpret):
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
   b, t, n, h = q.shape
   kv_heads, _, page_size, _ = k_pages.shape
@@ -248,5 +269,6 @@ def paged_attention_with_mass_reference(q, k_pages, v_pages, page_table, key_pos
   """Pure-jnp reference of `paged_attention_with_mass`: same args (no tiling), results and
   errors."""
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos)
+  _check_page_ids(page_table, k_pages)
   return attention_with_mass(q, gather_pages(k_pages, page_table),
                              gather_pages(v_pages, page_table), key_pos, q_pos)
