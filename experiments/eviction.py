@@ -19,6 +19,7 @@ import numpy as np
 from experiments.common import (check_fields, empty_cache, load_at_dtype, load_tokenizer,
                                 parse_workloads)
 from jaxspec.cache import init_eviction, make_policy
+from jaxspec.checks import seed_key
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
@@ -148,7 +149,7 @@ def run_worker(config, results, model, params, tokenizer) -> None:
   token, cache, eviction = prefill_evicting(model, params, cache, eviction,
                                             jnp.asarray([prompt], jnp.int32),
                                             jnp.asarray([len(prompt)], jnp.int32),
-                                            jax.random.PRNGKey(config.seed), sampling=greedy)
+                                            seed_key(config.seed), sampling=greedy)
   no_stop = jnp.zeros((0,), jnp.int32)        # a worker loop does not stop
   generated = 0
   run = lambda cache, eviction, token: decode_autoregressive_evicting(

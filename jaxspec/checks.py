@@ -133,6 +133,22 @@ def check_seed(value) -> int:
   return int(value)
 
 
+def seed_key(seed) -> jax.Array:
+  """The PRNG key of a 64-bit `seed` (checked by `check_seed`): `jax.random.PRNGKey(seed)` for
+  seeds in [0, 2**32), where it is unchanged; above, and for negative seeds, the high 32 bits
+  are folded in. With 64-bit mode off `PRNGKey` keeps only the low 32 bits, so seeds 1 and
+  2**32 + 1 (or -1 and 2**32 - 1) gave one stream.
+
+  Returns:
+    A raw key (uint32[2] under the default threefry implementation).
+  Raises:
+    ValueError: as `check_seed`.
+  """
+  seed = check_seed(seed) & (2 ** 64 - 1)          # two's complement: -1 -> 2**64 - 1
+  key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
+  return key if seed < 2 ** 32 else jax.random.fold_in(key, seed >> 32)
+
+
 def concrete(x) -> Optional[np.ndarray]:
   """`x` as a numpy array, or None when its values cannot be read here: traced (inside a
   caller's jit) or spread over processes (not fully addressable). Reading a device array waits

@@ -34,6 +34,37 @@ def test_speculation_slack_counts_against_the_context(tiny):
     generate(config, params, [prompt], max_new_tokens=20, draft=config, draft_params=params, k=8)
 
 
+def test_a_draft_context_too_short_is_named_as_the_drafts(tiny):
+  config, params = tiny
+  draft = dataclasses.replace(config, max_seq_len=16)
+  with pytest.raises(ValueError, match="= 17 exceeds the draft's context of 16"):
+    generate(config, params, [[5] * 9], max_new_tokens=5, draft=draft, draft_params=params, k=2)
+
+
+def test_seeds_apart_only_above_32_bits_give_apart_samples(tiny):
+  # With 64-bit mode off PRNGKey keeps the low 32 bits: 1, 2**32 + 1 and 2**40 + 1 drew alike.
+  from jaxspec.checks import seed_key  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  seeds = (1, 2 ** 32 + 1, 2 ** 40 + 1, -1, 2 ** 32 - 1, 2 ** 63 - 1, -2 ** 63, 0)
+  keys = {tuple(np.asarray(seed_key(s)).tolist()) for s in seeds}
+  assert len(keys) == len(seeds)
+  np.testing.assert_array_equal(seed_key(12345), jax.random.PRNGKey(12345))   # unchanged below
+  config, params = tiny
+  run = lambda seed: generate(config, params, [[5, 6, 7]], max_new_tokens=12, seed=seed,
+                              sampling=SamplingParams(1.0)).tokens
+  assert not np.array_equal(run(1), run(2 ** 32 + 1))
+  with pytest.raises(ValueError, match='seed must be a 64-bit int, got 18446744073709551616'):
+    seed_key(2 ** 64)
+
+
+def test_draft_tokens_refuses_k_below_one(tiny):
+  from jaxspec.decoding.speculative import draft_tokens  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  with pytest.raises(ValueError, match='speculation length K must be an int >= 1, got 0'):
+    draft_tokens(config, params, None, jnp.zeros((1,), jnp.int32), None, k=0,
+                 sampling=SamplingParams())
+
+
 @pytest.mark.parametrize('k', [0, -1, 17, 2.5, True, '2'])
 def test_k_out_of_range(tiny, k):
   config, params = tiny

@@ -96,8 +96,8 @@ def decode_autoregressive(config: ModelConfig, params, cache, first_token, rng, 
 
   Args:
     cache: the prefilled cache (donated); first_token: [B] int32 from `prefill`.
-      The capacity is not checked inside the jitted loop (a too-small cache writes past its
-      pages); `generate` sizes and checks it.
+      The capacity is not checked inside the jitted loop (a too-small cache sends the writes
+      past its pages to the null page, where they are lost); `generate` sizes and checks it.
     stop_tokens: [S] int32.
     max_new_tokens: static; counts the first token.
   Returns:

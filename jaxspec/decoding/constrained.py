@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed, rollback
-from jaxspec.checks import check_int, check_seed, is_int_in, token_ids
+from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.generate import MAX_K, stop_ids
@@ -203,7 +203,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
                        f'slack token{"s" if slack != 1 else ""} exceeds the context of '
                        f'{config.max_seq_len}')
 
-  rng = jax.random.PRNGKey(seed)
+  rng = seed_key(seed)
   start = time.perf_counter()
   logits, t_cache = prefill_chunked(target, target_params, new_cache(target, capacity, page_size),
                                     prompt)

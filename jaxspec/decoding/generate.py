@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.checks import check_int, check_seed, token_ids
+from jaxspec.checks import check_int, check_seed, seed_key, token_ids
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.speculative import check_pair
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -90,13 +90,14 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
     ids = token_ids(prompt, label, min(c.vocab_size for c in configs))
     if not ids:
       raise ValueError(f'{label} is empty')
-    for config in configs:
+    for c, config in enumerate(configs):
       need = len(prompt) + max_new_tokens + slack
       if need > config.max_seq_len:
+        whose = 'the' if c == 0 else "the draft's"          # configs: the target, then the draft
         raise ValueError(
             f'{label} of {len(prompt)} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
-            f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds the context '
-            f'of {config.max_seq_len}')
+            f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
+            f'context of {config.max_seq_len}')
 
 
 def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,
@@ -246,7 +247,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   allocator = PageAllocator(b * per_seq + 1)
   page_table = np.array([allocator.allocate(per_seq) for _ in range(b)], np.int32)
 
-  rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(seed))
+  rng_prefill, rng_decode = jax.random.split(seed_key(seed))
   tokens, lengths = steps.put_batch(tokens), steps.put_batch(lengths)
   rng_prefill, rng_decode, stop = map(steps.put_replicated, (rng_prefill, rng_decode, stop))
   start = time.perf_counter()

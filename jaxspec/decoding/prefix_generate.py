@@ -17,7 +17,7 @@ import numpy as np
 from jaxspec.cache import NULL_PAGE, pages_needed
 from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import PrefixCache
-from jaxspec.checks import check_int, check_seed
+from jaxspec.checks import check_int, seed_key
 from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -144,7 +144,7 @@ class PrefixCachedGenerator:
                                    draft_params=self.draft_params, k=self.k, max_k=self.max_k,
                                    one_request=True)
     prompt, max_new_tokens = [int(t) for t in prompt], int(max_new_tokens)
-    rng_prefill, rng_decode = jax.random.split(jax.random.PRNGKey(check_seed(seed)))
+    rng_prefill, rng_decode = jax.random.split(seed_key(seed))
     rng_prefill, rng_decode, stop = map(self.steps.put_replicated,
                                         (rng_prefill, rng_decode, stop))
     start = time.perf_counter()

@@ -22,8 +22,10 @@ def rejection_sample(rng, draft_tokens, q, p):
 
   Args:
     rng: PRNG key.
-    draft_tokens: [B, K] int32 proposed tokens x_1..x_K.
-    q: [B, K, V] float32, the exact distribution each x_i was drawn from; a position whose q is
+    draft_tokens: [B, K] int32 proposed tokens x_1..x_K; an id outside [0, V) (e.g. -1
+      padding) is not a proposal either, whatever its q: rejected and drawn from p (indexing
+      would have wrapped -1 round to V - 1 and could accept it).
+    q: [B, K, V] float32 (any float dtype is computed in float32), the exact distribution each x_i was drawn from; a position whose q is
       all zeros is not a proposal: it is rejected and its token drawn from p (one-hot q is the
       host-proposal case, e.g. prompt lookup: accept x with probability p(x)).
     p: [B, K+1, V] float32, the target's processed distribution at each of the K+1 positions.
@@ -41,6 +43,9 @@ def rejection_sample(rng, draft_tokens, q, p):
                      f'[B, K+1, V], got {tuple(draft_tokens.shape)}, {tuple(q.shape)} and '
                      f'{tuple(p.shape)}')
   b, k = draft_tokens.shape
+  q, p = jnp.asarray(q, jnp.float32), jnp.asarray(p, jnp.float32)
+  proposed = (draft_tokens >= 0) & (draft_tokens < p.shape[-1])
+  q = jnp.where(proposed[..., None], q, 0.0)      # not a proposal: rejected, drawn from p itself
   rng_accept, rng_next = jax.random.split(rng)
   p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
   q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]         # [B, K]

@@ -260,8 +260,11 @@ def sample(rng, probs):
 
   Args:
     rng: PRNG key.
-    probs: [..., V] float32 probabilities (zeros allowed).
+    probs: [..., V] probabilities (zeros allowed), drawn from in float32 whatever their dtype
+      (in bfloat16 the Gumbel noise itself was drawn in bfloat16, and its ties went to the
+      lowest id: 0.62 for a token of probability 0.5).
   Returns:
     [...] int32 token ids.
   """
-  return jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
+  logp = jnp.log(jnp.asarray(probs, jnp.float32))
+  return jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)

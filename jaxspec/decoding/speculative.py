@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxspec.cache import rollback
-from jaxspec.checks import is_int_in
+from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.rejection import rejection_sample
@@ -95,7 +95,11 @@ def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *,
   Returns:
     tokens: [B, K] int32 x_1..x_K; q: [B, K, V] float32, the processed distribution each x_i was
     drawn from; draft_cache with pending, x_1..x_{K-1} written (lengths + K).
+  Raises:
+    ValueError: k not an int >= 1 (0 returned no proposals without a word).
   """
+  k = check_int('speculation length K', k, 1)
+
   def one(carry, step_rng):
     cache, token = carry
     logits, cache = decode_step(draft, draft_params, cache, token)
@@ -200,8 +204,8 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
   Args:
     target_cache, draft_cache: both prefilled with the same prompts (donated); capacity at least
       prompt + max_new_tokens + k + 1 tokens.
-      The capacity is not checked inside the jitted loop (a too-small cache writes past its
-      pages); `generate` sizes and checks it.
+      The capacity is not checked inside the jitted loop (a too-small cache sends the writes
+      past its pages to the null page, where they are lost); `generate` sizes and checks it.
     first_token: [B] int32 drawn from the target at prefill.
     stop_tokens: [S] int32.
     k: static speculation length K >= 1.

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
-from jaxspec.checks import check_int, check_seed
+from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
@@ -173,7 +173,7 @@ class Engine:
       self._live: dict[Hashable, Request] = {}
       self._ids = itertools.count()
       self._arrivals = itertools.count()
-      self._rng = jax.random.PRNGKey(seed)
+      self._rng = seed_key(seed)
       self.num_steps = 0
 
   # ---------------------------------------------------------------- requests

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import tqdm
 
-from jaxspec.checks import check_int, check_real, is_int_in
+from jaxspec.checks import check_int, check_real, is_int_in, seed_key
 from jaxspec.data import random_windows
 from jaxspec.models import ModelConfig, Transformer
 from jaxspec.training import resume
@@ -48,7 +48,7 @@ def init_params(config: ModelConfig, seed: int):
   """Fresh float32 params of `config`."""
   tokens = jnp.zeros((1, 8), jnp.int32)
   positions = jnp.arange(8, dtype=jnp.int32)[None]
-  return Transformer(config).init(jax.random.PRNGKey(seed), tokens, positions, None)
+  return Transformer(config).init(seed_key(seed), tokens, positions, None)
 
 
 def evaluate(params, config: ModelConfig, tokens: np.ndarray, *, batch_size: int, seq_len: int,
