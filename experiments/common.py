@@ -165,7 +165,7 @@ def parse_flags(argv):
     _exit_unloaded_config()
     return rest
   except OSError as e:   # an override of a config file that could not be loaded
-    _exit_config_error(e)
+    exit_config_error(e)
   except flags.Error as e:
     text = str(e)
     if 'Traceback (most recent call last)' in text:   # a config file's get_config raised:
@@ -185,10 +185,10 @@ def _exit_unloaded_config() -> None:
   try:
     flags.FLAGS['config'].value.keys()
   except OSError as error:
-    _exit_config_error(error)
+    exit_config_error(error)
 
 
-def _exit_config_error(error: OSError) -> None:
+def exit_config_error(error: OSError) -> None:
   """Ends the program with one line saying why the `--config` file could not be loaded."""
   reason = str(error).strip().splitlines()[-1].strip()
   try:
@@ -197,7 +197,8 @@ def _exit_config_error(error: OSError) -> None:
     args = sys.argv
     path = next((a.partition('=')[2] if a.startswith('--config=') else args[i + 1]
                  for i, a in enumerate(args)
-                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))), '')
+                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))),
+                DEFAULT_CONFIG)
   path = path.split(':')[0]
   hint = ''
   if path and not os.path.isabs(path) and not os.path.exists(path) and \
@@ -279,8 +280,8 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
         why = ('draft and target must share one vocabulary (the draft proposes token ids that '
                'the target verifies)')
       where = ', config.tokenizer' if tokenizer_path else ''
-      raise ValueError(f'the {name} tokenizer {own} differs from the tokenizer in use '
-                       f'({source}{where}): {diff}; {why}')
+      raise ValueError(f'the tokenizer in use ({source}{where}) and the {name} tokenizer '
+                       f'({own}) differ, in that order: {diff}; {why}')
   return tokenizer
 
 

@@ -110,8 +110,10 @@ def _settings(config, mem, model, params):
       policy = make_policy(kind, budget, reuse_delay=delay)
       slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
       if slots < 1:
-        raise ValueError(f'budget {budget} (+ reuse_delay {delay}) needs more pages than the '
-                         f'pool has ({mem["num_pages"] - 1})')
+        raise ValueError(f'budget {budget} (+ reuse_delay {delay}) needs '
+                         f'{pages_needed(policy.slots, config.page_size)} pages a request, more '
+                         f'than the pool has ({mem["num_pages"] - 1} usable of num_pages='
+                         f'{mem["num_pages"]}: page 0 is the null page)')
       engine = EvictingEngine(model, params, policy=policy,
                               num_slots=min(config.num_requests, slots),
                               prefill_group=config.prefill_group, **shared, **extra)

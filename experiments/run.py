@@ -17,8 +17,9 @@ from ml_collections import config_flags
 
 import shutil
 
-from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_unknown_field,
-                                import_experiment, new_run_dir, parse_flags, warn_if_busy)
+from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
+                                exit_unknown_field, import_experiment, new_run_dir, parse_flags,
+                                warn_if_busy)
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -27,6 +28,8 @@ try:  # with the default config file, overrides are applied here, at definition
       lock_config=True)
 except (AttributeError, KeyError) as _error:
   exit_unknown_field(_error, sys.argv)
+except OSError as _error:   # an override of the default config, which could not be loaded
+  exit_config_error(_error)
 _WORKDIR = flags.DEFINE_string('workdir', 'runs', 'Root directory for results.')
 _TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-input error '
                                '(ValueError, FileNotFoundError, FloatingPointError: training '

@@ -35,8 +35,8 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
-from experiments.common import (DEFAULT_CONFIG, Results, exit_unknown_field, format_record,
-                                import_experiment, parse_flags, read_results)
+from experiments.common import (DEFAULT_CONFIG, Results, exit_config_error, exit_unknown_field,
+                                format_record, import_experiment, parse_flags, read_results)
 from jaxspec.parallel import distributed
 
 
@@ -254,7 +254,8 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
   outcome = SweepOutcome(sweep_dir, [ids[i] for i in picked], [], [], [], [], [])
   outcome.skipped = [ids[i] for i in picked if (sweep_dir / 'cases' / ids[i] / 'done').exists()]
   todo = [i for i in picked if ids[i] not in outcome.skipped]
-  print(f'sweep -> {sweep_dir}: {len(picked)} cases selected, {len(outcome.skipped)} done, '
+  print(f'sweep -> {sweep_dir}: {len(picked)} case{"s" * (len(picked) != 1)} selected, '
+        f'{len(outcome.skipped)} done, '
         f'{len(todo)} to run', flush=True)
   bar = tqdm(todo, total=len(picked), initial=len(outcome.skipped), unit='case',
              disable=not progress)
@@ -293,7 +294,8 @@ def _report(outcome: SweepOutcome, ids: list[str], experiment: str) -> None:
     print(f'report failed; redo with python -m experiments.report {path}\n'
           f'{outcome.report_error}', file=sys.stderr)
   failed = f': {", ".join(outcome.failed)}' if outcome.failed else ''
-  print(f'{len(outcome.ran)} cases ran, {len(outcome.failed)} failed{failed}; '
+  print(f'{len(outcome.ran)} case{"s" * (len(outcome.ran) != 1)} ran, '
+        f'{len(outcome.failed)} failed{failed}; '
         f'summary in {path.with_name("summary.md")}', flush=True)
 
 
@@ -305,6 +307,8 @@ def define_flags() -> None:
                                     lock_config=True)
   except (AttributeError, KeyError) as error:
     exit_unknown_field(error, sys.argv)
+  except OSError as error:   # an override of the default config, which could not be loaded
+    exit_config_error(error)
   flags.DEFINE_string('workdir', 'runs', 'Root directory; the sweep goes to WORKDIR/EXPERIMENT/.')
   flags.DEFINE_string('sweep_name', 'sweep', 'Sweep directory name; the same name resumes.')
   flags.DEFINE_multi_string('only', [], 'field=value: run only matching cases (repeatable).')

@@ -331,11 +331,13 @@ def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
 def test_the_default_run_outside_the_repository_root_says_where_to_run_it(tmp_path):
   root = pathlib.Path(__file__).resolve().parent.parent
   env = dict(os.environ, PYTHONPATH=str(root))      # importable, as after `pip install -e .`
-  proc = subprocess.run([sys.executable, '-m', 'experiments.run'], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode != 0
-  assert proc.stderr.strip().splitlines()[-1].endswith(
-      f'config paths are relative to the repository root, and {tmp_path} is not it'), proc.stderr
+  for args in (['experiments.run'], ['experiments.run', '--config.k=2'],   # an override: it was
+               ['experiments.sweep', '--config.k=2']):                     # a 52-line traceback
+    proc = subprocess.run([sys.executable, '-m', *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        f'config paths are relative to the repository root, and {tmp_path} is not it'), proc.stderr
 
 
 def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):

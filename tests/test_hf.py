@@ -137,14 +137,15 @@ def test_draft_tokenizer_that_differs_is_a_clear_error(tmp_path):
   (draft / 'tokenizer.json').write_text(json.dumps(vocab))
   config = ml_collections.ConfigDict(dict(target=str(FIXTURES / 'llama'), draft=str(draft),
                                           tokenizer=''))
-  with pytest.raises(ValueError, match=r'draft tokenizer .*differs from the tokenizer in use .*'
-                                       r'llama/tokenizer.json.*has id'):
+  with pytest.raises(ValueError, match=r'the tokenizer in use .*llama/tokenizer.json\) and the '
+                                       r'draft tokenizer .*differ.*has id'):
     load_pair(config)
   # The shipped target with a Hugging Face draft: different vocabularies, named.
   config.target = ''
   config.draft = str(FIXTURES / 'llama-draft')
-  with pytest.raises(ValueError, match=r'draft tokenizer .*differs .*vocabularies of 4096 and '
-                                       r'299 tokens'):
+  with pytest.raises(ValueError, match=r'in use .*assets/tokenizer.json\) and the draft '
+                                       r'tokenizer .*differ, in that order: vocabularies of 4096 '
+                                       r'and 299 tokens'):
     load_pair(config)
 
 
@@ -153,8 +154,10 @@ def test_hugging_face_target_left_with_the_shipped_draft_is_a_clear_error():
   from experiments.speculative import load_pair
   config = ml_collections.ConfigDict(dict(target=str(FIXTURES / 'llama'), draft='',
                                           tokenizer=''))
-  with pytest.raises(ValueError, match=r'draft tokenizer .*assets/tokenizer.json differs .*'
-                                       r'vocabularies of 299 and 4096 tokens.*the shipped draft '
+  with pytest.raises(ValueError, match=r'in use .*llama/tokenizer.json\) and the draft '
+                                       r'tokenizer .*assets/tokenizer.json\) differ, in that '
+                                       r'order: vocabularies of 299 and 4096 tokens.*'
+                                       r'the shipped draft '
                                        r'speaks the shipped tokenizer: give a draft .*'
                                        r'--config.draft'):
     load_pair(config)

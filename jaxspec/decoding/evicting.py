@@ -277,8 +277,8 @@ def _decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target
     xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
                                        k=k, sampling=sampling)
     verify = jnp.concatenate([pending[:, None], xs], axis=1)                  # [B, K+1]
-    positions = jnp.where(active[:, None], old_lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32),
-                          -1)                               # finished rows: padding, as above
+    offsets = jnp.arange(k + 1, dtype=jnp.int32)
+    positions = jnp.where(active[:, None], old_lengths[:, None] + offsets, -1)  # done: padding
     logits, target_cache, history = Transformer(target).apply(
         target_params, verify, positions, target_cache, eviction)
     window, n = accept(rng_accept, xs, qs, probabilities(logits, sampling))

@@ -25,9 +25,10 @@ def rejection_sample(rng, draft_tokens, q, p):
     draft_tokens: [B, K] int32 proposed tokens x_1..x_K; an id outside [0, V) (e.g. -1
       padding) is not a proposal either, whatever its q: rejected and drawn from p (indexing
       would have wrapped -1 round to V - 1 and could accept it).
-    q: [B, K, V] float32 (any float dtype is computed in float32), the exact distribution each x_i was drawn from; a position whose q is
-      all zeros is not a proposal: it is rejected and its token drawn from p (one-hot q is the
-      host-proposal case, e.g. prompt lookup: accept x with probability p(x)).
+    q: [B, K, V] float32 (any float dtype is computed in float32), the exact distribution each
+      x_i was drawn from; a position whose q is all zeros is not a proposal: it is rejected and
+      its token drawn from p (one-hot q is the host-proposal case, e.g. prompt lookup: accept x
+      with probability p(x)).
     p: [B, K+1, V] float32, the target's processed distribution at each of the K+1 positions.
   Returns:
     num_accepted: [B] int32 in [0, K], the length of the accepted prefix.

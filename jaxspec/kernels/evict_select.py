@@ -6,9 +6,10 @@ token, in order). For the token at position p:
 
 1. live = slots holding a token (key_pos >= 0). If there are `budget` or more, evict the live slot
    of lowest priority among the candidates: key_pos >= sinks and key_pos < p - window (ties: the
-   oldest position, so a decision does not depend on which slot a token landed in). Its position becomes -1 and it is free for tokens at positions
-   >= p + reuse_delay (a delay of K+1 keeps a verification round from overwriting a token a
-   rejected draft position evicted, so speculative decoding can roll eviction back).
+   oldest position, so a decision does not depend on which slot a token landed in). Its position
+   becomes -1 and it is free for tokens at positions >= p + reuse_delay (a delay of K+1 keeps a
+   verification round from overwriting a token a rejected draft position evicted, so speculative
+   decoding can roll eviction back).
 2. The new token takes the lowest-index free slot whose delay has passed; its position is set.
 
 Padding (p < 0) changes nothing and gets slot -1. The priority is the policy's (H2O: accumulated

@@ -124,7 +124,8 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f'{name} must be an integer array, got dtype {x.dtype}')
   for name, x, ndim in (('q', q, 4), ('k_pages', k_pages, 4), ('v_pages', v_pages, 4),
-                        ('page_table', page_table, 2), ('key_pos', key_pos, 2), ('q_pos', q_pos, 2)):
+                        ('page_table', page_table, 2), ('key_pos', key_pos, 2),
+                        ('q_pos', q_pos, 2)):
     if jnp.ndim(x) != ndim:
       raise ValueError(f'{name} must have {ndim} dimensions, got shape {jnp.shape(x)}')
   b, t, n, h = q.shape
