@@ -144,6 +144,22 @@ def test_a_save_cut_short_is_refused_until_saved_again(saved, monkeypatch):
     load_model(hf)
 
 
+def test_load_sharded_names_a_missing_tensor_file_and_a_missing_params_directory(saved):
+  # Were a 400-character tensorstore repr naming no tensor, and "'NoneType' object has no
+  # attribute 'tree'".
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  path, _, _ = saved
+  max(path.glob('params/ocdbt.process_0/d/*'), key=lambda f: f.stat().st_size).unlink()
+  with pytest.raises(CheckpointError,
+                     match=r'cannot read the checkpoint at .*\(tensor params\.\S+\)$'):
+    load_sharded(path, make_mesh(1, 1))
+  shutil.rmtree(path / 'params')
+  with pytest.raises(CheckpointError, match=r'params is missing'):
+    load_sharded(path, make_mesh(1, 1))
+  with pytest.raises(CheckpointError, match=r'no model directory at .*nowhere'):
+    load_sharded(path / 'nowhere', make_mesh(1, 1))
+
+
 def test_shipped_models_carry_checksums():
   for name in ('target', 'draft'):
     sums = json.loads((shipped(name) / 'checksums.json').read_text())['sha256']

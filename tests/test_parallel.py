@@ -103,7 +103,17 @@ def test_distributed_settings_come_from_config_then_environment():
 
 
 @pytest.mark.parametrize('config, message', [
-    (dict(num_processes=2), r'num_processes=2 needs a coordinator_address'),
+    (dict(num_processes=2, process_id=1), r'num_processes=2 needs a coordinator_address'),
+    (dict(coordinator_address='h:1', num_processes=2),        # every process was process 0
+     r"num_processes=2 needs each process's index: set distributed.process_id or "
+     r'\$JAX_PROCESS_ID'),
+    (dict(coordinator_address='h:1', num_processes=2.7, process_id=0),
+     r'distributed.num_processes must be an int, got 2.7'),
+    (dict(coordinator_address='h:1', num_processes=True, process_id=0), r'got True'),
+    (dict(coordinator_address='h:1', num_processes=2, process_id=-5),
+     r'process_id must be >= 0, or -1 for \$JAX_PROCESS_ID, got -5'),
+    (dict(coordinator_address='localhost', num_processes=2, process_id=0),
+     r"coordinator_address must be host:port \(an integer port\) or 'auto', got 'localhost'"),
     (dict(coordinator_address='h:1', num_processes=2, process_id=2),
      r'process_id=2 outside \[0, num_processes=2\)'),
     (dict(coordinator_address='h:1', num_processes='two'),
@@ -112,6 +122,25 @@ def test_distributed_settings_come_from_config_then_environment():
 def test_bad_distributed_settings_are_named(config, message):
   with pytest.raises(ValueError, match=message):
     distributed.settings(config, {})
+
+
+def test_a_process_count_without_ids_is_refused_for_sweep_shards_too():
+  # Sweeps read only the index and count: both processes took shard 0 of 2 before.
+  with pytest.raises(ValueError, match="needs each process's index"):
+    distributed.settings(None, {'JAX_NUM_PROCESSES': '2'}, need_coordinator=False)
+  with pytest.raises(ValueError, match=r"\$JAX_PROCESS_ID must be an int, got 'x'"):
+    distributed.settings(None, {'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': 'x'},
+                         need_coordinator=False)
+  auto = distributed.settings(dict(coordinator_address='auto'), {'JAX_NUM_PROCESSES': '2'})
+  assert auto == distributed.DistributedSettings('auto', 2, 0)     # the cluster assigns ids
+
+
+def test_make_mesh_refuses_no_devices_and_a_device_twice():
+  with pytest.raises(ValueError, match='empty device list'):     # was an IndexError
+    make_mesh(1, 1, devices=[])
+  device = jax.devices()[0]
+  with pytest.raises(ValueError, match='a device more than once'):
+    make_mesh(2, 1, devices=[device, device])
 
 
 def test_single_process_initialize_starts_no_runtime():
@@ -123,7 +152,8 @@ def test_joining_a_multi_process_run_says_which_before_it_waits(monkeypatch, cap
   joined = []
   monkeypatch.setattr(jax.distributed, 'initialize',
                       lambda *args, **kwargs: joined.append((args, kwargs)))
-  env = {'JAX_COORDINATOR_ADDRESS': 'localhost:9876', 'JAX_NUM_PROCESSES': '2'}
+  env = {'JAX_COORDINATOR_ADDRESS': 'localhost:9876', 'JAX_NUM_PROCESSES': '2',
+         'JAX_PROCESS_ID': '0'}
   assert distributed.initialize(None, env).enabled
   assert joined == [(('localhost:9876', 2, 0), {'initialization_timeout': 300})]
   err = capsys.readouterr().err

@@ -112,6 +112,28 @@ def check_complete(path: pathlib.Path) -> None:
                           f'saves: save the model again')
 
 
+def read_config(path: pathlib.Path) -> ModelConfig:
+  """The ModelConfig of `save_model` directory `path` (an existing directory whose save
+  finished), once its params/ directory is known to be there.
+
+  Raises:
+    CheckpointError: config.json missing or not a valid ModelConfig, or params/ missing (named).
+  """
+  fields = None
+  try:
+    fields = json.loads((path / 'config.json').read_text())
+    config = ModelConfig(**fields)
+  except FileNotFoundError as e:
+    raise CheckpointError(f'{path / "config.json"} is missing') from e
+  except (OSError, TypeError, ValueError) as e:    # JSONDecodeError, UnicodeDecodeError too
+    hint = (" (a Hugging Face config.json? it names no 'architectures' or 'model_type')"
+            if isinstance(fields, dict) and 'hidden_size' in fields else '')
+    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}{hint}') from e
+  if not (path / 'params').is_dir():
+    raise CheckpointError(f'{path / "params"} is missing')
+  return config
+
+
 def check_fits(name: str, x, dtype, fix: Optional[str] = None) -> None:
   """Whether tensor `x` (any shape; a numpy or jax array) can be cast to `dtype` without its
   finite values becoming inf (float16's max is 65504). A cast within the same exponent range
@@ -191,19 +213,8 @@ def load_model(path, dtype: str = 'float32'):
   from jaxspec.models import hf  # imports this module
   if hf.is_pretrained(path):
     return hf.load_pretrained(path, dtype)
-  fields = None
-  try:
-    fields = json.loads((path / 'config.json').read_text())
-    config = ModelConfig(**fields)
-  except FileNotFoundError as e:
-    raise CheckpointError(f'{path / "config.json"} is missing') from e
-  except (OSError, TypeError, ValueError) as e:    # JSONDecodeError, UnicodeDecodeError too
-    hint = (" (a Hugging Face config.json? it names no 'architectures' or 'model_type')"
-            if isinstance(fields, dict) and 'hidden_size' in fields else '')
-    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}{hint}') from e
+  config = read_config(path)
   expected = param_shapes(config)
-  if not (path / 'params').is_dir():
-    raise CheckpointError(f'{path / "params"} is missing')
   try:
     with ocp.StandardCheckpointer() as ckptr:
       restored = ckptr.restore(path / 'params')
@@ -251,8 +262,17 @@ def _check_tree(expected, restored, where: str) -> None:
 
 def orbax_reason(error: Exception, limit: int = 400) -> str:
   """The readable part of an error orbax / tensorstore raised on a damaged checkpoint: without
-  the tensorstore spec it appends (~800 characters of JSON), cut to `limit` characters."""
-  text = re.sub(r'\s*\[tensorstore_spec=.*?\]\s*$', '', str(error), flags=re.S).strip()
+  the tensorstore spec it appends (~800 characters of JSON, or a `See full TensorStore details:
+  <bound method ...>` repr, from which only the array's key is kept), cut to `limit`
+  characters."""
+  full = str(error)
+  text = re.sub(r'\s*\[tensorstore_spec=.*?\]\s*$', '', full, flags=re.S).strip()
+  text, details, _ = text.partition('See full TensorStore details')
+  text = text.strip()
+  # The spec's paths: the file store's directory (absolute), then the array's key inside it.
+  keys = [k for k in re.findall(r"'path': '([^']+)'", full) if not k.startswith('/')]
+  if details and keys:
+    text += f' (tensor {keys[-1].rstrip("/")})'
   return text if len(text) <= limit else text[:limit - 3] + '...'
 
 

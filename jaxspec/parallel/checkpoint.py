@@ -4,7 +4,6 @@ never exists whole anywhere."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
@@ -13,11 +12,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxspec.models import ModelConfig, hf, param_shapes
+from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
                                        check_complete, floating_dtype, orbax_reason,
-                                       verify_checksums)
+                                       read_config, verify_checksums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -45,18 +44,15 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   """
   floating_dtype(dtype)
   path = pathlib.Path(path).absolute()
+  if not path.is_dir():
+    raise CheckpointError(f'no model directory at {path}')
   if hf.is_pretrained(path):
     raise CheckpointError(f'{path} is a Hugging Face model directory; load_sharded reads '
                           f'save_model directories only: load it with '
                           f'jaxspec.models.hf.load_pretrained and place it with '
                           f'jaxspec.parallel.shard_params (it is read whole on the host first)')
   check_complete(path)
-  try:
-    config = ModelConfig(**json.loads((path / 'config.json').read_text()))
-  except FileNotFoundError as e:
-    raise CheckpointError(f'{path / "config.json"} is missing') from e
-  except (OSError, json.JSONDecodeError, TypeError, ValueError) as e:
-    raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}') from e
+  config = read_config(path)
   shapes = param_shapes(config)
   if replicate:
     shardings = jax.tree.map(lambda _: NamedSharding(mesh, specs.REPLICATED), shapes)

@@ -43,11 +43,17 @@ class DistributedSettings:
     return self.num_processes > 1 or self.coordinator_address == 'auto'
 
 
-def _int(value, name: str) -> int:
-  try:
-    return int(value)
-  except (TypeError, ValueError):
-    raise ValueError(f'distributed.{name} must be an int, got {value!r}') from None
+def _int(value, name: str, source: str) -> int:
+  """An int from a config field (int only: 2.7 or True is not a count) or an environment
+  variable (its decimal text)."""
+  if isinstance(value, str):
+    try:
+      return int(value.strip())
+    except ValueError:
+      pass
+  elif isinstance(value, int) and not isinstance(value, bool):
+    return value
+  raise ValueError(f'{source} must be an int, got {value!r}') from None
 
 
 def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
@@ -62,23 +68,45 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
     need_coordinator: False when only the process index and count matter (sweeps that split
       independent cases without starting the distributed runtime).
   Raises:
-    ValueError: a non-integer count or id, num_processes < 1, a process id outside
-      [0, num_processes), or several processes without a coordinator address.
+    ValueError: a count or id that is not an int (a float or bool in the config, text that is
+      not a decimal in the environment), num_processes < 1, a process id outside [0,
+      num_processes) (or below -1 in the config), several processes but no process id in the
+      config or $JAX_PROCESS_ID (every process would be process 0: a join that hangs, a sweep
+      whose shards all run shard 0), several processes without a coordinator address, or an
+      address that is not 'auto' or host:port with an integer port.
   """
   environ = os.environ if environ is None else environ
   config = dict(config or {})
   address = str(config.get('coordinator_address') or environ.get(ENV['coordinator_address'], ''))
-  n = _int(config.get('num_processes') or environ.get(ENV['num_processes'], 1), 'num_processes')
-  pid = config.get('process_id', -1)
-  pid = _int(environ.get(ENV['process_id'], 0) if pid is None or int(pid) < 0 else pid,
-             'process_id')
+  address = address.strip()
+  count = config.get('num_processes')
+  n = (_int(count, 'num_processes', 'distributed.num_processes') if count not in (None, 0) else
+       _int(environ.get(ENV['num_processes'], '1'), 'num_processes', f'${ENV["num_processes"]}'))
+  pid = config.get('process_id')
+  pid = -1 if pid is None else _int(pid, 'process_id', 'distributed.process_id')
+  if pid < -1:
+    raise ValueError(f'distributed.process_id must be >= 0, or -1 for ${ENV["process_id"]}, '
+                     f'got {pid}')
   if n < 1:
     raise ValueError(f'distributed.num_processes must be >= 1, got {n}')
+  if pid == -1:
+    if ENV['process_id'] in environ:
+      pid = _int(environ[ENV['process_id']], 'process_id', f'${ENV["process_id"]}')
+    elif n > 1 and address != 'auto':
+      raise ValueError(f'distributed.num_processes={n} needs each process\'s index: set '
+                       f'distributed.process_id or ${ENV["process_id"]} (without it every '
+                       f'process would be process 0)')
+    else:
+      pid = 0
   if not 0 <= pid < n:
     raise ValueError(f'distributed.process_id={pid} outside [0, num_processes={n})')
   if n > 1 and not address and need_coordinator:
     raise ValueError(f'distributed.num_processes={n} needs a coordinator_address (host:port of '
                      f'process 0), as a config field or ${ENV["coordinator_address"]}')
+  host, _, port = address.rpartition(':')
+  if address and address != 'auto' and not (host and port.isdigit()):
+    raise ValueError(f'distributed.coordinator_address must be host:port (an integer port) or '
+                     f"'auto', got {address!r}")
   return DistributedSettings(address, n, pid)
 
 

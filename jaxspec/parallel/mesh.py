@@ -29,10 +29,15 @@ def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None)
   Returns:
     jax.sharding.Mesh of shape (data, model).
   Raises:
-    ValueError: a size < 1, or data * model != the number of devices (the message names both).
+    ValueError: a size < 1, no devices or one listed twice, or data * model != the number of
+      devices (the message names both).
   """
   data, model = check_int('mesh.data', data, 1), check_int('mesh.model', model, 1)
   devices = list(jax.devices() if devices is None else devices)
+  if not devices:
+    raise ValueError('make_mesh got an empty device list')
+  if len(set(devices)) != len(devices):
+    raise ValueError(f'make_mesh got a device more than once: {devices}')
   if data * model != len(devices):
     raise ValueError(f'a mesh of data={data} x model={model} = {data * model} devices does not '
                      f'match the {len(devices)} devices available ({devices[0].platform}); '
