@@ -28,6 +28,7 @@ import numpy as np
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.data import WORKLOADS, Tokenizer
 from jaxspec.models import cache_for, is_pretrained, load_model, shipped
+from jaxspec.parallel import load_sharded
 from jaxspec.models.checkpoint import ASSETS, CheckpointError
 
 
@@ -405,13 +406,22 @@ def parse_workloads(config) -> list[str]:
   return comma_list(config, 'workloads', WORKLOADS, what='workload')
 
 
-def load_at_dtype(path, config) -> tuple:
+def load_at_dtype(path, config, mesh=None, *, replicate: bool = False) -> tuple:
   """(ModelConfig, params) of the model directory `path` at `config.dtype` (float32 when the
   config has no dtype field): params cast and the ModelConfig's activations dtype set to match.
 
-  Raises CheckpointError / ValueError (`load_model`): missing, corrupt, or a bad dtype."""
+  With a `mesh` (`jaxspec.parallel.mesh_of`), a `save_model` directory is read straight into
+  its placement (`jaxspec.parallel.load_sharded`: split by the target's rules, or replicated
+  with `replicate=True`), so a target larger than one device is never whole on one; a Hugging
+  Face directory is read whole (`load_model`) and placed later.
+
+  Raises CheckpointError / ValueError (`load_model`, `load_sharded`): missing, corrupt, a bad
+  dtype, or a target the mesh's model axis does not divide."""
   dtype = str(config.get('dtype', 'float32'))
-  model, params = load_model(path, dtype)
+  if mesh is not None and not is_pretrained(path):
+    model, params = load_sharded(path, mesh, replicate=replicate, dtype=dtype)
+  else:
+    model, params = load_model(path, dtype)
   return dataclasses.replace(model, dtype=dtype), params
 
 

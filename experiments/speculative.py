@@ -15,14 +15,16 @@ from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
 from jaxspec.models import shipped, truncate_vocab
-from jaxspec.parallel import place_pair
+from jaxspec.parallel import mesh_of, place_pair
 
 
 def load_pair(config):
   """(target_config, target_params, draft_config, draft_params, tokenizer) from the config's
   paths, the shipped ones where a path is ''. A path may be one of our model directories or a
   Hugging Face checkpoint directory (config.json + *.safetensors). `config.exact_verify` and
-  `config.dtype` (if present) set both models' numerics mode and dtype.
+  `config.dtype` (if present) set both models' numerics mode and dtype. With `config.mesh`
+  naming more than one device (or several processes), our model directories are read straight
+  into their placement on the mesh (`experiments.common.load_at_dtype`).
 
   The tokenizer is `config.tokenizer` if given, else the target's tokenizer.json when the target
   is a Hugging Face directory, else the shipped one. Draft and target must share one vocabulary:
@@ -37,8 +39,9 @@ def load_pair(config):
   target_path = config.target or shipped('target')
   draft_path = config.draft or shipped('draft')
   tokenizer = load_tokenizer(config.tokenizer, target_path, draft_path)   # cheap: checked first
-  target_cfg, target_params = load_at_dtype(target_path, config)
-  draft_cfg, draft_params = load_at_dtype(draft_path, config)
+  mesh = mesh_of(config.get('mesh'))    # None: one device; else read straight into the placement
+  target_cfg, target_params = load_at_dtype(target_path, config, mesh)
+  draft_cfg, draft_params = load_at_dtype(draft_path, config, mesh, replicate=True)
   for name, cfg in (('target', target_cfg), ('draft', draft_cfg)):
     if cfg.vocab_size < tokenizer.vocab_size:
       raise ValueError(f'{name} vocabulary ({cfg.vocab_size}) is smaller than the tokenizer '

@@ -231,7 +231,36 @@ def main():
   # The shipped target's shape fits a model axis of 2 (6 query / 2 KV heads, d_ff 1024).
   out['shipped_model_2'] = error(lambda: ShardedSteps(make_mesh(1, 2, jax.devices()[:2])).new_cache(
       shipped_shape, table, alloc.num_pages, PAGE))
+  out.update(experiment_placement())
   print('RESULT ' + json.dumps(out))
+
+
+def experiment_placement():
+  """The speculative experiment on a 4 x 2 mesh reads the shipped pair straight into its
+  placement (load_sharded), never whole through load_model, and place_pair keeps it there."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from experiments import common, speculative  # pylint: disable=import-outside-toplevel
+  from jaxspec.parallel import place_pair  # pylint: disable=import-outside-toplevel
+
+  def whole(*args, **kwargs):
+    raise AssertionError(f'load_model{args} read a model whole on one device')
+  common.load_model = whole
+  config = ml_collections.ConfigDict(dict(target='', draft='', tokenizer='', dtype='float32',
+                                          mesh=dict(data=4, model=2)))
+  target, tparams, _, dparams, _ = speculative.load_pair(config)
+  q = tparams['params']['layer_0']['attn']['q']['kernel']
+  _, placed_t, placed_d = place_pair(config.mesh, target, tparams, dparams)
+  from jaxspec.models.shard_sums import tensor_sums  # pylint: disable=import-outside-toplevel
+  host = jax.tree.map(np.asarray, tparams)
+  return dict(
+      sums_split_independent=tensor_sums(tparams) == tensor_sums(host),
+      experiment_q_shard=list(q.addressable_shards[0].data.shape), experiment_q=list(q.shape),
+      experiment_draft_replicated=all(x.sharding.is_fully_replicated
+                                      for x in jax.tree.leaves(dparams)),
+      experiment_placement_kept=all(a is b for a, b in zip(jax.tree.leaves(placed_t) +
+                                                           jax.tree.leaves(placed_d),
+                                                           jax.tree.leaves(tparams) +
+                                                           jax.tree.leaves(dparams))))
 
 
 if __name__ == '__main__':

@@ -86,6 +86,30 @@ def test_a_flipped_byte_in_the_tensor_data_is_refused(saved):
     load_model(path)
 
 
+def test_split_independent_sums_catch_the_flipped_byte_too(saved):
+  # Across processes (load_sharded), where no tensor is whole anywhere, the sums are the check.
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from jaxspec.models.checkpoint import verify_sums  # pylint: disable=import-outside-toplevel
+  from jaxspec.models.shard_sums import tensor_sums  # pylint: disable=import-outside-toplevel
+  path, _, params = saved
+  with ocp.StandardCheckpointer() as ckptr:
+    assert verify_sums(path / 'checksums.json', ckptr.restore(path / 'params'))
+    data = _largest_data_file(path)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r'tensor params/\S+ does not match its sum in '
+                                              r'checksums.json \(1 of'):
+      verify_sums(path / 'checksums.json', ckptr.restore(path / 'params'))
+  w = np.asarray(params['params']['layer_0']['mlp']['down']['kernel'])
+  swapped = w.copy()
+  swapped[[0, 1]] = swapped[[1, 0]]                     # two rows swapped: the sum moves too
+  assert tensor_sums({'w': w}) != tensor_sums({'w': swapped})
+  assert tensor_sums({'w': w.astype(jnp.bfloat16)}) != tensor_sums({'w': w})
+  (path / 'checksums.json').write_text('{"sha256": {}, "dtype": {}}')   # written before sums
+  assert not verify_sums(path / 'checksums.json', params)
+
+
 def test_a_checksum_mismatch_names_the_tensor(saved):
   path, _, _ = saved
   sums = json.loads((path / 'checksums.json').read_text())

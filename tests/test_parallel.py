@@ -188,6 +188,14 @@ def worker(smoke_runs):  # pylint: disable=unused-argument  (started first: both
 def test_worker_has_8_devices_and_each_holds_a_slice_of_the_target(worker):
   assert worker['devices'] == 8
   assert worker['q_shape'] == [32, 64] and worker['q_shard_shape'] == [32, 16]  # heads / 4
+
+
+def test_the_experiment_reads_the_target_into_its_slices_on_a_mesh(worker):
+  # It read the whole target onto device 0 (load_model) and split it afterwards.
+  q, shard = worker['experiment_q'], worker['experiment_q_shard']
+  assert shard == [q[0], q[1] // 2]                                    # model axis of 2
+  assert worker['experiment_draft_replicated'] and worker['experiment_placement_kept']
+  assert worker['sums_split_independent']       # the checkpoint sums, shard by shard or whole
   assert worker['draft_shard_shape'] == [32, 64]                                 # replicated
 
 

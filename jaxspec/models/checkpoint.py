@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Transformer
+from jaxspec.models.shard_sums import tensor_sums
 
 
 class CheckpointError(ValueError):
@@ -303,13 +304,14 @@ def _digests(leaves: dict) -> dict:
 
 
 def write_checksums(file, tree) -> None:
-  """Write `tensor_checksums(tree)` and each leaf's dtype to `file` as JSON (through a temporary
-  file and a rename, so the file is whole or absent)."""
+  """Write `tensor_checksums(tree)`, each leaf's dtype and its split-independent sum
+  (`shard_sums.tensor_sums`, float leaves) to `file` as JSON (through a temporary file and a
+  rename, so the file is whole or absent)."""
   file = pathlib.Path(file)
   leaves = _leaves(tree)
   dtypes = {name: array.dtype.name for name, array in leaves.items()}
-  text = json.dumps({'sha256': _digests(leaves), 'dtype': dtypes}, indent=1,
-                    sort_keys=True) + '\n'
+  text = json.dumps({'sha256': _digests(leaves), 'dtype': dtypes, 'sum32': tensor_sums(tree)},
+                    indent=1, sort_keys=True) + '\n'
   partial = file.with_name(file.name + '.partial')
   partial.write_text(text)
   os.replace(partial, file)
@@ -352,6 +354,36 @@ def verify_checksums(file, tree) -> None:
     raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its checksum in '
                           f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
                           f'is damaged; write it again (or restore it from a copy)')
+
+
+def verify_sums(file, tree) -> bool:
+  """Check each float leaf of `tree` (as restored: the stored dtype; sharded arrays too, across
+  processes) against the split-independent sums `write_checksums` put in `file`.
+
+  Returns:
+    False when there is nothing to check against (no `file`, or one written before the sums
+    existed); True when every listed tensor matched.
+  Raises:
+    CheckpointError: `file` unreadable or malformed, or a tensor whose sum differs (named).
+  """
+  file = pathlib.Path(file)
+  if not file.exists():
+    return False
+  try:
+    want = json.loads(file.read_text()).get('sum32')
+    if want is not None and not isinstance(want, dict):
+      raise ValueError("'sum32' must be an object")
+  except (OSError, ValueError, AttributeError) as e:   # JSONDecodeError, UnicodeDecodeError
+    raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
+  if want is None:
+    return False
+  got = tensor_sums(tree)
+  bad = [name for name in got if name in want and got[name] != want[name]]
+  if bad:
+    raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its sum in '
+                          f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
+                          f'is damaged; write it again (or restore it from a copy)')
+  return True
 
 
 ASSETS = pathlib.Path(__file__).resolve().parent.parent / 'assets'

@@ -5,6 +5,7 @@ never exists whole anywhere."""
 from __future__ import annotations
 
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
                                        check_complete, floating_dtype, orbax_reason,
-                                       read_config, verify_checksums)
+                                       read_config, verify_checksums, verify_sums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -36,9 +37,10 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
       directory that did not finish; weights outside float16's range when loading in float16
       (named, checked in the shards a process holds); a Hugging Face
       directory (named, with the way to shard one); a tensor whose shape
-      differs from what the config implies, or (in one process, where every tensor is whole
-      here) whose bytes differ from its checksum in checksums.json (named). Across processes
-      the checksums are not checked: no process holds the tensors whole.
+      differs from what the config implies, or whose bytes differ from checksums.json (named):
+      its SHA-256 in one process, where every tensor is whole here; across processes, where no
+      process holds a tensor whole, its split-independent sum (`jaxspec.models.shard_sums`; a
+      checksums.json written before the sums existed warns that nothing was checked).
     ValueError: the mesh's model axis does not divide the target's heads / d_ff / vocabulary;
       a dtype that is not a floating-point dtype (named).
   """
@@ -63,11 +65,12 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree
       _check_tree(shapes, stored, f'checkpoint {path}')
-      # Where the checksums can be checked (one process: every tensor whole here), restored in
-      # the stored dtype, checked, then cast; else straight into `dtype` (no second copy).
-      # A cast to a narrower range (float16) is checked too, shard by shard, so those tensors
-      # are restored in the stored dtype whatever the checksums.
-      verify = jax.process_count() == 1 and (path / CHECKSUMS).exists()
+      # With checksums, restored in the stored dtype, checked (in one process, where every
+      # tensor is whole here, by SHA-256; across processes by the split-independent sums), then
+      # cast; else straight into `dtype` (no second copy). A cast to a narrower range (float16)
+      # is checked too, shard by shard, so those tensors are restored in the stored dtype
+      # whatever the checksums.
+      verify = (path / CHECKSUMS).exists()
       narrows = lambda meta: (jnp.issubdtype(meta.dtype, jnp.floating) and
                               jnp.finfo(dtype).maxexp < jnp.finfo(meta.dtype).maxexp)
       as_dtype = lambda meta: meta.dtype if verify or narrows(meta) else jnp.dtype(dtype)
@@ -80,10 +83,13 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
-  if verify:
-    verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params))
-  elif jax.process_count() == 1:
-    verify_checksums(path / CHECKSUMS, params)       # absent: warns that nothing was checked
+  if jax.process_count() == 1:
+    # Absent, it warns that nothing was checked.
+    verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params) if verify else params)
+  elif not verify_sums(path / CHECKSUMS, params):
+    warnings.warn(f'{path} has no {CHECKSUMS} with split-independent sums (written before they '
+                  f'existed): across processes its tensors are loaded unverified; save it again '
+                  f'to add them', stacklevel=2)
   _check_all_fit(params, dtype, f'checkpoint {path}')
   if any(x.dtype != jnp.dtype(dtype) for x in jax.tree.leaves(params)):
     params = jax.jit(lambda t: jax.tree.map(lambda x: x.astype(dtype), t),

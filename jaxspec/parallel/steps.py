@@ -34,8 +34,15 @@ def put(x, sharding: NamedSharding):
   (works across processes: each takes only the slices of its own devices).
 
   Args:
-    x: numpy-convertible array (or a jax.Array, fetched to host first).
+    x: numpy-convertible array, or a jax.Array: returned as it is when already placed with
+      `sharding` (e.g. by `load_sharded`), moved by `jax.device_put` when it spans processes,
+      else fetched to host first.
   """
+  if isinstance(x, jax.Array):
+    if x.sharding.is_equivalent_to(sharding, x.ndim):
+      return x
+    if not x.is_fully_addressable:             # no process can fetch it whole
+      return jax.device_put(x, sharding)
   x = np.asarray(x)
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
