@@ -10,16 +10,17 @@ JAX_PROCESS_ID) every process runs the experiment as one program and process 0 a
 results.
 """
 
+import os
+import shutil
 import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-import shutil
-
 from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
                                 exit_unknown_field, import_experiment, new_run_dir, parse_flags,
                                 warn_if_busy)
+from jaxspec.checks import nearest_existing
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -36,12 +37,25 @@ _TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-
                                'diverged; default: one FATAL line naming the bad value).')
 
 
+def check_workdir(workdir) -> None:
+  """ValueError unless run directories can be made under `workdir`: the nearest existing
+  directory on its path is a writable directory."""
+  start = nearest_existing(workdir)
+  if not start.is_dir() or not os.access(start, os.W_OK | os.X_OK):
+    raise ValueError(f'cannot make a run directory under --workdir={workdir}: {start} is '
+                     f'{"not a directory" if not start.is_dir() else "not writable"}')
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.WARNING)  # orbax logs every read at INFO
   config = _CONFIG.value
   try:
+    if distributed.settings(config.get('distributed')).process_id == 0:
+      # Process 0 writes the results: a workdir it cannot use ends the run before it joins
+      # (after, the others failed half a minute later with an error about the checkpoint).
+      check_workdir(_WORKDIR.value)
     # Before any device is touched; with 1 process a no-op.
     distributed.initialize(config.get('distributed'))
     module = import_experiment(config.experiment)

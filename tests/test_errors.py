@@ -340,6 +340,22 @@ def test_the_default_run_outside_the_repository_root_says_where_to_run_it(tmp_pa
         f'config paths are relative to the repository root, and {tmp_path} is not it'), proc.stderr
 
 
+def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_path):
+  # It joined first and failed after; the other processes then failed half a minute later with
+  # an error about the checkpoint (a collective that process 0 never entered).
+  blocked = tmp_path / 'file'
+  blocked.write_text('')
+  env = dict(os.environ, JAX_NUM_PROCESSES='2', JAX_PROCESS_ID='0',
+             JAX_COORDINATOR_ADDRESS='localhost:9')
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run',
+                         '--config=configs/speculative.py:smoke', f'--workdir={blocked}/runs'],
+                        cwd=ROOT_DIR, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and 'joining' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f'FATAL: cannot make a run directory under --workdir={blocked}/runs: {blocked} is not a '
+      f'directory')
+
+
 def test_stop_ids_from_a_generator_or_a_jax_array_are_kept(tiny):
   # A one-shot iterable was read twice (checked, then tabled) and left an empty stop table.
   import jax.numpy as jnp

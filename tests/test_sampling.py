@@ -185,3 +185,9 @@ def test_a_top_k_past_int32_keeps_every_token():
   assert int(rows.top_k[0]) == 2 ** 31 - 1
   np.testing.assert_allclose(probabilities(logits, rows),
                              probabilities(logits, SamplingParams(temperature=1.0)), rtol=1e-6)
+
+
+@pytest.mark.parametrize('params', [None, {'temperature': 1.0}])
+def test_probabilities_names_params_of_another_type(params):
+  with pytest.raises(ValueError, match='params must be a SamplingParams or a RowSampling, got'):
+    probabilities(jnp.zeros((1, 4)), params)       # was: no attribute 'greedy'

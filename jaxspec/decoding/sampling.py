@@ -150,7 +150,11 @@ def probabilities(logits, params, mask=None):
       (`TokenConstraint.allowed` raises `ConstraintError`).
   Returns:
     [..., V] float32 probabilities; one-hot at the argmax (lowest index on ties) when greedy.
+  Raises:
+    ValueError: params neither a SamplingParams nor a RowSampling (named).
   """
+  if not isinstance(params, (SamplingParams, RowSampling)):
+    raise ValueError(f'params must be a SamplingParams or a RowSampling, got {params!r}')
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]
   if mask is not None:
