@@ -2,6 +2,7 @@
 device), sharded steps on 8 simulated CPU devices (tests/parallel_worker.py in a subprocess), and
 two processes on localhost through jax.distributed (gloo collectives)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -20,7 +21,7 @@ from experiments.sweep import run_sweep
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import PRESETS, ModelConfig, param_shapes
 from jaxspec.parallel import (MODEL, check_model_fits, distributed, make_mesh, param_specs,
-                              place_pair)
+                              place_pair, shard_params)
 
 TESTS = pathlib.Path(__file__).parent
 ROOT = TESTS.parent
@@ -133,6 +134,18 @@ def test_a_process_count_without_ids_is_refused_for_sweep_shards_too():
                          need_coordinator=False)
   auto = distributed.settings(dict(coordinator_address='auto'), {'JAX_NUM_PROCESSES': '2'})
   assert auto == distributed.DistributedSettings('auto', 2, 0)     # the cluster assigns ids
+
+
+def test_tied_embeddings_need_no_vocabulary_the_model_axis_divides():
+  tied = ModelConfig(vocab_size=97, d_model=16, num_layers=1, num_heads=2, num_kv_heads=2,
+                     head_dim=8, d_ff=32, tie_embeddings=True)
+  check_model_fits(tied, 2)                           # the embedding is replicated, no lm_head
+  with pytest.raises(ValueError, match='does not divide vocab_size=97'):
+    check_model_fits(dataclasses.replace(tied, tie_embeddings=False), 2)
+  with pytest.raises(ValueError, match=r"mesh fields are data and model, got \['modle'\]"):
+    place_pair({'modle': 2}, tied, {}, {})            # a misspelt key ran on one device
+  with pytest.raises(ValueError, match='splits a target by its ModelConfig, got config=None'):
+    shard_params({}, None, make_mesh(1, 1))
 
 
 def test_make_mesh_refuses_no_devices_and_a_device_twice():

@@ -49,13 +49,15 @@ def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None)
 
 def check_model_fits(config: ModelConfig, model: int) -> None:
   """The target can be split `model` ways: heads, KV heads, MLP hidden units and the output
-  vocabulary must all be multiples of the 'model' axis.
+  vocabulary (of an untied lm_head; tied, the embedding is replicated) must all be multiples of
+  the 'model' axis.
 
   Raises:
     ValueError: naming every size that the axis does not divide.
   """
   sizes = (('num_heads', config.num_heads), ('num_kv_heads', config.num_kv_heads),
-           ('d_ff', config.d_ff), ('vocab_size', config.vocab_size))
+           ('d_ff', config.d_ff)) + (() if config.tie_embeddings else   # no lm_head to split
+                                     (('vocab_size', config.vocab_size),))
   bad = [f'{name}={value}' for name, value in sizes if value % model]
   if bad:
     raise ValueError(f'mesh.model={model} does not divide {", ".join(bad)} of the target '

@@ -19,10 +19,13 @@ def mesh_of(mesh_config) -> Optional[Mesh]:
   single process (the single-device path), else a mesh over every device of every process.
 
   Raises:
-    ValueError: mesh sizes that are not ints >= 1 (named), or a mesh that does not match the
-      devices.
+    ValueError: a field other than data and model, mesh sizes that are not ints >= 1 (named), or
+      a mesh that does not match the devices.
   """
   mesh_config = dict(mesh_config or {})
+  unknown = sorted(set(mesh_config) - {'data', 'model'})
+  if unknown:
+    raise ValueError(f'mesh fields are data and model, got {unknown}')
   data = check_int('mesh.data', mesh_config.get('data', 1), 1)
   model = check_int('mesh.model', mesh_config.get('model', 1), 1)
   if data * model == 1 and jax.process_count() == 1:

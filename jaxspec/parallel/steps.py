@@ -53,10 +53,14 @@ def shard_params(params, config: ModelConfig, mesh: Mesh, *, replicate: bool = F
   so no device ever holds the whole tensor of a split parameter.
 
   Raises:
-    ValueError: the mesh's 'model' axis does not divide the heads / d_ff / vocabulary (named).
+    ValueError: config not a ModelConfig for a target (replicate=False), or the mesh's 'model'
+      axis does not divide the heads / d_ff / vocabulary (named).
   """
   if replicate:
     return jax.tree.map(lambda x: put(x, NamedSharding(mesh, specs.REPLICATED)), params)
+  if not isinstance(config, ModelConfig):
+    raise ValueError(f'shard_params splits a target by its ModelConfig, got config={config!r} '
+                     f'(a draft is replicated: replicate=True)')
   check_model_fits(config, mesh.shape[MODEL])
   shardings = specs.named(mesh, specs.param_specs(params))
   return jax.tree.map(put, params, shardings)
@@ -74,7 +78,8 @@ class ShardedSteps:
 
   def __init__(self, mesh: Mesh):
     self.mesh = mesh
-    self._empty_cache_keys = set()
+    self._empty_caches = {}      # (shape, dtype, draft) -> its jitted maker (per instance: an
+                                 # lru_cache on the method kept every instance alive)
     self._named = functools.partial(specs.named, mesh)
     self._cache = {False: self._named(specs.CACHE_SPEC), True: self._named(specs.DRAFT_CACHE_SPEC)}
     batch, rep = self._named(specs.BATCH), self._named(specs.REPLICATED)
@@ -94,7 +99,10 @@ class ShardedSteps:
                             (rep, rep, self._cache[False], self._cache[True]))
 
   def put_batch(self, x):
-    """[B, ...] host array -> split over 'data'. Raises ValueError if B % data != 0."""
+    """[B, ...] host array -> split over 'data'. Raises ValueError if x has no batch axis (a
+    scalar) or B % data != 0."""
+    if not np.ndim(x):
+      raise ValueError(f'put_batch needs a [B, ...] array, got a scalar {x!r}')
     check_batch_fits(np.shape(x)[0], self.mesh)
     return put(x, self._batch)
 
@@ -131,17 +139,18 @@ class ShardedSteps:
     if not draft:
       check_model_fits(config, self.mesh.shape[MODEL])
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
-    self._empty_cache_keys.add((shape, jnp.dtype(config.dtype), draft))
     return self._empty_cache(shape, jnp.dtype(config.dtype), draft)(
         self.put_batch(table.astype(np.int32)))
 
-  @functools.lru_cache(maxsize=None)
   def _empty_cache(self, shape, dtype, draft: bool):
-    def empty(page_table):
-      return PagedKVCache(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
-                          page_table=page_table,
-                          lengths=jnp.zeros(page_table.shape[:1], jnp.int32))
-    return jax.jit(empty, out_shardings=self._cache[draft])
+    key = (shape, dtype, draft)
+    if key not in self._empty_caches:
+      def empty(page_table):
+        return PagedKVCache(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
+                            page_table=page_table,
+                            lengths=jnp.zeros(page_table.shape[:1], jnp.int32))
+      self._empty_caches[key] = jax.jit(empty, out_shardings=self._cache[draft])
+    return self._empty_caches[key]
 
   def _is_draft_cache(self, cache: PagedKVCache) -> bool:
     return cache.k_pages.sharding.is_equivalent_to(self._cache[True].k_pages, cache.k_pages.ndim)
@@ -191,5 +200,5 @@ class ShardedSteps:
     """Executables compiled so far by this object's jitted steps (for compile-once checks)."""
     fns = [*self._prefill.values(), self._decode, self._speculative]
     # The empty-cache makers: one jitted function per cache shape, each compiled once.
-    fns += [self._empty_cache(*key) for key in self._empty_cache_keys]
+    fns += list(self._empty_caches.values())
     return sum(f._cache_size() for f in fns)  # pylint: disable=protected-access
