@@ -28,8 +28,8 @@ import numpy as np
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.data import WORKLOADS, Tokenizer
 from jaxspec.models import cache_for, is_pretrained, load_model, shipped
-from jaxspec.parallel import load_sharded
 from jaxspec.models.checkpoint import ASSETS, CheckpointError
+from jaxspec.parallel import load_sharded
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:

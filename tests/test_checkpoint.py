@@ -110,6 +110,30 @@ def test_split_independent_sums_catch_the_flipped_byte_too(saved):
   assert not verify_sums(path / 'checksums.json', params)
 
 
+def test_load_sharded_across_processes_checks_the_sums(saved, monkeypatch):
+  # Across processes no tensor is whole anywhere: the SHA-256 was skipped, nothing was checked.
+  from jaxspec.parallel import checkpoint as sharded  # pylint: disable=import-outside-toplevel
+  from jaxspec.parallel import make_mesh  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(sharded, '_single_process', lambda: False)
+  path, _, _ = saved
+  sharded.load_sharded(path, make_mesh(1, 1))
+  listed = json.loads((path / 'checksums.json').read_text())
+  data = _largest_data_file(path)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x10
+  data.write_bytes(bytes(raw))
+  with pytest.raises(CheckpointError, match=r'does not match its sum in checksums.json'):
+    sharded.load_sharded(path, make_mesh(1, 1))
+  del listed['sum32']                                    # written before the sums existed
+  (path / 'checksums.json').write_text(json.dumps(listed))
+  with pytest.warns(UserWarning, match='across processes its tensors are loaded unverified'):
+    sharded.load_sharded(path, make_mesh(1, 1))
+  listed['sum32'] = {}                                   # lists no tensor: not "verified"
+  (path / 'checksums.json').write_text(json.dumps(listed))
+  with pytest.raises(CheckpointError, match='does not list sums of the same tensors'):
+    sharded.load_sharded(path, make_mesh(1, 1))
+
+
 def test_a_checksum_mismatch_names_the_tensor(saved):
   path, _, _ = saved
   sums = json.loads((path / 'checksums.json').read_text())

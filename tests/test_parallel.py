@@ -133,7 +133,12 @@ def test_a_process_count_without_ids_is_refused_for_sweep_shards_too():
     distributed.settings(None, {'JAX_NUM_PROCESSES': '2', 'JAX_PROCESS_ID': 'x'},
                          need_coordinator=False)
   auto = distributed.settings(dict(coordinator_address='auto'), {'JAX_NUM_PROCESSES': '2'})
-  assert auto == distributed.DistributedSettings('auto', 2, 0)     # the cluster assigns ids
+  assert auto == distributed.DistributedSettings('auto', 2, None)  # the cluster assigns ids
+  with pytest.raises(ValueError, match="needs each process's index"):   # not without a runtime
+    distributed.settings(dict(coordinator_address='auto'), {'JAX_NUM_PROCESSES': '2'},
+                         need_coordinator=False)
+  stray = distributed.settings(None, {'JAX_COORDINATOR_ADDRESS': 'localhost'})   # one process
+  assert stray.num_processes == 1 and not stray.enabled
 
 
 def test_tied_embeddings_need_no_vocabulary_the_model_axis_divides():
@@ -201,6 +206,7 @@ def worker(smoke_runs):  # pylint: disable=unused-argument  (started first: both
 def test_worker_has_8_devices_and_each_holds_a_slice_of_the_target(worker):
   assert worker['devices'] == 8
   assert worker['q_shape'] == [32, 64] and worker['q_shard_shape'] == [32, 16]  # heads / 4
+  assert worker['draft_shard_shape'] == [32, 64]                                 # replicated
 
 
 def test_the_experiment_reads_the_target_into_its_slices_on_a_mesh(worker):
@@ -209,7 +215,6 @@ def test_the_experiment_reads_the_target_into_its_slices_on_a_mesh(worker):
   assert shard == [q[0], q[1] // 2]                                    # model axis of 2
   assert worker['experiment_draft_replicated'] and worker['experiment_placement_kept']
   assert worker['sums_split_independent']       # the checkpoint sums, shard by shard or whole
-  assert worker['draft_shard_shape'] == [32, 64]                                 # replicated
 
 
 def test_sharded_logits_match_one_device(worker):

@@ -356,29 +356,53 @@ def verify_checksums(file, tree) -> None:
                           f'is damaged; write it again (or restore it from a copy)')
 
 
+def listed_sums(file) -> tuple:
+  """(sums, dtypes) that `write_checksums` put in `file`: ({name: int}, {name: dtype name}), or
+  (None, {}) when there is no `file` or it was written before the sums existed.
+
+  Raises:
+    CheckpointError: `file` unreadable or malformed.
+  """
+  file = pathlib.Path(file)
+  if not file.exists():
+    return None, {}
+  try:
+    listed = json.loads(file.read_text())
+    want, dtypes = listed.get('sum32'), listed.get('dtype', {})
+    if (want is not None and not isinstance(want, dict)) or not isinstance(dtypes, dict):
+      raise ValueError("'sum32' and 'dtype' must be objects")
+  except (OSError, ValueError, AttributeError) as e:   # JSONDecodeError, UnicodeDecodeError
+    raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
+  return want, dtypes
+
+
 def verify_sums(file, tree) -> bool:
   """Check each float leaf of `tree` (as restored: the stored dtype; sharded arrays too, across
   processes) against the split-independent sums `write_checksums` put in `file`.
 
   Returns:
     False when there is nothing to check against (no `file`, or one written before the sums
-    existed); True when every listed tensor matched.
+    existed); True when every float tensor matched.
   Raises:
-    CheckpointError: `file` unreadable or malformed, or a tensor whose sum differs (named).
+    CheckpointError: `file` unreadable or malformed, a tensor restored in another dtype than it
+      was saved in, tensors the file's sums and the tree's float leaves do not share, or a
+      tensor whose sum differs (named).
   """
-  file = pathlib.Path(file)
-  if not file.exists():
-    return False
-  try:
-    want = json.loads(file.read_text()).get('sum32')
-    if want is not None and not isinstance(want, dict):
-      raise ValueError("'sum32' must be an object")
-  except (OSError, ValueError, AttributeError) as e:   # JSONDecodeError, UnicodeDecodeError
-    raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
+  want, dtypes = listed_sums(file)
   if want is None:
     return False
   got = tensor_sums(tree)
-  bad = [name for name in got if name in want and got[name] != want[name]]
+  names = {jax.tree_util.keystr(key, simple=True, separator='/'): np.dtype(leaf.dtype).name
+           for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  for name, dtype in names.items():
+    if name in dtypes and dtypes[name] != dtype:
+      raise CheckpointError(f'{file.parent}: tensor {name} was saved as {dtypes[name]} and '
+                            f'restored as {dtype}: restore it in its saved dtype')
+  if set(want) != set(got):
+    odd = sorted(set(want) ^ set(got))
+    raise CheckpointError(f'{file} does not list sums of the same tensors as the checkpoint '
+                          f'beside it (differing: {odd[:5]})')
+  bad = [name for name in got if got[name] != want[name]]
   if bad:
     raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its sum in '
                           f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '

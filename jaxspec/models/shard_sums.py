@@ -9,9 +9,11 @@ For a tensor x of n elements, with b_i the bit pattern of its i-th element (C or
 
 computed with uint32 arithmetic (which wraps), so each device sums its own slice and the
 partial sums add up to the same value whatever the split or the reduction order. The odd weights
-make a changed element change S (a flipped bit of b_i moves S by ±2^j·(2i + 1) ≢ 0), and make
-two swapped elements change it too. It is a check against damage, not a cryptographic hash: the
-SHA-256 beside it (`checkpoint.tensor_checksums`) is the check wherever a tensor is whole.
+make a changed element change S (a flipped bit of b_i moves S by ±2^j·(2i + 1) ≢ 0), and most
+swaps of two elements too (b_i and b_k swapped move S by 2(b_i − b_k)(k − i), which vanishes mod
+2**32 only when that product is a multiple of 2**31). It is a check against damage, not a
+cryptographic hash: the SHA-256 beside it (`checkpoint.tensor_checksums`) is the check wherever
+a tensor is whole.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def _bits(x):
 
 
 def _weights(shape):
-  """uint32 2i + 1 of each element's C-order index i (wrapping past 2**32 elements)."""
+  """uint32 2i + 1 of each element's C-order index i (mod 2**32: it wraps from i = 2**31)."""
   index = jnp.zeros(shape, jnp.uint32)
   stride = 1
   for axis in reversed(range(len(shape))):
@@ -50,14 +52,14 @@ def tensor_sums(tree) -> dict:
   """S(x) of each leaf of `tree` whose dtype is in SUMMED, keyed by its '/'-joined pytree path.
 
   Args:
-    tree: a pytree of numpy arrays or jax.Arrays (sharded ones too: the sum runs where the
-      shards are, and its replicated scalar result is read by every process).
+    tree: a pytree of numpy arrays, jax.Arrays (sharded ones too: the sum runs where the
+      shards are, and its replicated scalar result is read by every process) or scalars.
   Returns:
     {path: int in [0, 2**32)}; leaves of other dtypes are left out.
   """
   sums = {}
   for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if np.dtype(leaf.dtype).name in SUMMED:
-      leaf = leaf if isinstance(leaf, jax.Array) else jnp.asarray(leaf)
+    leaf = leaf if isinstance(leaf, jax.Array) else np.asarray(leaf)
+    if leaf.dtype.name in SUMMED:
       sums[jax.tree_util.keystr(key, simple=True, separator='/')] = int(_sum(leaf))
   return sums

@@ -19,6 +19,8 @@ from typing import Mapping, Optional
 
 import jax
 
+from jaxspec.checks import check_int
+
 ENV = dict(coordinator_address='JAX_COORDINATOR_ADDRESS', num_processes='JAX_NUM_PROCESSES',
            process_id='JAX_PROCESS_ID')
 
@@ -31,29 +33,26 @@ class DistributedSettings:
     coordinator_address: 'host:port' of process 0's coordinator, 'auto' (cluster detection), or
       '' for a single process.
     num_processes: processes in the run (1 = no distributed runtime).
-    process_id: this process's index in [0, num_processes).
+    process_id: this process's index in [0, num_processes); None with 'auto' when no id was
+      given (the cluster assigns it: `jax.process_index()` after `initialize`).
   """
 
   coordinator_address: str = ''
   num_processes: int = 1
-  process_id: int = 0
+  process_id: Optional[int] = 0
 
   @property
   def enabled(self) -> bool:
     return self.num_processes > 1 or self.coordinator_address == 'auto'
 
 
-def _int(value, name: str, source: str) -> int:
-  """An int from a config field (int only: 2.7 or True is not a count) or an environment
-  variable (its decimal text)."""
-  if isinstance(value, str):
-    try:
-      return int(value.strip())
-    except ValueError:
-      pass
-  elif isinstance(value, int) and not isinstance(value, bool):
-    return value
-  raise ValueError(f'{source} must be an int, got {value!r}') from None
+def _env_int(environ, name: str, default: str) -> int:
+  """An environment variable's decimal text as an int."""
+  text = environ.get(ENV[name], default)
+  try:
+    return int(str(text).strip())
+  except ValueError:
+    raise ValueError(f'${ENV[name]} must be an int, got {text!r}') from None
 
 
 def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
@@ -80,10 +79,10 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
   address = str(config.get('coordinator_address') or environ.get(ENV['coordinator_address'], ''))
   address = address.strip()
   count = config.get('num_processes')
-  n = (_int(count, 'num_processes', 'distributed.num_processes') if count not in (None, 0) else
-       _int(environ.get(ENV['num_processes'], '1'), 'num_processes', f'${ENV["num_processes"]}'))
+  count = 0 if count is None else check_int('distributed.num_processes', count)
+  n = count or _env_int(environ, 'num_processes', '1')
   pid = config.get('process_id')
-  pid = -1 if pid is None else _int(pid, 'process_id', 'distributed.process_id')
+  pid = -1 if pid is None else check_int('distributed.process_id', pid)
   if pid < -1:
     raise ValueError(f'distributed.process_id must be >= 0, or -1 for ${ENV["process_id"]}, '
                      f'got {pid}')
@@ -91,20 +90,22 @@ def settings(config=None, environ: Optional[Mapping[str, str]] = None, *,
     raise ValueError(f'distributed.num_processes must be >= 1, got {n}')
   if pid == -1:
     if ENV['process_id'] in environ:
-      pid = _int(environ[ENV['process_id']], 'process_id', f'${ENV["process_id"]}')
-    elif n > 1 and address != 'auto':
+      pid = _env_int(environ, 'process_id', '0')
+    elif n == 1:
+      pid = 0
+    elif address == 'auto' and need_coordinator:
+      pid = None                  # the cluster assigns it when the runtime starts
+    else:
       raise ValueError(f'distributed.num_processes={n} needs each process\'s index: set '
                        f'distributed.process_id or ${ENV["process_id"]} (without it every '
                        f'process would be process 0)')
-    else:
-      pid = 0
-  if not 0 <= pid < n:
+  if pid is not None and not 0 <= pid < n:
     raise ValueError(f'distributed.process_id={pid} outside [0, num_processes={n})')
   if n > 1 and not address and need_coordinator:
     raise ValueError(f'distributed.num_processes={n} needs a coordinator_address (host:port of '
                      f'process 0), as a config field or ${ENV["coordinator_address"]}')
   host, _, port = address.rpartition(':')
-  if address and address != 'auto' and not (host and port.isdigit()):
+  if n > 1 and address not in ('', 'auto') and not (host and port.isdigit()):
     raise ValueError(f'distributed.coordinator_address must be host:port (an integer port) or '
                      f"'auto', got {address!r}")
   return DistributedSettings(address, n, pid)
@@ -120,7 +121,8 @@ def initialize(config=None, environ: Optional[Mapping[str, str]] = None) -> Dist
   if s.enabled and not jax.distributed.is_initialized():
     # Joining blocks until every process has joined: say which run, so a stray environment
     # variable (an exported JAX_NUM_PROCESSES) does not look like a silent hang.
-    print(f'joining a {s.num_processes}-process run as process {s.process_id} at coordinator '
+    which = 'assigned by the cluster' if s.process_id is None else s.process_id
+    print(f'joining a {s.num_processes}-process run as process {which} at coordinator '
           f'{s.coordinator_address} (from config.distributed or $' +
           ', $'.join(ENV.values()) + f'); waiting for the other processes (if they have not all '
           f'joined within {JOIN_TIMEOUT_S} s, JAX aborts this process with a C++ stack trace '
