@@ -303,6 +303,29 @@ def test_float32_values_past_bfloat16s_max_are_named(saved, tmp_path):
     load_model(tmp_path / 'f', 'bfloat16')
 
 
+def test_a_dtype_object_is_stored_as_its_name_and_saves(tmp_path):
+  # np.dtype('bfloat16') passed the check unconverted: save_model then failed on config.json
+  # after its SAVE_INCOMPLETE marker, leaving an unloadable directory; the configs hashed apart.
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  named = ModelConfig.from_name('test-tiny', dtype='bfloat16')
+  for dtype in (np.dtype(ml_dtypes.bfloat16), jnp.bfloat16):
+    config = ModelConfig.from_name('test-tiny', dtype=dtype)
+    assert config.dtype == 'bfloat16' and hash(config) == hash(named)
+  save_model(tmp_path / 'm', ModelConfig.from_name('test-tiny', dtype=jnp.bfloat16),
+             init_params(named, 0))
+  assert load_model(tmp_path / 'm')[0] == named
+  assert named.kv_bytes_per_token() == named.kv_bytes_per_token(2)   # the cache dtype's bytes
+
+
+def test_params_that_are_not_floats_are_named(saved):
+  from jaxspec.models import check_params  # pylint: disable=import-outside-toplevel
+  _, config, params = saved
+  for dtype in (jnp.int32, jnp.complex64):     # ran as garbage / dropped the imaginary part
+    with pytest.raises(CheckpointError, match=f"target_params: tensor .* has dtype {dtype.__name__}"
+                                              f", not a floating-point dtype"):
+      check_params(config, jax.tree.map(lambda x, d=dtype: x.astype(d), params), 'target_params')
+
+
 def test_model_config_bool_fields_must_be_bools():
   for field in ('tie_embeddings', 'qkv_bias', 'exact_verify'):
     with pytest.raises(ValueError, match=f"ModelConfig.{field} must be true or false, got 'no'"):

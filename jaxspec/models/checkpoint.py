@@ -48,14 +48,20 @@ def _param_shapes(config: ModelConfig):
 
 
 def check_params(config: ModelConfig, params, name: str = 'params') -> None:
-  """Check that `params` are a params pytree of `config`: every tensor present at its shape and
-  nothing else (dtypes are not checked), so swapped or foreign params are named before a
-  jitted step fails inside flax.
+  """Check that `params` are a params pytree of `config`: every tensor present at its shape, of
+  a real floating dtype (any width: they are cast to `config.dtype` where used), and nothing
+  else, so swapped or foreign params are named before a jitted step fails inside flax.
 
   Raises:
-    CheckpointError: naming `name` and the first tensor missing, extra or of another shape.
+    CheckpointError: naming `name` and the first tensor missing, extra, of another shape, or of
+      a dtype that is not a real float (int weights ran as garbage, complex ones lost their
+      imaginary part).
   """
   _check_tree(param_shapes(config), params, name)
+  for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):
+      raise CheckpointError(f'{name}: tensor {jax.tree_util.keystr(key)} has dtype '
+                            f'{jnp.result_type(leaf)}, not a floating-point dtype')
 
 
 def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
@@ -84,6 +90,7 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     info_text = None if info is None else json.dumps(info, indent=2, allow_nan=False) + '\n'
   except (TypeError, ValueError) as e:
     raise ValueError(f'info is not JSON-serialisable ({e}): {str(info)[:200]}') from None
+  config_text = json.dumps(dataclasses.asdict(config), indent=2) + '\n'   # before any write
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -93,7 +100,7 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / 'params', stored, force=True)
   write_checksums(path / CHECKSUMS, stored)
-  (path / 'config.json').write_text(json.dumps(dataclasses.asdict(config), indent=2) + '\n')
+  (path / 'config.json').write_text(config_text)
   if info_text is not None:
     (path / 'info.json').write_text(info_text)
   else:

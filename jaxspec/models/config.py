@@ -7,6 +7,9 @@ import dataclasses
 import math
 from typing import Optional
 
+import ml_dtypes  # pylint: disable=unused-import  (registers bfloat16 with numpy)
+import numpy as np
+
 from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.models import rope
 
@@ -85,9 +88,14 @@ class ModelConfig:
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f'num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}')
-    if self.dtype not in ('float32', 'bfloat16', 'float16'):
+    try:          # a name, np.dtype or jnp scalar type, stored as its name: hashes alike
+      name = None if isinstance(self.dtype, bool) else np.dtype(self.dtype).name
+    except TypeError:
+      name = None
+    if name not in ('float32', 'bfloat16', 'float16'):
       raise ValueError(f'ModelConfig.dtype must be float32, bfloat16 or float16, '
                        f'got {self.dtype!r}')
+    object.__setattr__(self, 'dtype', name)
 
   @property
   def group_size(self) -> int:
@@ -106,8 +114,11 @@ class ModelConfig:
     head = 0 if self.tie_embeddings else self.vocab_size * d
     return self.vocab_size * d + self.num_layers * per_layer + d + head
 
-  def kv_bytes_per_token(self, bytes_per_value: int = 4) -> int:
-    """Bytes of K and V cached per token over all layers."""
+  def kv_bytes_per_token(self, bytes_per_value: Optional[int] = None) -> int:
+    """Bytes of K and V cached per token over all layers, at `bytes_per_value` bytes a value
+    (default: the itemsize of `dtype`, the cache's dtype)."""
+    if bytes_per_value is None:
+      bytes_per_value = np.dtype(self.dtype).itemsize
     return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_value
 
   @classmethod
