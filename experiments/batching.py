@@ -55,6 +55,7 @@ import time
 from jaxspec.cache import pages_needed
 from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
+from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine, admission
 from experiments.common import check_fields, parse_workloads
@@ -64,7 +65,7 @@ from experiments.speculative import load_pair
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
 FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.temperature / top_k / '
-               'top_p'}
+               'top_p', 'page_size': '--config.page_size (the pool is sized in its pages)'}
 
 
 def _value(text: str):
@@ -323,6 +324,9 @@ def load_study(config) -> tuple:
     ValueError: an unknown workload or setting, or a pair that does not load.
   """
   workloads, settings = parse_workloads(config), parse_settings(config.settings)
+  if 'retrieval' in workloads and config.prompt_len < MIN_RETRIEVAL_PROMPT:  # before warm-ups
+    raise ValueError(f'config.prompt_len must be >= {MIN_RETRIEVAL_PROMPT} for the retrieval '
+                     f'workload, got {config.prompt_len}')
   pair = load_pair(config)                # after the checks: a bad name fails before loading
   engines = build_engines(config, settings, *pair[:4])
   return workloads, pair, engines

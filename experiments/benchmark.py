@@ -15,7 +15,7 @@ import numpy as np
 from experiments.common import check_fields, comma_list
 from experiments.speculative import load_pair, ratio
 from jaxspec.data import make_prompts
-from jaxspec.decoding import SamplingParams, generate
+from jaxspec.decoding import MAX_K, SamplingParams, generate
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.models import Transformer, cache_for
 from jaxspec.eval import (decode_step_bytes, expected_speedup, expected_tokens_per_round, mbu,
@@ -56,7 +56,11 @@ def forward_seconds(config, params, context: int, num_tokens: int, page_size: in
 def run(config, results) -> None:
   """Measure configs/benchmark.py; one record per K, then one MBU record."""
   ks = comma_list(config, 'ks', convert=int, what='K')
-  check_fields(config, ('repeats', 'num_prompts', 'max_new_tokens'))
+  bad = [k for k in ks if not 1 <= k <= MAX_K]
+  if bad:                                        # before any model is loaded or compiled
+    raise ValueError(f'config.ks: speculation length K must be in [1, {MAX_K}], got {bad[0]}')
+  check_fields(config, ('repeats', 'num_prompts'))
+  check_fields(config, ('max_new_tokens',), minimum=2)   # a decode step to time after prefill
   sampling = SamplingParams(temperature=float(config.temperature))
   target, tparams, draft, dparams, tokenizer = load_pair(config)
   prompts = [p.tokens for p in make_prompts(config.workload, tokenizer, config.num_prompts,

@@ -193,5 +193,8 @@ def run(config, results) -> None:
     check_fields(config, ('worker_tokens', 'worker_chunk'))
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
   model, params = load_at_dtype(config.target or shipped('target'), config)
+  if config.mode == 'quality' and config.seq_len > model.max_seq_len:   # worker: past it by design
+    raise ValueError(f'config.seq_len={config.seq_len} exceeds the context of the target '
+                     f'({model.max_seq_len} tokens): the full-cache baseline would run past it')
   (run_quality if config.mode == 'quality' else run_worker)(config, results, model, params,
                                                             tokenizer)

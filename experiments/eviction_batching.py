@@ -103,7 +103,7 @@ def _settings(config, mem, model, params):
     raise ValueError("config.policies names 'full': the full cache is the 'plain' setting (the "
                      'plain Engine), which every run measures as the baseline')
   cases = [(kind, b) for kind in kinds for b in _ints(config, 'budgets')]
-  if config.control:
+  if config.control and ('window', mem['span']) not in cases:   # given already: measured once
     cases.append(('window', mem['span']))
   for kind, budget in cases:
     for delay, extra, suffix in [(0, {}, '')] + ([(k + 1, lookup, f'+ngram{k}')] if k else []):

@@ -15,6 +15,7 @@ import shutil
 import sys
 
 from absl import app, flags, logging
+import jax
 from ml_collections import config_flags
 
 from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
@@ -87,6 +88,11 @@ def main(argv):
     if (isinstance(error, (ValueError, FileNotFoundError, FloatingPointError)) and
         not _TRACEBACK.value):
       sys.exit(f'FATAL: {error} (--traceback shows where{removed})')
+    if ('RESOURCE_EXHAUSTED' in str(error) and isinstance(error, jax.errors.JaxRuntimeError)
+        and not _TRACEBACK.value):       # a pool or batch the config sized past device memory
+      first = str(error).strip().splitlines()[0]
+      sys.exit(f'FATAL: out of device memory ({first[:300]}): a config size (pool pages, batch, '
+               f'requests) is too large for this device (--traceback shows where{removed})')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
 

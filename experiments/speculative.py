@@ -67,6 +67,9 @@ def run(config, results) -> None:
   if config.batch_size < 1 or config.num_prompts < 1:
     raise ValueError(f'batch_size ({config.batch_size}) and num_prompts ({config.num_prompts}) '
                      'must be >= 1')
+  if config.batch_size > config.num_prompts:    # the record would claim a batch never run
+    raise ValueError(f'config.batch_size={config.batch_size} exceeds config.num_prompts='
+                     f'{config.num_prompts}: no batch would be that large')
   workloads = parse_workloads(config)                     # checked before any model is loaded
   data = int(config.get('mesh', {}).get('data', 1))
   if data < 1:

@@ -1,6 +1,7 @@
 """The helpers experiments share (experiments/common.py), and no private cross-module imports."""
 
 import ast
+import importlib
 import json
 import pathlib
 
@@ -115,3 +116,40 @@ def test_every_model_loading_config_has_a_dtype_that_load_at_dtype_applies(name)
   model, params = common.load_at_dtype(common.shipped('draft'), config)
   assert model.dtype == 'bfloat16'
   assert {str(x.dtype) for x in jax.tree.leaves(params)} == {'bfloat16'}
+
+
+def _smoke(name, **overrides):
+  config = importlib.import_module(f'configs.{name}').get_config('smoke')
+  config.update(overrides)
+  return config
+
+
+@pytest.mark.parametrize('name, overrides, needle', [
+    # Each was refused only after the models loaded and compiled (or not at all).
+    ('benchmark', dict(ks='1,0'), r'config.ks: speculation length K must be in \[1, 16\], got 0'),
+    ('benchmark', dict(max_new_tokens=1), 'config.max_new_tokens must be >= 2, got 1'),
+    ('speculative', dict(batch_size=4, num_prompts=1),      # the record claimed batch_size=4
+     'config.batch_size=4 exceeds config.num_prompts=1'),
+])
+def test_experiment_fields_are_refused_before_any_model_loads(name, overrides, needle,
+                                                              monkeypatch):
+  module = import_experiment(name)
+  monkeypatch.setattr(module, 'load_pair', lambda config: pytest.fail('loaded a model'))
+  with pytest.raises(ValueError, match=needle):
+    module.run(_smoke(name, **overrides), None)
+
+
+def test_batching_refuses_a_short_retrieval_prompt_and_a_page_size_per_setting(monkeypatch):
+  from experiments import batching  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(batching, 'load_pair', lambda config: pytest.fail('loaded a model'))
+  with pytest.raises(ValueError, match='prompt_len must be >= 48 for the retrieval workload'):
+    batching.load_study(_smoke('batching', workloads='retrieval', prompt_len=10))
+  with pytest.raises(ValueError, match="'page_size' is set by the experiment for every setting"):
+    batching.parse_settings('k0=k:0;k2=k:2,page_size:5')   # a bigger pool for one setting
+
+
+def test_eviction_quality_refuses_sequences_past_the_context():
+  # It ran the full-cache baseline past the target's 1024 positions, with normal-looking records.
+  with pytest.raises(ValueError, match=r'config.seq_len=2000 exceeds the context of the target '
+                                       r'\(1024 tokens\)'):
+    import_experiment('eviction').run(_smoke('eviction', seq_len=2000), None)
