@@ -6,7 +6,7 @@
     python -m experiments.run --config.target=/models/llama-8b --config.draft=/models/llama-1b
     python -m experiments.sweep --config=configs/speculative.py  # K x temperature x workload
     # target split over 8 devices (README "Beyond one device"), 2 processes on one machine:
-    python -m experiments.run --config.mesh.model=2 --config.mesh.data=4
+    python -m experiments.run --config.mesh.model=2 --config.mesh.data=4 --config.batch_size=4
     JAX_COORDINATOR_ADDRESS=localhost:9876 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 \
       python -m experiments.run --config.mesh.model=2      # and JAX_PROCESS_ID=1 beside it
 

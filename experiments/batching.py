@@ -65,7 +65,9 @@ from experiments.speculative import load_pair
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
 FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.temperature / top_k / '
-               'top_p', 'page_size': '--config.page_size (the pool is sized in its pages)'}
+               'top_p', 'page_size': '--config.page_size (the pool is sized in its pages)',
+               'num_pages': '--config.pool_pages (one pool for every setting)',
+               'max_seq_len': '--config.prompt_len / max_tokens (it is sized from them)'}
 
 
 def _value(text: str):

@@ -15,13 +15,13 @@ import shutil
 import sys
 
 from absl import app, flags, logging
-import jax
 from ml_collections import config_flags
 
 from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
                                 exit_unknown_field, import_experiment, new_run_dir, parse_flags,
                                 warn_if_busy)
 from jaxspec.checks import nearest_existing
+from jaxspec.models.checkpoint import out_of_memory
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition
@@ -88,11 +88,11 @@ def main(argv):
     if (isinstance(error, (ValueError, FileNotFoundError, FloatingPointError)) and
         not _TRACEBACK.value):
       sys.exit(f'FATAL: {error} (--traceback shows where{removed})')
-    if ('RESOURCE_EXHAUSTED' in str(error) and isinstance(error, jax.errors.JaxRuntimeError)
-        and not _TRACEBACK.value):       # a pool or batch the config sized past device memory
+    if out_of_memory(error) and not _TRACEBACK.value:   # sized past the device's memory
       first = str(error).strip().splitlines()[0]
-      sys.exit(f'FATAL: out of device memory ({first[:300]}): a config size (pool pages, batch, '
-               f'requests) is too large for this device (--traceback shows where{removed})')
+      sys.exit(f'FATAL: out of device memory ({first[:300]}): the model at its dtype or a config '
+               f'size (pool pages, batch, requests) is too large for this device (--traceback '
+               f'shows where{removed})')
     raise
   print(f'done; results in {run_dir / "results.jsonl"}', flush=True)
 

@@ -324,6 +324,23 @@ def test_params_that_are_not_floats_are_named(saved):
     with pytest.raises(CheckpointError, match=f"target_params: tensor .* has dtype {dtype.__name__}"
                                               f", not a floating-point dtype"):
       check_params(config, jax.tree.map(lambda x, d=dtype: x.astype(d), params), 'target_params')
+  with pytest.raises(CheckpointError,
+                     match='params given to save_model: tensor .* has dtype int32'):
+    save_model(saved[0], config, jax.tree.map(lambda x: x.astype(jnp.int32), params))
+  assert load_model(saved[0])[0] == config                   # refused before anything was written
+
+
+def test_running_out_of_device_memory_is_not_reported_as_a_damaged_checkpoint(saved, monkeypatch):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  oom = jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 5 bytes.')
+
+  def restore(*args, **kwargs):
+    raise oom
+  monkeypatch.setattr(ocp.StandardCheckpointer, 'restore', restore)
+  for load in (lambda: load_model(saved[0]), lambda: load_sharded(saved[0], make_mesh(1, 1))):
+    with pytest.raises(jax.errors.JaxRuntimeError, match='RESOURCE_EXHAUSTED'):
+      load()
 
 
 def test_model_config_bool_fields_must_be_bools():

@@ -222,7 +222,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
       prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
       not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
     CheckpointError: target_params (or draft_params) that are not the config's params (a
-      tensor missing, extra or of another shape, named).
+      tensor missing, extra, of another shape or of a dtype that is not a float, named).
   """
   check_sampling(sampling)
   seed = check_seed(seed)

@@ -78,12 +78,12 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
       weight), a weight outside the dtype's range (float16: |x| > 65504 would be stored as
       inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
-      `config`'s (a tensor missing, extra or of the wrong shape). Both before anything is
-      written. A save cut short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the
-      loaders refuse.
+      `config`'s (a tensor missing, extra, of the wrong shape or not of a float dtype: an int
+      tensor would be cast and saved as weights). Both before anything is written. A save cut
+      short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the loaders refuse.
   """
   dtype = floating_dtype(dtype)
-  _check_tree(param_shapes(config), params, 'params given to save_model')
+  check_params(config, params, 'params given to save_model')
   for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     check_fits(jax.tree_util.keystr(keys), leaf, dtype)
   try:
@@ -227,6 +227,8 @@ def load_model(path, dtype: str = 'float32'):
     with ocp.StandardCheckpointer() as ckptr:
       restored = ckptr.restore(path / 'params')
   except Exception as e:  # orbax raises many types for damaged files; name the path
+    if out_of_memory(e):              # not damage: the device cannot hold the model
+      raise
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
   _check_tree(expected, restored, f'checkpoint {path}')
@@ -266,6 +268,12 @@ def _check_tree(expected, restored, where: str) -> None:
   extra = sorted(set(got) - set(want))
   if extra:
     raise CheckpointError(f'{where} has unexpected tensors {extra[:5]}')
+
+
+def out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is JAX's device out-of-memory error (RESOURCE_EXHAUSTED), which the
+  loaders pass on as it is instead of reporting a damaged checkpoint."""
+  return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
 
 
 def orbax_reason(error: Exception, limit: int = 400) -> str:

@@ -17,8 +17,8 @@ from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
                                        check_complete, floating_dtype, orbax_reason,
-                                       listed_sums, read_config, verify_checksums,
-                                       verify_sums)
+                                       listed_sums, out_of_memory, read_config,
+                                       verify_checksums, verify_sums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
@@ -89,6 +89,8 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except CheckpointError:
     raise
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
+    if out_of_memory(e):              # not damage: the devices cannot hold the model
+      raise
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
   if one:
