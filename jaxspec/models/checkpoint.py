@@ -355,18 +355,25 @@ def verify_checksums(file, tree) -> None:
   except (OSError, ValueError, KeyError, TypeError) as e:   # JSONDecodeError, UnicodeDecodeError
     raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
   leaves = _leaves(tree)
-  got = _digests(leaves)
+  _compare(file, 'checksum', want, _digests(leaves), dtypes,
+           {name: array.dtype.name for name, array in leaves.items()})
+
+
+def _compare(file, what: str, want: dict, got: dict, dtypes: dict, restored: dict) -> None:
+  """CheckpointError for the first way a restored tree differs from `file`'s listing: `want` /
+  `got` {name: checksum or sum} listed and computed, `dtypes` / `restored` {name: dtype name}
+  saved and restored; `what` names the kind of check ('checksum', 'sum')."""
   if set(want) != set(got):
     odd = sorted(set(want) ^ set(got))
-    raise CheckpointError(f'{file} does not list the same tensors as the checkpoint beside it '
-                          f'(differing: {odd[:5]})')
-  for name, array in leaves.items():
-    if name in dtypes and dtypes[name] != array.dtype.name:
+    raise CheckpointError(f'{file} does not list {what}s of the same tensors as the checkpoint '
+                          f'beside it (differing: {odd[:5]})')
+  for name, dtype in restored.items():
+    if name in dtypes and dtypes[name] != dtype:
       raise CheckpointError(f'{file.parent}: tensor {name} was saved as {dtypes[name]} and '
-                            f'restored as {array.dtype.name}: restore it in its saved dtype')
+                            f'restored as {dtype}: restore it in its saved dtype')
   bad = [name for name in got if got[name] != want[name]]
   if bad:
-    raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its checksum in '
+    raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its {what} in '
                           f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
                           f'is damaged; write it again (or restore it from a copy)')
 
@@ -406,22 +413,9 @@ def verify_sums(file, tree) -> bool:
   want, dtypes = listed_sums(file)
   if want is None:
     return False
-  got = tensor_sums(tree)
-  names = {jax.tree_util.keystr(key, simple=True, separator='/'): np.dtype(leaf.dtype).name
-           for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-  for name, dtype in names.items():
-    if name in dtypes and dtypes[name] != dtype:
-      raise CheckpointError(f'{file.parent}: tensor {name} was saved as {dtypes[name]} and '
-                            f'restored as {dtype}: restore it in its saved dtype')
-  if set(want) != set(got):
-    odd = sorted(set(want) ^ set(got))
-    raise CheckpointError(f'{file} does not list sums of the same tensors as the checkpoint '
-                          f'beside it (differing: {odd[:5]})')
-  bad = [name for name in got if got[name] != want[name]]
-  if bad:
-    raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its sum in '
-                          f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
-                          f'is damaged; write it again (or restore it from a copy)')
+  restored = {jax.tree_util.keystr(key, simple=True, separator='/'): np.dtype(leaf.dtype).name
+              for key, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  _compare(file, 'sum', want, tensor_sums(tree), dtypes, restored)
   return True
 
 
