@@ -1,0 +1,157 @@
+"""Bad input to the command-line programs (experiments.run / .sweep and scripts/) ends in one
+line naming it (`FATAL: ...` or the script's own error), never a traceback or lost work."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT_DIR = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_unknown_config_field_fails_loudly(tmp_path):
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.run', '--config=configs/speculative.py:smoke',
+       '--config.kk=3', f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert 'kk' in proc.stderr
+  assert not any(tmp_path.iterdir())                  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize('args, line', [
+    (['--config=configs/batching.py:smoke', '--config.batchsize=4'],
+     'FATAL: unknown config field \'batchsize\' (Did you mean "batch_size"'),
+    (['--config=configs/batching.py:smoke', '--config.settings=k2=k:2'],
+     "FATAL: settings 'k2=k:2' have no K = 0 baseline"),
+    (['--config=configs/batching.py:smoke', '--config.min_requests=-1'],
+     'FATAL: config.min_requests must be >= 0, got -1'),
+    (['--config=configs/batching.py:smok'],
+     "FATAL flags: flag --config=configs/batching.py:smok: Error whilst parsing config file: "
+     "ValueError: unknown variant 'smok'"),
+    (['--config=configs/batching.py:smoke', '--config.batchsize=4', '--config.min_request=1'],
+     'FATAL: unknown config field \'batchsize\' (Did you mean "batch_size" instead of '
+     '"batchsize"?); also unknown: \'min_request\' (did you mean \'min_requests\'?)'),
+    (['--config=configs/eviction_batching.py:smoke', '--config.workloads='],
+     "FATAL: config.workloads names no workload: ''"),
+    (['--config=configs/eviction.py:worker', '--config.worker_chunk=0'],
+     'FATAL: config.worker_chunk must be >= 1, got 0'),          # looped for ever, writing 0s
+    (['--config=configs/eviction.py:smoke', '--config.workloads=retrieval',
+      '--config.seq_len=100'],
+     'FATAL: config.seq_len must be >= 176 with the retrieval workload'),  # named prompt_len
+    (['--config=configs/eviction.py:smoke', '--config.num_sequences=3'],
+     'FATAL: config.num_sequences (3) must be a multiple of config.batch_size (2)'),
+    (['--config=configs/train.py:smoke', '--config.learning_rate=1e9'],   # was a traceback
+     'FATAL: training diverged: final train loss'),
+    (['--config=configs/train.py:smoke', '--config.learning_rate=nan'],
+     'FATAL: learning_rate must be a finite number'),             # saved an all-NaN model
+    (['--config=configs/speculative.py:smoke', '--config.experiment=nope'],
+     "FATAL: config.experiment='nope' names no module experiments/nope.py"),
+    (['--config=configs/batchng.py'],
+     "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
+     "'configs/batchng.py')"),
+    (['--config=configs/batchng.py', '--config.k=3'],       # an override: was a traceback
+     "FATAL: cannot load the config file ([Errno 2] No such file or directory: "
+     "'configs/batchng.py')"),
+    (['--config=configs/speculative.py:smoke', '--config.tokenizer=nothere.json'],
+     'FATAL: tokenizer file not found: nothere.json'),
+    (['--config=configs/prefix_cache.py:smoke', '--config.turns=0'],   # no close match: list
+     "FATAL: unknown config field 'turns' in ['--config.turns=0']; known there: draft, dtype,"),
+    (['--config=configs/eviction_batching.py:smoke', '--config.policies=full'],
+     "FATAL: config.policies names 'full': the full cache is the 'plain' setting"),
+    (['--config=configs/prefix_cache.py:smoke', '--config.settings=off,on,on'],  # doubled 'on'
+     "FATAL: config.settings='off,on,on' names ['on'] more than once"),
+    (['--config=configs/hydration.py:smoke', '--config.extractor_k=2'],  # ran the target as 'draft'
+     "FATAL: config.extractor_k=2 needs config.extractor=target"),
+    (['--config=configs/eviction_batching.py:smoke', '--config.budgets=64,x'],
+     "FATAL: config.budgets='64,x': 'x' is not a valid int"),
+    (['--config=configs/batching.py:smoke', '--config.pool_pages=3'],  # was: after warm-ups
+     "FATAL: setting 'k0': a request of the run: prompt of 48 tokens + max_tokens=8 + 1 needs 4 "
+     "pages, the pool has 2 (--config.pool_pages=3; 0 sizes it)"),
+    (['--config=configs/prefix_cache.py:smoke', '--config.k=40'],   # was: small_pool_pages
+     'FATAL: speculation length K must be an int in [0, 16] (0 = off), got 40'),
+    (['--config=configs/train.py:smoke', '--config.checkpoint_dir=/proc/version'],  # was: after
+     "FATAL: config.checkpoint_dir='/proc/version': '/proc/version' is a file"),  # training
+    (['--config=configs/train.py:smoke', '--config.out=/proc/version/model'],
+     "FATAL: config.out='/proc/version/model': '/proc/version' is a file"),
+    (['--config=configs/speculative.py:smoke', '--config.max_k=0'],   # was: 'K ... in [1, 0]'
+     'FATAL: max_k must be an int >= 1, got 0'),
+    (['--config=configs/hydration.py:smoke', '--config.alpha_temperatures=0,1e-5'],  # was: late
+     "FATAL: config.alpha_temperatures='0,1e-5': temperature 1e-05 would overflow"),
+])
+def test_bad_config_is_one_fatal_line(tmp_path, args, line):
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
+  assert 'Traceback' not in proc.stderr
+  assert not any(tmp_path.rglob('results.jsonl'))
+
+
+@pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
+def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
+  (tmp_path / 'file').write_text('')
+  for workdir in (tmp_path / 'file' / 'sub', '/proc/jaxspec-nope'):   # not a directory; ENOENT
+    proc = subprocess.run([sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
+                           '--only=k=2', '--only=temperature=0.0', f'--workdir={workdir}']
+                          if module.endswith('sweep') else
+                          [sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
+                           f'--workdir={workdir}'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: cannot'), proc.stderr
+    assert 'Traceback' not in proc.stderr
+
+
+def test_the_default_run_outside_the_repository_root_says_where_to_run_it(tmp_path):
+  root = pathlib.Path(__file__).resolve().parent.parent
+  env = dict(os.environ, PYTHONPATH=str(root))      # importable, as after `pip install -e .`
+  for args in (['experiments.run'], ['experiments.run', '--config.k=2'],   # an override: it was
+               ['experiments.sweep', '--config.k=2']):                     # a 52-line traceback
+    proc = subprocess.run([sys.executable, '-m', *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        f'config paths are relative to the repository root, and {tmp_path} is not it'), proc.stderr
+
+
+def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_path):
+  # It joined first and failed after; the other processes then failed half a minute later with
+  # an error about the checkpoint (a collective that process 0 never entered).
+  blocked = tmp_path / 'file'
+  blocked.write_text('')
+  env = dict(os.environ, JAX_NUM_PROCESSES='2', JAX_PROCESS_ID='0',
+             JAX_COORDINATOR_ADDRESS='localhost:9')
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run',
+                         '--config=configs/speculative.py:smoke', f'--workdir={blocked}/runs'],
+                        cwd=ROOT_DIR, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 1 and 'joining' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f'FATAL: cannot make a run directory under --workdir={blocked}/runs: {blocked} is not a '
+      f'directory')
+
+
+@pytest.mark.parametrize('args, line', [
+    (['replay_k_policy.py', '--live', 'no/such.jsonl'],   # was a traceback after the warm-ups
+     "--live no/such.jsonl: [Errno 2] No such file or directory"),
+    (['replay_k_policy.py', '--static', ',,'],             # was: no static K, silently
+     '--static (at least one K) and --costs must be numbers'),
+    (['build_tokenizer.py', '--out', '/proc/version/tok.json'],   # was: after training
+     "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
+    (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups
+     "--set 'nope.policy.spec_margin=1': want SETTING.PATH=VALUE with SETTING in"),
+])
+def test_script_arguments_are_refused_before_any_work(args, line):
+  proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr
+  assert 'Traceback' not in proc.stderr
+
+
+@pytest.mark.parametrize('script', sorted(p.name for p in (ROOT_DIR / 'scripts').glob('*.py')))
+def test_every_script_answers_help_without_running(script):
+  # check_kernels_gpu.py and constraint_libraries.py ran (or stopped on a missing GPU / package)
+  # instead of printing their usage; make_hf_fixtures.py needed torch to say what it is.
+  proc = subprocess.run([sys.executable, f'scripts/{script}', '--help'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0 and proc.stdout.startswith('usage:'), proc.stdout + proc.stderr
