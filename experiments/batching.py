@@ -57,7 +57,7 @@ from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
-from jaxspec.engine import Engine, admission
+from jaxspec.engine import Engine, admission, check_outputs
 from experiments.common import check_fields, parse_workloads
 from experiments.speculative import load_pair
 
@@ -243,7 +243,7 @@ def measure(engines: dict, prompts, *, max_tokens: int, stop_tokens,
 
 def _summary(engine: Engine, run: dict) -> dict:
   """The record fields of one engine's run (`measure`); pops its outputs from the engine."""
-  outs = [engine.outputs.pop(i) for i in run['ids']]
+  outs = check_outputs(engine.outputs.pop(i) for i in run['ids'])
   metrics = [o.metrics for o in outs]
   tokens = sum(len(o.tokens) for o in outs)
   proposed = sum(m.proposed for m in metrics)

@@ -161,6 +161,7 @@ def run_worker(config, results, model, params, tokenizer) -> None:
     out, cache, eviction = jax.block_until_ready(compiled(cache, eviction, token))
     seconds = time.perf_counter() - t0
     n = int(out.num_tokens[0]) - 1                           # the first is the pending token
+    check_valid([np.asarray(out.tokens[0, :n + 1]).tolist()])
     token = out.tokens[:, n]
     generated += n
     results.write(dict(

@@ -42,7 +42,7 @@ from jaxspec.cache import init_eviction, make_policy, pages_needed
 from jaxspec.data import make_prompts
 from jaxspec.decoding.evicting import score_tokens
 from jaxspec.decoding.generate import MAX_K
-from jaxspec.engine import Engine, EvictingEngine
+from jaxspec.engine import Engine, EvictingEngine, check_outputs
 from jaxspec.models import shipped
 
 
@@ -146,7 +146,7 @@ def serve(engine, prompts, max_tokens: int) -> dict:
     seconds = time.perf_counter() - start
   finally:
     del engine.scheduler.schedule          # back to the class's method
-  outs = [engine.outputs.pop(i) for i in ids]
+  outs = check_outputs(engine.outputs.pop(i) for i in ids)
   running, decoding, held, prefilling = (np.array(x, float) for x in zip(*trace))
   decode_only = prefilling == 0                  # steps with a decode round and no prefill
   decode_seconds = float(np.sum(np.array(step_seconds)[decode_only]))

@@ -184,6 +184,22 @@ def test_init_cache_names_bad_sizes(change, match):
     init_cache(**{**sizes, **change})
 
 
+@pytest.mark.parametrize('change, match', [
+    (dict(num_layers=1), r"pages \(1, 2, 3, 4, 8\) / .* not this model's \[layers=2"),
+    (dict(head_dim=4), r"not this model's \[layers=2, kv_heads=2, P, L, head_dim=8\]"),
+    (dict(dtype=jnp.bfloat16), "pages are bfloat16 / bfloat16, the model's dtype is float32"),
+])
+def test_the_model_refuses_a_cache_built_for_another_model(tiny, change, match):
+  from jaxspec.cache import init_cache  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  sizes = dict(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads,
+               head_dim=config.head_dim, num_pages=3, page_size=4, page_table=[[1, 2]])
+  cache = init_cache(**{**sizes, **change})
+  tokens = jnp.ones((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match=match):
+    Transformer(config).apply(params, tokens, jnp.arange(2)[None], cache)
+
+
 def test_slots_past_capacity_map_to_the_null_page_and_rollback_clips_at_zero(tiny):
   from jaxspec.cache import slot_address  # pylint: disable=import-outside-toplevel
   table = jnp.array([[3, 5]], jnp.int32)                        # capacity 2 * 4 = 8 slots

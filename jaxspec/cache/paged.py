@@ -96,6 +96,8 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
   Args:
     page_table: [B, pages_per_seq] int array mapping each sequence's logical pages to pool pages,
       as handed out by `PageAllocator`; unused entries hold NULL_PAGE.
+    dtype: of the pages; the model refuses a cache whose dtype is not its config.dtype
+      (`jaxspec.models.cache_for` builds one that matches).
   Raises:
     ValueError: a size that is not an int >= 1, a page table that is not a 2-D integer array,
       or an entry outside the pool (named).

@@ -7,15 +7,17 @@ from jaxspec.decoding.autoregressive import (decode_autoregressive, decode_step,
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, decode_speculative_evicting,
                                        decode_step_evicting, prefill_evicting, score_tokens)
 from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
-from jaxspec.decoding.output import Output, commit, cut_lengths
+from jaxspec.decoding.output import (NonFiniteLogitsError, Output, check_valid, commit,
+                                     cut_lengths)
 from jaxspec.decoding.prefix_generate import PrefixCachedGenerator
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import (RowSampling, SamplingParams, nucleus_mask,
+from jaxspec.decoding.sampling import (INVALID_TOKEN, RowSampling, SamplingParams, nucleus_mask,
                                        probabilities, sample)
 from jaxspec.decoding.speculative import (SpecStats, decode_speculative, draft_tokens,
                                          speculative_round, verify)
 
-__all__ = ['ConstrainedResult', 'ConstraintError', 'MAX_K', 'TokenConstraint',
+__all__ = ['ConstrainedResult', 'ConstraintError', 'INVALID_TOKEN', 'MAX_K',
+           'NonFiniteLogitsError', 'TokenConstraint', 'check_valid',
            'constrained_generate', 'GenerationResult', 'Output', 'PrefixCachedGenerator',
            'RowSampling', 'SamplingParams', 'SpecStats', 'commit', 'cut_lengths',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',

@@ -30,8 +30,10 @@ from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.generate import MAX_K, stop_ids
+from jaxspec.decoding.output import NonFiniteLogitsError, check_valid
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingParams, check_sampling, probabilities, sample
+from jaxspec.decoding.sampling import (INVALID_TOKEN, SamplingParams, check_sampling,
+                                       probabilities, sample)
 from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.models import ModelConfig, Transformer, cache_for, check_params
 
@@ -160,6 +162,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
       constraint's eos_id too) or a prompt that does not fit the context.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
+    NonFiniteLogitsError: the target's (or the draft's) logits were NaN or inf.
   (A constraint that has consumed tokens, e.g. from an earlier call, is a ValueError: its mask
   would continue that text.)
   """
@@ -212,6 +215,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
                                  prompt)
   rng, sub = jax.random.split(rng)
   first = int(_sample_masked(logits, _mask(constraint, vocab), sub, sampling=sampling)[0])
+  check_valid([[first]])
   ttft = time.perf_counter() - start
 
   start = time.perf_counter()
@@ -231,6 +235,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
                                         d_cache, pending, constraint, sub, stats, k=k,
                                         stop_token=stop_token, sampling=sampling,
                                         room=max_new_tokens - len(tokens))
+    check_valid([tokens + window])   # before the constraint sees a token that is none
     if constraint is not None:
       for t in window:
         constraint.advance(t)
@@ -264,6 +269,9 @@ def _round(target, draft, target_params, draft_params, t_cache, d_cache, pending
       x, q, d_cache = _step(draft, draft_params, d_cache, jnp.array([token], jnp.int32),
                             masks[-1], step_rng, sampling=sampling)
       x, drafted = int(x[0]), drafted + 1
+      if x == INVALID_TOKEN:
+        raise NonFiniteLogitsError('the draft\'s logits were not finite (NaN or inf) or allowed '
+                                   'no token: a float16 draft that overflows, or NaN weights?')
     if constraint is not None:
       constraint.advance(x)
     xs.append(x)

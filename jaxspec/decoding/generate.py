@@ -13,6 +13,7 @@ import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.checks import check_int, check_seed, seed_key, token_ids
+from jaxspec.decoding.output import check_valid
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.speculative import check_pair
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -221,6 +222,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
       K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids (a
       prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
       not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
+    NonFiniteLogitsError: the target's logits were NaN or inf for some prompt (its row ended
+      with INVALID_TOKEN; e.g. a float16 model that overflows).
     CheckpointError: target_params (or draft_params) that are not the config's params (a
       tensor missing, extra, of another shape or of a dtype that is not a float, named).
   """
@@ -271,6 +274,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   out = jax.block_until_ready(out)
   decode_s = time.perf_counter() - start
   toks, nums = np.asarray(out.tokens), np.asarray(out.num_tokens)
-  return GenerationResult(tokens=[toks[i, :nums[i]].tolist() for i in range(b)], ttft_s=ttft,
+  rows = [toks[i, :nums[i]].tolist() for i in range(b)]
+  check_valid(rows)
+  return GenerationResult(tokens=rows, ttft_s=ttft,
                           decode_s=decode_s, prompt_tokens=int(lengths.sum()),
                           prefill_tokens=int(lengths.sum()), **counters)

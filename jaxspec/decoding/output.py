@@ -11,6 +11,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
+from jaxspec.decoding.sampling import INVALID_TOKEN
+
 
 @flax.struct.dataclass
 class Output:
@@ -36,7 +38,8 @@ class Output:
 
 def cut_lengths(window, num_candidates, stop_tokens, room):
   """How many of each row's candidate tokens are emitted: up to and including the first stop
-  token, and at most `room` (the rule every decode loop shares).
+  token or INVALID_TOKEN (a row whose logits were not finite ends there, so the host sees it as
+  the row's last token), and at most `room` (the rule every decode loop shares).
 
   Args:
     window: [B, W] int32 candidate tokens, in order.
@@ -52,6 +55,7 @@ def cut_lengths(window, num_candidates, stop_tokens, room):
     is_stop = jnp.isin(window, stop_tokens)
   else:
     is_stop = (window[:, :, None] == stop_tokens[:, None, :]).any(axis=-1)
+  is_stop |= window == INVALID_TOKEN
   is_stop &= idx[None, :] < num_candidates[:, None]
   stop_cut = jnp.where(is_stop.any(axis=1), jnp.argmax(is_stop, axis=1) + 1, w + 1)
   n = jnp.minimum(jnp.minimum(num_candidates, stop_cut), room).astype(jnp.int32)
@@ -79,3 +83,36 @@ def commit(out: Output, window, num_candidates, stop_tokens, max_new_tokens: int
   num_tokens = out.num_tokens + n
   done = out.done | stopped | (num_tokens >= max_new_tokens)
   return Output(tokens=tokens, num_tokens=num_tokens, done=done), n
+
+
+class NonFiniteLogitsError(FloatingPointError):
+  """A model's logits were not finite (NaN or +inf; a float16 model whose activations overflow,
+  NaN weights) or left no token to draw, so the row drew INVALID_TOKEN instead of a token."""
+
+
+def invalid_rows(rows) -> list:
+  """Indexes of the token lists (host ints) that end in INVALID_TOKEN (the decode loops end a
+  row there)."""
+  return [i for i, row in enumerate(rows) if len(row) and row[-1] == INVALID_TOKEN]
+
+
+def check_valid(rows, what: str = 'prompt') -> None:
+  """Raise unless every row of emitted tokens is made of real tokens.
+
+  Args:
+    rows: per row, its emitted token ids (Python ints).
+    what: what a row is, for the message ('prompt', 'request', ...; numbered when there are
+      several rows).
+  Raises:
+    NonFiniteLogitsError: naming the rows (by index) whose model logits were not finite, and
+      at which of their tokens.
+  """
+  bad = invalid_rows(rows)
+  if bad:
+    label = (lambda i: what) if len(rows) == 1 else (lambda i: f'{what} {i}')
+    where = ', '.join(f'{label(i)} at token {len(rows[i]) - 1}' for i in bad[:8])
+    more = f' and {len(bad) - 8} more' if len(bad) > 8 else ''
+    raise NonFiniteLogitsError(
+        f'the model\'s logits were not finite (NaN or inf) or allowed no token for {where}'
+        f'{more}: a float16 model that overflows, or NaN weights? Compare it with its float32 '
+        f'or bfloat16 twin')

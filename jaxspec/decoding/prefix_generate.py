@@ -19,6 +19,7 @@ from jaxspec.cache import host as host_lib
 from jaxspec.cache.prefix import PrefixCache
 from jaxspec.checks import check_int, seed_key
 from jaxspec.decoding.generate import MAX_K, GenerationResult, check_request, decode
+from jaxspec.decoding.output import check_valid
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig, check_params
@@ -137,7 +138,7 @@ class PrefixCachedGenerator:
     Raises:
       ValueError: as `generate` (a seed that is not a 64-bit int too); OutOfPagesError when
         the pool cannot hold the request even after reclaiming every cached page (the pool is
-        unchanged then).
+        unchanged then); NonFiniteLogitsError as `generate` (nothing of it is cached then).
     """
     _, slack, stop = check_request(self.target, [prompt], max_new_tokens=max_new_tokens,
                                    stop_tokens=stop_tokens, draft=self.draft,
@@ -185,6 +186,7 @@ class PrefixCachedGenerator:
       decode_s = time.perf_counter() - start
       self.caches = [cache] if draft_cache is None else [cache, draft_cache]
       emitted = np.asarray(out.tokens)[0, :int(out.num_tokens[0])].tolist()
+      check_valid([emitted])      # before commit: NaN keys/values are never shared
       in_cache = min(int(c.lengths[0]) for c in self.caches)
       self.prefix.commit(request, (prompt + emitted)[:in_cache])
     finally:

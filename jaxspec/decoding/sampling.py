@@ -21,6 +21,11 @@ MIN_TEMPERATURE = 1e-4  # below this (and above 0) logits / temperature overflow
 # from ~1e38, logits / temperature underflow to 0 and top-k would keep every token.
 MAX_TEMPERATURE = 1e6
 INT32_MAX = int(np.iinfo(np.int32).max)
+# What `sample` draws for a row that has no distribution: logits with a NaN or +inf (a model
+# whose activations overflowed, NaN weights) or no allowed token. Never a vocabulary id; the
+# decode loops end such a row there (`output.cut_lengths`) and the host entry points raise
+# `output.NonFiniteLogitsError` (the engine finishes that request with finish_reason 'error').
+INVALID_TOKEN = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,20 +150,30 @@ def probabilities(logits, params, mask=None):
     mask: optional [..., V] bool, the tokens a constraint allows (grammar-constrained decoding,
       see `jaxspec.decoding.constrained`). Disallowed logits become -inf *before* temperature,
       top-k and top-p, so the result is the request's distribution conditioned on the allowed
-      set. A row with no allowed token has no distribution (NaN when sampling, token 0 when
-      greedy; nothing can be raised inside jit): callers check masks on the host first
-      (`TokenConstraint.allowed` raises `ConstraintError`).
+      set. Callers check masks on the host first (`TokenConstraint.allowed` raises
+      `ConstraintError`).
   Returns:
     [..., V] float32 probabilities; one-hot at the argmax (lowest index on ties) when greedy.
+    A row with no distribution is all NaN, greedy or not (nothing can be raised inside jit;
+    `sample` draws INVALID_TOKEN from it): logits with a NaN or +inf anywhere (checked before
+    the mask: an overflowing model, whose greedy argmax would otherwise silently be token 0
+    or the inf), or no allowed token with a logit above -inf.
   Raises:
     ValueError: params neither a SamplingParams nor a RowSampling (named).
   """
   if not isinstance(params, (SamplingParams, RowSampling)):
     raise ValueError(f'params must be a SamplingParams or a RowSampling, got {params!r}')
   logits = logits.astype(jnp.float32)
-  vocab = logits.shape[-1]
+  broken = jnp.any(jnp.isnan(logits) | (logits == jnp.inf), axis=-1, keepdims=True)
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
+  none_left = ~jnp.any(logits > -jnp.inf, axis=-1, keepdims=True)
+  return jnp.where(broken | none_left, jnp.nan, _processed(logits, params))
+
+
+def _processed(logits, params):
+  """`probabilities` of float32 logits that have a distribution."""
+  vocab = logits.shape[-1]
   if isinstance(params, RowSampling):
     return _row_probabilities(logits, params)
   if params.greedy:
@@ -268,7 +283,10 @@ def sample(rng, probs):
       (in bfloat16 the Gumbel noise itself was drawn in bfloat16, and its ties went to the
       lowest id: 0.62 for a token of probability 0.5).
   Returns:
-    [...] int32 token ids.
+    [...] int32 token ids; INVALID_TOKEN (-1) for a row that is no distribution (a NaN in it,
+    or no positive probability: see `probabilities`), which categorical sampling would have
+    turned into token 0 without a word.
   """
-  logp = jnp.log(jnp.asarray(probs, jnp.float32))
-  return jax.random.categorical(rng, logp, axis=-1).astype(jnp.int32)
+  probs = jnp.asarray(probs, jnp.float32)
+  token = jax.random.categorical(rng, jnp.log(probs), axis=-1).astype(jnp.int32)
+  return jnp.where(jnp.sum(probs, axis=-1) > 0, token, INVALID_TOKEN)

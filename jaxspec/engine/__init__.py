@@ -8,9 +8,11 @@ from jaxspec.engine.engine import Engine
 from jaxspec.engine.evicting import EvictingEngine, EvictingScheduler
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
 from jaxspec.engine.k_policy import FixedK, KPolicy, ScheduleK
-from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
+from jaxspec.engine.request import (Request, RequestMetrics, RequestOutput, State,
+                                    check_outputs)
 from jaxspec.engine.scheduler import Scheduler
 
 __all__ = ['AlphaTracker', 'Drafter', 'Engine', 'EvictingEngine', 'EvictingScheduler', 'FixedK',
            'GoodputK', 'KPolicy', 'ModelDrafter', 'NGramDrafter', 'Request', 'RequestMetrics',
-           'RequestOutput', 'Round', 'ScheduleK', 'Scheduler', 'State', 'compile_counts']
+           'RequestOutput', 'Round', 'ScheduleK', 'Scheduler', 'State', 'check_outputs',
+           'compile_counts']

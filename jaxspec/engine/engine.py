@@ -31,7 +31,7 @@ import numpy as np
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import check_request
-from jaxspec.decoding.sampling import SamplingParams, check_sampling
+from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
@@ -379,6 +379,10 @@ class Engine:
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
             token_p=None) -> None:
+    invalid = INVALID_TOKEN in tokens       # the device step ended the row there (not a token)
+    if invalid:
+      tokens = tokens[:tokens.index(INVALID_TOKEN)]
+      token_p = None if token_p is None else token_p[:len(tokens)]
     request.output.extend(tokens)
     if self.draft_sync is not None:      # only a lazy draft's catch-up reads p(token)
       request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
@@ -386,12 +390,17 @@ class Engine:
     emitted.setdefault(request.id, []).extend(tokens)
     if request.metrics.first_token_s is None:
       request.metrics.first_token_s = now
-    if tokens and tokens[-1] in request.stop_tokens:
+    if invalid:
+      self._finish(request, 'error', now, error=(
+          f'the model\'s logits were not finite (NaN or inf) at token {len(request.output)} of '
+          f'request {request.id!r}: a float16 model that overflows, or NaN weights?'))
+    elif tokens and tokens[-1] in request.stop_tokens:
       self._finish(request, 'stop', now)
     elif request.room <= 0:
       self._finish(request, 'length', now)
 
-  def _finish(self, request: Request, reason: str, now: float) -> None:
+  def _finish(self, request: Request, reason: str, now: float,
+              error: Optional[str] = None) -> None:
     if self.policy is not None:
       self.policy.forget(request.id)
     self.scheduler.remove(request)
@@ -400,5 +409,5 @@ class Engine:
     request.metrics.finish_s = now
     del self._live[request.id]
     self.outputs[request.id] = RequestOutput(request.id, request.prompt, list(request.output),
-                                             reason, request.metrics)
+                                             reason, request.metrics, error)
 

@@ -11,6 +11,7 @@ import enum
 import math
 from typing import Hashable, Optional
 
+from jaxspec.decoding.output import NonFiniteLogitsError
 from jaxspec.decoding.sampling import SamplingParams
 
 
@@ -96,8 +97,11 @@ class RequestOutput:
     request_id: as given to (or returned by) `add_request`.
     prompt: the prompt token ids.
     tokens: emitted token ids (a stop token that ended it included).
-    finish_reason: 'stop' (a stop token), 'length' (max_tokens) or 'abort' (`Engine.abort`).
+    finish_reason: 'stop' (a stop token), 'length' (max_tokens), 'abort' (`Engine.abort`) or
+      'error' (the model's logits were not finite: NaN or inf; `tokens` holds the real tokens
+      before that point, and the other requests are unaffected).
     metrics: its `RequestMetrics`.
+    error: what went wrong, for finish_reason 'error' (else None).
   """
 
   request_id: Hashable
@@ -105,6 +109,24 @@ class RequestOutput:
   tokens: list
   finish_reason: str
   metrics: RequestMetrics
+  error: Optional[str] = None
+
+
+def check_outputs(outputs) -> list:
+  """`outputs` (RequestOutputs), unless one finished with an error: a measurement over them
+  would count a request cut short by NaN logits as served.
+
+  Raises:
+    NonFiniteLogitsError: naming the failed requests and the first one's error.
+  """
+  outputs = list(outputs)
+  failed = [o for o in outputs if o.finish_reason == 'error']
+  if failed:
+    names = ', '.join(repr(o.request_id) for o in failed[:8])
+    more = f' and {len(failed) - 8} more' if len(failed) > 8 else ''
+    raise NonFiniteLogitsError(f'{len(failed)} request{"s" if len(failed) > 1 else ""} '
+                               f'failed ({names}{more}): {failed[0].error}')
+  return outputs
 
 
 @dataclasses.dataclass

@@ -23,6 +23,8 @@ import numpy as np
 from jaxspec.cache import NULL_PAGE, PagedKVCache, PrefixCache, pages_needed
 from jaxspec.checks import check_int, is_int_in, token_ids
 from jaxspec.decoding.constrained import prefill_chunked
+from jaxspec.decoding.output import check_valid
+from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
 from jaxspec.models import ModelConfig, cache_for
 
 
@@ -98,7 +100,8 @@ class ContextSession:
 
     Raises:
       ValueError: an empty context, one longer than the session's max_tokens, a token id that
-        is not an int in [0, V). A failure after the pages were taken gives them back.
+        is not an int in [0, V). NonFiniteLogitsError: the model's logits were NaN or inf (its
+        pages are not registered). A failure after the pages were taken gives them back.
     """
     if not isinstance(commit, (bool, np.bool_)):   # 'no' is truthy: it would commit
       raise ValueError(f'commit must be True or False, got {commit!r}')
@@ -115,9 +118,11 @@ class ContextSession:
       cached = request.num_cached
       logits, cache = prefill_chunked(self.config, self.params,
                                       self._cache(request.pages, cached), tokens[cached:])
-      first = int(jnp.argmax(logits[0]))
-      ttft = time.perf_counter() - start
       self._k, self._v = cache.k_pages, cache.v_pages
+      # Greedy through `probabilities`: NaN or inf logits draw INVALID_TOKEN, not token 0.
+      first = int(sample(jax.random.PRNGKey(0), probabilities(logits[:1], SamplingParams()))[0])
+      check_valid([[first]], 'context')            # before its pages are shared
+      ttft = time.perf_counter() - start
       if commit:
         self.prefix.commit(request, tokens)
     finally:

@@ -63,6 +63,28 @@ def matmul_rows(x, kernel, exact: bool = False):
   return out.reshape(*lead, kernel.shape[-1])
 
 
+def check_cache(config: ModelConfig, cache: paged.PagedKVCache) -> None:
+  """At trace time: the cache was built for this model (`jaxspec.models.cache_for`).
+
+  Raises:
+    ValueError: pages of another shape ([layers, kv heads, P, L, head_dim]: another model's
+      cache, e.g. the draft's, wrote past its layers silently) or another dtype than
+      config.dtype (a float32 cache under a bfloat16 model doubled the KV bytes a benchmark
+      moves, and a bfloat16 cache under a float32 model rounded every key), named.
+  """
+  pages = cache.k_pages
+  want = (config.num_layers, config.num_kv_heads, config.head_dim)
+  got = (pages.shape[0], pages.shape[1], pages.shape[-1]) if pages.ndim == 5 else None
+  if got != want or cache.v_pages.shape != pages.shape:
+    raise ValueError(f'the cache\'s pages {tuple(pages.shape)} / {tuple(cache.v_pages.shape)} '
+                     f'are not this model\'s [layers={want[0]}, kv_heads={want[1]}, P, L, '
+                     f'head_dim={want[2]}] (build it with jaxspec.models.cache_for(config, ...))')
+  if pages.dtype != jnp.dtype(config.dtype) or cache.v_pages.dtype != pages.dtype:
+    raise ValueError(f'the cache\'s pages are {pages.dtype} / {cache.v_pages.dtype}, the model\'s '
+                     f'dtype is {config.dtype} (build it with jaxspec.models.cache_for(config, '
+                     f'...), or init_cache(..., dtype=config.dtype))')
+
+
 def exact_per_token(config, x, cache) -> bool:
   """Whether a [B, T, D] call must reduce one token at a time so that it rounds exactly like T
   single-token decode steps: exact mode, a cached call of 2..EXACT_ROWS tokens (verification)."""
@@ -242,6 +264,8 @@ class Transformer(nn.Module):
       slots = jnp.where(valid, cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32), -1)
     if eviction is not None and cache is None:
       raise ValueError('eviction needs a cache, got cache=None')
+    if cache is not None:
+      check_cache(c, cache)
     histories = []
     for i in range(c.num_layers):
       x, cache, history = Block(c, i, name=f'layer_{i}')(x, positions, slots, cache, eviction)

@@ -1,0 +1,107 @@
+"""Non-finite logits (a float16 model that overflows, NaN weights) are an error, never a token:
+`probabilities` gives such a row no distribution, `sample` draws INVALID_TOKEN from it, the
+decode loops end the row there, `generate` raises naming the row, and the engine finishes only
+that request with finish_reason 'error' while the others are served as before."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxspec.decoding import (INVALID_TOKEN, NonFiniteLogitsError, PrefixCachedGenerator,
+                              RowSampling, SamplingParams, cut_lengths, generate, probabilities,
+                              rejection_sample, sample)
+from jaxspec.engine import Engine, check_outputs
+
+V = 8
+SETTINGS = [SamplingParams(), SamplingParams(temperature=0.7, top_k=3, top_p=0.9),
+            RowSampling.stack([SamplingParams(), SamplingParams(temperature=1.0),
+                            SamplingParams(temperature=0.5, top_p=0.8), SamplingParams()])]
+
+
+@pytest.mark.parametrize('params', SETTINGS, ids=['greedy', 'sampled', 'rows'])
+def test_rows_with_nan_or_inf_logits_or_no_allowed_token_draw_the_invalid_token(params):
+  logits = jnp.tile(jnp.linspace(-1.0, 1.0, V), (4, 1))
+  logits = logits.at[1, 3].set(jnp.nan).at[2, 5].set(jnp.inf)
+  mask = jnp.ones((4, V), bool).at[3].set(False)            # row 3: no token allowed
+  probs = probabilities(logits, params, mask)
+  np.testing.assert_allclose(probs[0].sum(), 1.0, rtol=1e-6)
+  assert np.isnan(probs[1:]).all()
+  tokens = sample(jax.random.PRNGKey(0), probs)
+  assert 0 <= int(tokens[0]) < V and tokens[1:].tolist() == [INVALID_TOKEN] * 3
+
+
+def test_sample_from_all_zero_probabilities_is_invalid():
+  probs = jnp.zeros((2, V)).at[0, 2].set(1.0)
+  assert sample(jax.random.PRNGKey(1), probs).tolist() == [2, INVALID_TOKEN]
+
+
+def test_rejection_sampling_emits_the_invalid_token_where_the_target_is_not_finite():
+  p = jax.nn.one_hot(jnp.array([[4, 5, 6, 7]]), V)                        # [1, K+1, V]
+  p = p.at[0, 2].set(jnp.nan)                        # the target's row after x_2 is NaN
+  xs = jnp.array([[4, 5, 6]])
+  n, nxt = rejection_sample(jax.random.PRNGKey(0), xs, jax.nn.one_hot(xs, V), p)
+  assert int(n[0]) == 2 and int(nxt[0]) == INVALID_TOKEN
+
+
+def test_a_row_ends_at_the_invalid_token():
+  window = jnp.array([[3, INVALID_TOKEN, 4], [3, 4, 5]])
+  n, stopped = cut_lengths(window, jnp.array([3, 3]), jnp.zeros((0,), jnp.int32),
+                           jnp.array([9, 9]))
+  assert n.tolist() == [2, 3] and stopped.tolist() == [True, False]
+
+
+def _poisoned(tiny, prompts, clean):
+  """(params whose embedding of one token is NaN, that token, index in prompt 1's output of its
+  first emission): prompt 0 never sees the token, prompt 1 emits it in decode, so prompt 1's
+  logits turn NaN one step later."""
+  config, params = tiny
+  seen = set(prompts[0]) | set(clean[0]) | set(prompts[1])
+  j = next(j for j in range(1, len(clean[1]) - 1)
+           if clean[1][j] not in seen | set(clean[1][:j]))
+  bad = clean[1][j]
+  embed = params['params']['embed']['embedding']
+  poisoned = {'params': {**params['params'], 'embed': {'embedding': embed.at[bad].set(jnp.nan)}}}
+  return poisoned, j
+
+
+PROMPTS = [[5, 9, 11, 13, 17], [7, 8, 20, 22]]
+MAX_NEW = 12
+
+
+@pytest.mark.parametrize('speculative', [False, True], ids=['autoregressive', 'speculative'])
+def test_generate_raises_naming_the_row_whose_logits_turned_nan(tiny, tiny_draft, speculative):
+  config, params = tiny
+  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=3) if speculative else {}
+  clean = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8, **spec).tokens
+  poisoned, j = _poisoned(tiny, PROMPTS, clean)
+  with pytest.raises(NonFiniteLogitsError, match=f'prompt 1 at token {j + 1}: a float16'):
+    generate(config, poisoned, PROMPTS, max_new_tokens=MAX_NEW, page_size=8, **spec)
+
+
+@pytest.mark.parametrize('k', [0, 3])
+def test_engine_fails_only_the_request_whose_logits_turned_nan(tiny, tiny_draft, k):
+  config, params = tiny
+  clean = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  poisoned, j = _poisoned(tiny, PROMPTS, clean)
+  spec = dict(draft=tiny_draft[0], draft_params=tiny_draft[1], k=k) if k else {}
+  engine = Engine(config, poisoned, num_slots=3, num_pages=24, page_size=8, chunk_size=8, **spec)
+  ids = [engine.add_request(p, max_tokens=MAX_NEW) for p in PROMPTS]
+  outs = engine.run()
+  assert outs[ids[0]].tokens == clean[0] and outs[ids[0]].finish_reason == 'length'
+  failed = outs[ids[1]]
+  assert failed.finish_reason == 'error' and failed.tokens == clean[1][:j + 1]
+  assert 'not finite' in failed.error and INVALID_TOKEN not in failed.tokens
+  assert engine.prefix.num_held == 0
+  with pytest.raises(NonFiniteLogitsError, match=r'1 request failed \(1\)'):
+    check_outputs(outs.values())
+
+
+def test_prefix_generator_raises_and_caches_nothing_of_the_failed_request(tiny):
+  config, params = tiny
+  clean = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  poisoned, j = _poisoned(tiny, PROMPTS, clean)
+  gen = PrefixCachedGenerator(config, poisoned, num_pages=16, page_size=4)
+  with pytest.raises(NonFiniteLogitsError, match=f'prompt at token {j + 1}'):
+    gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW)
+  assert gen.prefix.num_cached == 0 and gen.prefix.num_held == 0
