@@ -39,6 +39,9 @@ def _check(config):
   if config.extractor_k and config.extractor != 'target':
     raise ValueError(f'config.extractor_k={config.extractor_k} needs config.extractor=target (the '
                      f'target verifies what the draft proposes), got {config.extractor!r}')
+  if config.extractor == 'oracle' and not config.constrained:
+    raise ValueError('config.constrained=False has no effect with config.extractor=oracle (it '
+                     'copies the true record and decodes nothing): use extractor=draft or target')
   if config.alpha_prompts and config.extractor != 'oracle' and not 1 <= config.alpha_k <= MAX_K:
     raise ValueError(f'config.alpha_k (the α phase\'s speculation length K) must be in '
                      f'[1, {MAX_K}], got {config.alpha_k}')

@@ -233,6 +233,10 @@ def test_bad_experiment_config_fails_before_loading_models():
   config.extractor = 'big'
   with pytest.raises(ValueError, match='extractor'):
     hydration.run(config, None)
+  config = get_config()
+  config.extractor, config.constrained = 'oracle', False     # was ignored without a word
+  with pytest.raises(ValueError, match='constrained=False has no effect with config.extractor'):
+    hydration.run(config, None)
   with pytest.raises(ValueError, match='variant'):
     get_config('nope')
 
