@@ -153,3 +153,11 @@ def test_eviction_quality_refuses_sequences_past_the_context():
   with pytest.raises(ValueError, match=r'config.seq_len=2000 exceeds the context of the target '
                                        r'\(1024 tokens\)'):
     import_experiment('eviction').run(_smoke('eviction', seq_len=2000), None)
+
+
+def test_eviction_worker_refuses_a_chunk_longer_than_the_run(monkeypatch):
+  # It generated a whole 512-token chunk for a 10-token run.
+  module = import_experiment('eviction')
+  monkeypatch.setattr(module, 'load_at_dtype', lambda *a: pytest.fail('loaded a model'))
+  with pytest.raises(ValueError, match='config.worker_chunk=512 exceeds config.worker_tokens=10'):
+    module.run(_smoke('eviction', mode='worker', worker_tokens=10, worker_chunk=512), None)
