@@ -4,8 +4,10 @@ each later one (β) are estimated apart, and E[tokens] and the makespan use both
 import numpy as np
 import pytest
 
-from jaxspec.engine import makespan
+from jaxspec.engine import makespan, speculation
+from jaxspec.engine.drafters import Round
 from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens, round_observation
+from jaxspec.engine.request import Request, RequestMetrics
 
 
 def test_round_observation_splits_the_first_proposal_from_the_later_ones():
@@ -68,6 +70,25 @@ def _enumerated(alpha, later, k):
   probs.append(going)                      # all k accepted
   mean = sum(p * (1 + n) for n, p in enumerate(probs))
   return mean, sum(p * (1 + n) ** 2 for n, p in enumerate(probs)) - mean ** 2
+
+
+def test_a_nan_observation_is_refused_and_a_failed_row_is_not_observed():
+  tracker = AlphaTracker(prior=0.5, prior_trials=1.0)
+  with pytest.raises(ValueError, match='acceptance counts must be finite numbers, got '
+                                       'successes=nan'):
+    tracker.observe('a', float('nan'), 1.0)
+  assert np.isfinite(tracker.global_alpha)
+  # A row that drew INVALID_TOKEN (its target's logits were NaN) tells the policy nothing.
+  class Seen:
+    calls = []
+    observe = lambda self, *args: self.calls.append(args)
+
+  requests = [Request(i, [1], 4, (), b'', RequestMetrics(0.0)) for i in range(2)]
+  window = np.array([[5, 6, 7], [5, -1, 0]], np.int32)
+  result = Round(window, np.array([2, 1]), np.array([3, 2]), np.array([2, 2]),
+                 np.array([1.0, np.nan]), np.array([1.0, 1.0]))
+  speculation.observe_round(Seen(), list(enumerate(requests)), result, np.array([2, 2]))
+  assert [call[0] for call in Seen.calls] == [0]
 
 
 def test_token_moments_with_a_later_acceptance_match_enumeration():

@@ -104,7 +104,17 @@ class AlphaTracker:
     ones; nothing when both trial counts are <= 0. Decays the request's sums by `decay` and the
     global ones by decay^(1/max(n, global_span)) first (n requests tracked): the first
     proposal's when observed, the later ones' always. `later_weight`: the sum of `profile`'s
-    values at the positions of the later trials (None: 1 each), kept alike for `shape`."""
+    values at the positions of the later trials (None: 1 each), kept alike for `shape`.
+
+    Raises:
+      ValueError: a count that is not a finite number (one NaN would stay in the global sums
+        every request's estimate shares)."""
+    counts = (successes, trials, later_successes, later_trials)
+    if not all(math.isfinite(x) for x in counts) or (
+        later_weight is not None and not math.isfinite(later_weight)):
+      raise ValueError(f'acceptance counts must be finite numbers, got successes={successes}, '
+                       f'trials={trials}, later_successes={later_successes}, '
+                       f'later_trials={later_trials}, later_weight={later_weight}')
     if trials <= 0 and later_trials <= 0:
       return
     old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])

@@ -102,6 +102,7 @@ def model_sync_step(target: ModelConfig, draft: ModelConfig, target_params, draf
   p = probabilities(logits, sampling)
   draft_logits, draft_cache = decode_step(draft, draft_params, draft_cache, pending)
   beta = jnp.minimum(p, probabilities(draft_logits, sampling)).sum(axis=-1)
+  beta = jnp.where(jnp.isnan(beta), 0.0, beta)     # a draft (or target) with no distribution
   window = sample(rng, p)[:, None]
   emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
   return window, emitted, beta, target_cache, draft_cache
@@ -155,6 +156,7 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
   q = jnp.take_along_axis(probabilities(logits, sampling), observe_next[..., None], axis=-1)
   seen = observe_p > 0
   beta = jnp.where(seen, jnp.minimum(1.0, q[..., 0] / jnp.where(seen, observe_p, 1.0)), 0.0)
+  beta = jnp.where(jnp.isnan(beta), 0.0, beta)     # a draft with no distribution accepts nothing
   return beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), draft_cache
 
 

@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from jaxspec.checks import is_int_in
 from jaxspec.decoding.generate import MAX_K
+from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.engine.drafters import make_drafter
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
@@ -213,8 +214,11 @@ def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
     return
   observed = (result.num_proposed > 0) | (result.trials > 0)
   for row, request in layout:
-    if observed[row]:
-      n, e = int(result.num_accepted[row]), int(result.emitted[row])
+    n, e = int(result.num_accepted[row]), int(result.emitted[row])
+    # A row whose target logits were not finite ends in INVALID_TOKEN and fails: what it
+    # "accepted" says nothing about the draft (and would enter the global sums every request
+    # shares).
+    if observed[row] and INVALID_TOKEN not in result.window[row, :e]:
       request.metrics.proposed += proposals_in_reach(int(result.num_proposed[row]), n, e)
       request.metrics.accepted += min(n, e)
       policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
