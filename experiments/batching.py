@@ -345,7 +345,7 @@ def decode_alone(engine: Engine, config, tokenizer, workload: str, requests: int
   ids = [engine.add_request(p.tokens, max_tokens=config.max_tokens,
                             stop_tokens=tokenizer.eos_ids) for p in prompts]
   done = engine.run()
-  return prompts, [done[i] for i in ids]
+  return prompts, check_outputs(done[i] for i in ids)
 
 
 def idle_round_costs(engines: dict, settings: dict, base: str | None, rounds: int) -> dict:

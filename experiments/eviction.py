@@ -22,7 +22,7 @@ from jaxspec.cache import init_eviction, make_policy
 from jaxspec.checks import seed_key
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
-from jaxspec.decoding import SamplingParams
+from jaxspec.decoding import SamplingParams, check_valid
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_evicting,
                                        score_tokens)
 from jaxspec.models import shipped

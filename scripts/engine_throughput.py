@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jaxspec.checks import check_int
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import generate
-from jaxspec.engine import Engine
+from jaxspec.engine import Engine, check_outputs
 from jaxspec.models import load_model, shipped
 
 
@@ -99,6 +99,7 @@ def main():
         start = time.perf_counter()
         outs = engine.run()
         seconds = time.perf_counter() - start
+        check_outputs(outs[i] for i in ids)
         rates[k].append(sum(len(outs[i].tokens) for i in ids) / seconds)
         if k == ks[-1]:
           alpha.append(sum(outs[i].metrics.accepted for i in ids) /
@@ -145,7 +146,7 @@ def engine_vs_generate(engine, target, target_params, prompt, max_tokens, repeat
     engine.prefix.reset()
     rid = engine.add_request(prompt, max_tokens=max_tokens)
     start = time.perf_counter()
-    engine.run()
+    check_outputs(engine.run().values())
     ratios.append((time.perf_counter() - start) / reference)
     del engine.outputs[rid]
   return ratios

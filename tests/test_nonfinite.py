@@ -3,6 +3,8 @@
 decode loops end the row there, `generate` raises naming the row, and the engine finishes only
 that request with finish_reason 'error' while the others are served as before."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +107,25 @@ def test_prefix_generator_raises_and_caches_nothing_of_the_failed_request(tiny):
   with pytest.raises(NonFiniteLogitsError, match=f'prompt at token {j + 1}'):
     gen.generate(PROMPTS[1], max_new_tokens=MAX_NEW)
   assert gen.prefix.num_cached == 0 and gen.prefix.num_held == 0
+
+
+def test_a_failed_requests_cached_prefix_serves_a_later_request_as_if_alone(tiny):
+  """A's prompt is a full page of healthy tokens, then a token whose embedding is NaN; B shares
+  the page. Inside A's prefill chunk the NaN value at the later slot reached the earlier queries
+  (weight 0 times NaN), so the page A committed held NaN and B, served from it, failed."""
+  config, params = tiny
+  config = dataclasses.replace(config, exact_verify=False)   # the whole chunk in one product
+  head = [5, 9, 11, 13, 17, 19, 23, 29]                        # one page of 8 tokens
+  poisoned = {'params': {**params['params'], 'embed': {
+      'embedding': params['params']['embed']['embedding'].at[63].set(jnp.nan)}}}
+  shapes = dict(num_slots=2, num_pages=24, page_size=8, chunk_size=16)
+  alone = Engine(config, poisoned, **shapes)
+  rid = alone.add_request(head + [31, 33], max_tokens=6)
+  want = alone.run()[rid].tokens
+  engine = Engine(config, poisoned, **shapes)
+  failed = engine.add_request(head + [63, 30], max_tokens=6)
+  assert engine.run()[failed].finish_reason == 'error' and engine.prefix.num_cached >= 1
+  rid = engine.add_request(head + [31, 33], max_tokens=6)
+  out = engine.run()[rid]
+  assert out.finish_reason == 'length' and out.tokens == want
+  assert out.metrics.cached_tokens == len(head)               # served from A's page

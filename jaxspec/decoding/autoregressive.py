@@ -35,7 +35,8 @@ def prefill(config: ModelConfig, params, cache, tokens, prompt_lengths, rng, *,
       tokens per row.
     rng: PRNG key.
   Returns:
-    (first_token [B] int32, cache holding the prompts).
+    (first_token [B] int32, INVALID_TOKEN for a row whose logits were not finite; cache holding
+    the prompts).
   """
   last, cache = prefill_logits(config, params, cache, tokens, prompt_lengths)
   return sample(rng, probabilities(last, sampling)), cache
@@ -101,7 +102,8 @@ def decode_autoregressive(config: ModelConfig, params, cache, first_token, rng, 
     stop_tokens: [S] int32.
     max_new_tokens: static; counts the first token.
   Returns:
-    (Output, cache).
+    (Output, cache); a row whose logits were not finite ends with INVALID_TOKEN (see
+    `output.check_valid`).
   """
   b = first_token.shape[0]
   out, _ = commit(Output.empty(b, max_new_tokens + 1), first_token[:, None],

@@ -26,7 +26,7 @@ from jaxspec.cache import after_tokens, last_token, rollback
 from jaxspec.checks import check_int, concrete
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, probabilities, sample
 from jaxspec.decoding.speculative import SpecStats, accept, check_pair, draft_tokens
 from jaxspec.models import ModelConfig, Transformer
 
@@ -159,7 +159,8 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
 
   Args:
     cache, eviction: after `prefill_evicting` (donated).
-    first_token: [B] int32, the token `prefill_evicting` drew.
+    first_token: [B] int32, the token `prefill_evicting` drew (INVALID_TOKEN for a row whose
+      logits were not finite: that row ends at once, the others decode).
     stop_tokens: [S] int32 stop ids shared by every row, or [B, S] per row, -1 padded.
     max_new_tokens: tokens to emit per row, first_token included (>= 1).
   Returns:
@@ -172,7 +173,7 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
   first = concrete(first_token)
   if first is not None:
-    _check_ids('first_token', first, config.vocab_size)
+    _check_ids('first_token', first[first != INVALID_TOKEN], config.vocab_size)
   if eviction.policy.kind == 'full':
     lengths = concrete(cache.lengths)
     _check_fits(f"max_new_tokens={max_new_tokens} under policy 'full'", cache,
@@ -244,7 +245,7 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
                      f'got {eviction.policy.reuse_delay}')
   first = concrete(first_token)
   if first is not None:
-    _check_ids('first_token', first, target.vocab_size)
+    _check_ids('first_token', first[first != INVALID_TOKEN], target.vocab_size)
   # Committed tokens end below lengths + max_new_tokens - 1; a last round's drafts past that
   # are rejected or cut, and their writes may go to the null page.
   for name, c, full in (('target', target_cache, eviction.policy.kind == 'full'),

@@ -21,7 +21,9 @@ class Output:
   Fields:
     tokens: [B, N] int32, N = max_new_tokens + window slack; valid up to num_tokens.
     num_tokens: [B] int32 tokens emitted per row.
-    done: [B] bool, row hit a stop token or max_new_tokens.
+    done: [B] bool, row hit a stop token, max_new_tokens or INVALID_TOKEN (its logits were not
+      finite: the row's last token is then INVALID_TOKEN, which the host checks with
+      `check_valid`).
   """
 
   tokens: jax.Array

@@ -210,7 +210,9 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     stop_tokens: [S] int32.
     k: static speculation length K >= 1.
   Returns:
-    (Output, SpecStats, target_cache, draft_cache).
+    (Output, SpecStats, target_cache, draft_cache); a row whose target logits were not finite
+    ends with INVALID_TOKEN (see `output.check_valid`; a draft's non-finite logits only make
+    its proposals non-proposals, drawn from the target's p).
   Raises:
     ValueError (at trace time): see `check_pair`.
   """

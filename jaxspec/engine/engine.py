@@ -387,9 +387,10 @@ class Engine:
     if self.draft_sync is not None:      # only a lazy draft's catch-up reads p(token)
       request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
     request.metrics.num_tokens = len(request.output)
-    emitted.setdefault(request.id, []).extend(tokens)
-    if request.metrics.first_token_s is None:
-      request.metrics.first_token_s = now
+    if tokens:           # a request that failed at its first token has none (and no TTFT)
+      emitted.setdefault(request.id, []).extend(tokens)
+      if request.metrics.first_token_s is None:
+        request.metrics.first_token_s = now
     if invalid:
       self._finish(request, 'error', now, error=(
           f'the model\'s logits were not finite (NaN or inf) at token {len(request.output)} of '

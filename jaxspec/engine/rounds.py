@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.engine import rows as rows_lib
 from jaxspec.engine import speculation
 from jaxspec.engine.request import State
@@ -81,8 +82,11 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   for row, request in layout:
     e = int(result.emitted[row])
     request.num_computed += e      # pending + the first e - 1 new tokens are now cached
-    request.metrics.accepted_lengths.append(e)
-    engine._emit(request, result.window[row, :e].tolist(), now, emitted,
+    window = result.window[row, :e].tolist()
+    # INVALID_TOKEN (logits not finite: the request fails in _emit) is not an emitted token.
+    request.metrics.accepted_lengths.append(
+        window.index(INVALID_TOKEN) if INVALID_TOKEN in window else e)
+    engine._emit(request, window, now, emitted,
                None if result.token_p is None else [float(result.token_p[row])] * e)
   if engine.draft_sync is not None:
     engine.draft_sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0))

@@ -28,6 +28,13 @@ from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
 from jaxspec.models import ModelConfig, cache_for
 
 
+@jax.jit
+def _greedy_token(logits):
+  """[1, V] logits -> [1] int32 argmax, through `probabilities` so that NaN or inf logits draw
+  INVALID_TOKEN instead of token 0 (compiled: eager, it added ~1 ms to each TTFT at V = 32000)."""
+  return sample(jax.random.PRNGKey(0), probabilities(logits, SamplingParams()))
+
+
 @dataclasses.dataclass
 class TurnCost:
   """One turn of the big model. Tokens are counts; kv_bytes the K+V bytes of the pages that
@@ -90,7 +97,7 @@ class ContextSession:
     for width in range(self.width_step, self.max_width + 1, self.width_step):
       cache = self._cache([NULL_PAGE] * width, 0)    # writes only the null page
       logits, cache = prefill_chunked(self.config, self.params, cache, [0])
-      jax.block_until_ready(logits)
+      jax.block_until_ready(_greedy_token(logits[:1]))
       self._k, self._v = cache.k_pages, cache.v_pages
 
   def prefill(self, tokens: Sequence[int], commit: bool = True) -> TurnCost:
@@ -119,8 +126,7 @@ class ContextSession:
       logits, cache = prefill_chunked(self.config, self.params,
                                       self._cache(request.pages, cached), tokens[cached:])
       self._k, self._v = cache.k_pages, cache.v_pages
-      # Greedy through `probabilities`: NaN or inf logits draw INVALID_TOKEN, not token 0.
-      first = int(sample(jax.random.PRNGKey(0), probabilities(logits[:1], SamplingParams()))[0])
+      first = int(_greedy_token(logits[:1])[0])
       check_valid([[first]], 'context')            # before its pages are shared
       ttft = time.perf_counter() - start
       if commit:
