@@ -184,6 +184,18 @@ def test_init_cache_names_bad_sizes(change, match):
     init_cache(**{**sizes, **change})
 
 
+def test_a_pool_past_the_devices_memory_is_refused_before_allocating(monkeypatch):
+  # On the CPU the OS killed the process (a batching run with a huge batch_size) without a word.
+  from jaxspec.cache import init_cache, paged  # pylint: disable=import-outside-toplevel
+  sizes = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, page_table=[[1]])
+  assert paged.memory_bytes() > 2 ** 20                  # this machine's memory is known
+  monkeypatch.setattr(paged, 'memory_bytes', lambda device=None: 2 * 2 * 2 * 6 * 4 * 8 * 4)
+  init_cache(num_pages=6, **sizes)                         # exactly fits
+  with pytest.raises(ValueError, match=r'needs 0.0 GiB of key/value pages \(7 pages of 4 tokens, '
+                                       r'2 layers\), more than the 0.0 GiB of cpu memory'):
+    init_cache(num_pages=7, **sizes)
+
+
 @pytest.mark.parametrize('change, match', [
     (dict(num_layers=1), r"pages \(1, 2, 3, 4, 8\) / .* not this model's \[layers=2"),
     (dict(head_dim=4), r"not this model's \[layers=2, kv_heads=2, P, L, head_dim=8\]"),

@@ -7,6 +7,10 @@ null page: padded tokens write there and no sequence's page table points at it f
 
 from __future__ import annotations
 
+import math
+import os
+from typing import Optional
+
 import flax
 import jax
 import jax.numpy as jnp
@@ -27,6 +31,42 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
   num_tokens = check_int('num_tokens', num_tokens, 0)
   page_size = check_int('page_size', page_size, 1)
   return -(-num_tokens // page_size)
+
+
+def memory_bytes(device=None) -> Optional[int]:
+  """Bytes of memory `device` (default: the first device) can hold: its allocator's limit, or
+  for the CPU, whose allocator reports none, the machine's physical memory; None if unknown."""
+  device = jax.devices()[0] if device is None else device
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # pylint: disable=broad-except  (backends that do not implement it)
+    stats = {}
+  if stats.get('bytes_limit'):
+    return int(stats['bytes_limit'])
+  if device.platform == 'cpu':
+    try:
+      return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    except (ValueError, OSError, AttributeError):
+      return None
+  return None
+
+
+def check_pool_fits(shape, dtype, what: str = 'the KV cache') -> None:
+  """Refuse a key + value pool that cannot fit the device's memory at all, before allocating it
+  (on the CPU, a pool past the machine's memory was killed by the OS without a message).
+
+  Args:
+    shape: the pages' shape ([layers, K, P, L, H]); dtype: theirs.
+  Raises:
+    ValueError: the two pools' bytes exceed `memory_bytes()` (named, in GiB).
+  """
+  need = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+  have = memory_bytes()
+  if have is not None and need > have:
+    raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages ({shape[2]} '
+                     f'pages of {shape[3]} tokens, {shape[0]} layers), more than the '
+                     f'{have / 2 ** 30:.1f} GiB of {jax.devices()[0].platform} memory: use fewer '
+                     f'pages (a smaller batch, pool or context)')
 
 
 @flax.struct.dataclass
@@ -100,7 +140,8 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
       (`jaxspec.models.cache_for` builds one that matches).
   Raises:
     ValueError: a size that is not an int >= 1, a page table that is not a 2-D integer array,
-      or an entry outside the pool (named).
+      an entry outside the pool (named), or pools larger than the device's memory
+      (`check_pool_fits`).
   """
   sizes = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                num_pages=num_pages, page_size=page_size)
@@ -109,6 +150,7 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
   check_page_table(page_table, num_pages)
   page_table = jnp.asarray(page_table, jnp.int32)
   shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+  check_pool_fits(shape, dtype)
   return PagedKVCache(
       k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
       page_table=page_table, lengths=jnp.zeros((page_table.shape[0],), jnp.int32))
