@@ -53,9 +53,11 @@ def test_logits_at_gives_the_full_logits_at_those_tokens(tiny):
 
 
 @pytest.mark.parametrize('preset, batch, dtype', [
+    # (target-12m, 4, float32) left out for CI time: batch 4 of its shapes runs in bfloat16, and
+    # batch 4 in float32 with the other presets.
     ('test-tiny', 1, 'float32'), ('test-tiny', 4, 'float32'), ('target-12m', 1, 'float32'),
-    ('target-12m', 4, 'float32'), ('draft-1m', 4, 'float32'), ('test-tiny', 4, 'bfloat16'),
-    ('target-12m', 4, 'bfloat16'), ('test-tiny', 1, 'float16')])
+    ('draft-1m', 4, 'float32'), ('test-tiny', 4, 'bfloat16'), ('target-12m', 4, 'bfloat16'),
+    ('test-tiny', 1, 'float16')])
 def test_one_token_decode_equals_verify_bit_for_bit(preset, batch, dtype):
   """In exact_verify mode a 9-token verification rounds exactly like 9 decode steps, for the
   shipped models' shapes too (random weights), and in bfloat16 (params cast as
