@@ -294,12 +294,23 @@ class PrefixCache:
       added += 1
     return added
 
-  def finish(self, request: Request) -> None:
+  def finish(self, request: Request, keep: bool = True) -> None:
     """Release a request's pages: registered ones become cached (tail page reclaimed first),
-    the rest return to the free list."""
+    the rest return to the free list.
+
+    keep=False (a request whose model produced NaN or inf, `jaxspec.engine`): first unregister
+    every registered page that no other request holds, so none is served from the cache (a
+    page it computed may hold NaN keys/values even for healthy tokens; one it hit is only
+    recomputed later).
+    """
     self._check_live(request)
     request.finished = True
     del self._requests[request.id]
+    if not keep:
+      for page in request.pages:
+        if self._holders[page] == 1 and page in self._key_of_page:
+          self._unregister(page)
+          self.allocator.free([page])           # the index's own reference
     for page in reversed(request.pages):
       self._holders[page] -= 1
       self.allocator.free([page])

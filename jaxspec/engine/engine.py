@@ -404,7 +404,7 @@ class Engine:
               error: Optional[str] = None) -> None:
     if self.policy is not None:
       self.policy.forget(request.id)
-    self.scheduler.remove(request)
+    self.scheduler.remove(request, failed=reason == 'error')
     request.state = State.FINISHED
     request.finish_reason = reason
     request.metrics.finish_s = now

@@ -95,19 +95,23 @@ class Scheduler:
     this one after a preemption, can hit them)."""
     self.prefix.commit(request.handle, request.context[:request.num_computed])
 
-  def release(self, request: Request) -> None:
-    """Commit what the request computed and give its pages and slot back."""
-    self.commit(request)
-    self.prefix.finish(request.handle)
+  def release(self, request: Request, failed: bool = False) -> None:
+    """Commit what the request computed and give its pages and slot back; failed (its model
+    produced NaN or inf): commit nothing, and take its pages no one else holds out of the
+    prefix cache."""
+    if not failed:
+      self.commit(request)
+    self.prefix.finish(request.handle, keep=not failed)
     self.slots[request.slot] = None
     request.slot, request.handle = None, None
 
-  def remove(self, request: Request) -> None:
-    """Take a finished or aborted request out: `release` if admitted, else out of the queue."""
+  def remove(self, request: Request, failed: bool = False) -> None:
+    """Take a finished or aborted request out: `release` if admitted (`failed`: see there),
+    else out of the queue."""
     if request.slot is None:   # by identity: dataclass equality would compare every field
       self.waiting = collections.deque(r for r in self.waiting if r is not request)
     else:
-      self.release(request)
+      self.release(request, failed)
 
   def preempt(self, request: Request) -> None:
     """Preempt by recomputation: release its pages and requeue it at the front."""

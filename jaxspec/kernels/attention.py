@@ -71,9 +71,10 @@ def gqa_attention(q, k, v, mask):
     mask: [B, T, S] bool, True where the key is visible.
   Returns:
     [B, T, N, H] in q's dtype: 0 for a query that sees no key (padding) or whose visible scores
-    are all -inf (`masked_softmax`; invisible keys never get weight). A NaN or inf value reaches
-    exactly the queries that see its slot (NaN there), never one that does not (a stale page,
-    a later token of the same chunk).
+    are all -inf (`masked_softmax`; invisible keys never get weight). A NaN or inf value in a
+    slot that no query of the row sees (a stale page) changes nothing; one that a later query
+    of the same call sees makes the earlier queries NaN too (0 * NaN; per query,
+    `gqa_attention_per_query`, it does not).
   Raises:
     ValueError: q or k not 4-D, or N not a multiple of K (K >= 1).
   """
@@ -87,20 +88,16 @@ def gqa_attention(q, k, v, mask):
   qg = q.reshape(b, t, kv_heads, g, h).astype(jnp.float32)
   scores = jnp.einsum('BTKGH,BSKH->BKGTS', qg, k.astype(jnp.float32)) * (h ** -0.5)
   probs = masked_softmax(scores, mask[:, None, None, :, :])
-  # A value reaches only the queries that see its slot, even when it is NaN or inf (a model that
-  # overflowed): weight 0 alone gives 0 * NaN = NaN, which carried a stale page's (or the null
-  # page's) NaN into other requests, and a chunk's later token's into its earlier ones. So
-  # non-finite values are zeroed for the product, and the queries that do see such a slot get
-  # NaN, as they did before.
-  bad = ~jnp.isfinite(v)                                                # [B, S, K, H]
-  v = jnp.where(bad, jnp.zeros((), v.dtype), v)
   # Contract over the minor axis of both operands: XLA:CPU then rounds each query row the same
   # way whatever T is, so one-token decode and K+1-token verification agree bit for bit.
   v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)                   # [B, K, H, S]
+  # A slot no query of the row sees adds exactly nothing, even holding NaN or inf: weight 0
+  # alone gives 0 * NaN = NaN, which carried a stale page's (or the null page's) NaN, written by
+  # a request whose model overflowed, into healthy requests. (Fused into the transpose: about
+  # free. A slot only later queries of the chunk see still reaches the earlier ones; zeroing
+  # per query cost 10-25 % of decode attention on the CPU, for rows that fail anyway.)
+  v_t = jnp.where(mask.any(axis=1)[:, None, None, :], v_t, 0.0)
   out = jnp.einsum('BKGTS,BKHS->BKGTH', probs, v_t)
-  seen_bad = jnp.einsum('BTS,BSK->BKT', mask.astype(jnp.float32),
-                        bad.any(axis=-1).astype(jnp.float32))           # [B, K, T]
-  out = jnp.where(seen_bad[:, :, None, :, None] > 0, jnp.nan, out)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 
 

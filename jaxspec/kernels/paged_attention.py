@@ -89,29 +89,26 @@ def _kernel(q_ref, q_pos_ref, k_pages_ref, v_pages_ref, page_table_ref, key_pos_
     return jnp.where(m == _MASKED, 0.0, m)
 
   def online_softmax(i, carry):
-    o, m, l, hit = carry
+    o, m, l = carry
     s, visible, pages = scores(i)
     v = v_pages_ref[pages].reshape(block_k, head_dim).astype(jnp.float32)
-    # A NaN or inf value reaches only the rows that see its slot (p = 0 alone gives 0 * NaN =
-    # NaN: a stale slot, the null page, a later token of the chunk), as in `gqa_attention`.
-    finite = jnp.abs(v) < jnp.inf                                               # NaN: False
-    v = jnp.where(finite, v, 0.0)
-    slot_bad = jnp.min(finite.astype(jnp.int32), axis=1) == 0                   # [block_k]
-    hit_next = hit + jnp.sum(jnp.where(visible & slot_bad[None, :], 1.0, 0.0), axis=1)
+    # A slot no row sees adds nothing, even holding NaN or inf (p = 0 alone gives 0 * NaN =
+    # NaN): a stale slot, or the null page, written last by a request whose model overflowed.
+    seen = jnp.max(visible.astype(jnp.int32), axis=0) > 0                       # [block_k]
+    v = jnp.where(seen[:, None], v, 0.0)
     m_next = jnp.maximum(m, s.max(axis=1))
     correction = jnp.exp(m - safe(m_next))
     p = jnp.where(visible, jnp.exp(s - safe(m_next)[:, None]), 0.0)
     l_next = correction * l + p.sum(axis=1)
     o_next = correction[:, None] * o + jnp.dot(p, v, preferred_element_type=jnp.float32)
-    return o_next, m_next, l_next, hit_next
+    return o_next, m_next, l_next
 
   init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), _MASKED, jnp.float32),
-          jnp.zeros((rows,), jnp.float32), jnp.zeros((rows,), jnp.float32))
-  o, m, l, hit = jax.lax.fori_loop(0, num_blocks, online_softmax, init)
+          jnp.zeros((rows,), jnp.float32))
+  o, m, l = jax.lax.fori_loop(0, num_blocks, online_softmax, init)
   m = safe(m)
   inv_l = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)     # rows that see nothing: 0
-  o = jnp.where(hit[:, None] > 0, jnp.nan, o * inv_l[:, None])
-  o_ref[...] = o.astype(o_ref.dtype)
+  o_ref[...] = (o * inv_l[:, None]).astype(o_ref.dtype)
 
   def key_mass(i, _):
     s, visible, _ = scores(i)
