@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxspec.cache.paged import write_keys_values
 from jaxspec.kernels import (BlockSizes, SelectParams, gqa_attention, gqa_attention_per_query,
                              paged_attention_with_mass, paged_attention_with_mass_reference,
                              select_slots, select_slots_reference)
@@ -258,24 +259,31 @@ def test_invisible_keys_never_get_weight(k_value, want_out, want_mass):
 
 
 @pytest.mark.parametrize('stale', [np.nan, np.inf])
-def test_a_non_finite_value_in_a_slot_no_query_sees_changes_nothing(stale):
-  """A stale slot (or the null page) last written by a request whose model overflowed: weight
-  0 times NaN was NaN, which failed every later request whose pages held such a slot. A query
-  that sees the slot still gets a non-finite output."""
-  q, k_pages, v_pages, table, key_pos, q_pos = _tiny_paged(1.0, 1.0)
-  stale_v = v_pages.at[0, 1, 1].set(stale)              # slot 1 (position 5) is invisible
+def test_a_non_finite_value_reaches_only_the_queries_that_see_its_slot(stale):
+  """Slot 1 (position 5) is written with a NaN or inf value (a model that overflowed): the
+  query at position 0 does not see it, the one at position 5 does. Written as it was, weight 0
+  times NaN reached the first query too (a stale page failed later requests, a chunk's later
+  token its earlier ones); `write_keys_values` stores key NaN, value 0."""
+  q, k_pages, v_pages, table, key_pos, _ = _tiny_paged(1.0, 1.0)
+  q = jnp.concatenate([q, q], axis=1)                                    # [1, 2, 1, 2]
+  q_pos = jnp.array([[0, 5]], jnp.int32)
+  pages, offsets = jnp.array([[1]], jnp.int32), jnp.array([[1]], jnp.int32)
+  new = jnp.full((1, 1, 1, 2), 1.0)
+  k_pages, v_pages = write_keys_values(k_pages[None], v_pages[None], 0, pages, offsets, new,
+                                       new.at[0, 0, 0, 1].set(stale))
+  assert np.isnan(k_pages[0, 0, 1, 1]).all() and (v_pages[0, 0, 1, 1] == 0).all()
+  k_pages, v_pages = k_pages[0], v_pages[0]
   for attend in (functools.partial(paged_attention_with_mass, interpret=True),
                  paged_attention_with_mass_reference):
-    out, mass = attend(q, k_pages, stale_v, table, key_pos, q_pos)
+    out, _ = attend(q, k_pages, v_pages, table, key_pos, q_pos)
     np.testing.assert_array_equal(out[0, 0, 0], [4.0, 5.0])
-    np.testing.assert_array_equal(mass[0, 0], [1.0, 0.0])
-    seen, _ = attend(q, k_pages, stale_v, table, key_pos, jnp.array([[5]], jnp.int32))
-    assert not np.isfinite(seen[0, 0, 0]).all()
-  k, v = (x[:, 1][None].transpose(0, 2, 1, 3) for x in (k_pages, stale_v))
+    assert np.isnan(out[0, 1, 0]).all()
+  k, v = (x[:, 1][None].transpose(0, 2, 1, 3) for x in (k_pages, v_pages))
+  mask = jnp.array([[[True, False], [True, True]]])
   for attend in (gqa_attention, gqa_attention_per_query):
-    np.testing.assert_array_equal(attend(q, k, v, jnp.array([[[True, False]]]))[0, 0, 0],
-                                  [4.0, 5.0])
-    assert not np.isfinite(attend(q, k, v, jnp.array([[[True, True]]]))[0, 0, 0]).all()
+    out = attend(q, k, v, mask)
+    np.testing.assert_array_equal(out[0, 0, 0], [4.0, 5.0])
+    assert np.isnan(out[0, 1, 0]).all()
 
 
 def test_a_query_that_sees_nothing_gives_zero():

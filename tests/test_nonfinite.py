@@ -131,3 +131,22 @@ def test_a_failed_request_leaves_no_page_in_the_prefix_cache(tiny):
   out = engine.run()[rid]
   assert out.finish_reason == 'length' and out.tokens == want
   assert out.metrics.cached_tokens == 0
+
+
+def test_a_rejected_proposal_whose_key_value_is_nan_changes_nothing(tiny):
+  """The draft proposes token x, whose target embedding is NaN and which the target never emits;
+  verification runs pending + K proposals in one product (exact_verify off). The NaN value of
+  the rejected x reached the earlier queries as weight 0 times NaN, and the healthy rows
+  failed; cached as key NaN, value 0 (`write_keys_values`), it reaches no one."""
+  config, params = tiny
+  config = dataclasses.replace(config, exact_verify=False)
+  clean = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  x = next(t for t in range(config.vocab_size)
+           if all(t not in p + c for p, c in zip(PROMPTS, clean)))
+  embed = params['params']['embed']['embedding']
+  target = {'params': {**params['params'], 'embed': {'embedding': embed.at[x].set(jnp.nan)}}}
+  head = params['params']['lm_head']['kernel']
+  draft = {'params': {**params['params'], 'lm_head': {'kernel': head.at[:, x].add(50.0)}}}
+  out = generate(config, target, PROMPTS, max_new_tokens=MAX_NEW, page_size=8, draft=config,
+                 draft_params=draft, k=3)
+  assert out.tokens == clean and out.proposed > 0 and out.accepted < out.proposed

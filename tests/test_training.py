@@ -26,7 +26,7 @@ SIZES = dict(steps=2, batch_size=2, seq_len=16, learning_rate=1e-3, warmup_steps
     (dict(weight_decay=math.nan), 'weight_decay must be a finite number'),
     (dict(grad_clip=0.0), 'grad_clip must be > 0'),
     (dict(warmup_steps=-1), 'warmup_steps must be an int >= 0, got -1'),
-    (dict(warmup_steps=3), 'warmup_steps=3 exceeds steps=2: the learning rate would never'),
+    (dict(warmup_steps=2), 'warmup_steps=2 must be below steps=2: the learning rate would'),
     (dict(eval_batches=0), 'eval_batches must be an int >= 1, got 0'),
     (dict(steps=2.5), 'steps must be an int >= 1, got 2.5'),
     (dict(seed=-1), r'seed must be an int in \[0, 2\*\*63\), got -1'),   # numpy's, unnamed

@@ -4,7 +4,7 @@ caching (hash-chained full pages, LRU) and the host-memory tier; eviction polici
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
 from jaxspec.cache.host import HostTier, read_pages, write_pages
 from jaxspec.cache.paged import (NULL_PAGE, PagedKVCache, gather_kv, init_cache, pages_needed,
-                                 rollback, slot_address, write_kv)
+                                 rollback, slot_address, write_keys_values, write_kv)
 from jaxspec.cache.eviction import (POLICIES, EvictionPolicy, EvictionState, after_tokens,
                                     init_eviction, last_token, make_policy)
 from jaxspec.cache.page_hash import page_keys
@@ -12,6 +12,6 @@ from jaxspec.cache.prefix import Plan, PrefixCache, Request
 
 __all__ = ['NULL_PAGE', 'HostTier', 'OutOfPagesError', 'PageAllocator', 'PagedKVCache', 'Plan',
            'PrefixCache', 'Request', 'gather_kv', 'init_cache', 'page_keys', 'pages_needed',
-           'read_pages', 'rollback', 'slot_address', 'write_kv', 'write_pages',
+           'read_pages', 'rollback', 'slot_address', 'write_keys_values', 'write_kv', 'write_pages',
            'POLICIES', 'EvictionPolicy', 'EvictionState', 'after_tokens', 'init_eviction',
            'last_token', 'make_policy']

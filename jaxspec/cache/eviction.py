@@ -252,9 +252,9 @@ def attend_and_evict(q, k, v, positions, cache: paged.PagedKVCache, state: Evict
       key_pos, free_from, _, slot = select_slots_reference(prio, key_pos, free_from, pos_t, params)
     scores = jnp.where(idx == slot[:, None], 0.0, scores)
     pages, offsets = paged.slot_address(cache.page_table, slot[:, None], cache.page_size)
-    cache = cache.replace(
-        k_pages=paged.write_kv(cache.k_pages, layer, pages, offsets, k[:, t:t + 1]),
-        v_pages=paged.write_kv(cache.v_pages, layer, pages, offsets, v[:, t:t + 1]))
+    k_pages, v_pages = paged.write_keys_values(cache.k_pages, cache.v_pages, layer, pages,
+                                               offsets, k[:, t:t + 1], v[:, t:t + 1])
+    cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
     if state.use_kernel:
       out, mass = paged_attention_with_mass(
           q[:, t:t + 1], cache.k_pages[layer], cache.v_pages[layer], cache.page_table, key_pos,

@@ -189,6 +189,28 @@ def write_kv(pages_pool, layer: int, pages, offsets, values):
   return pages_pool.at[layer, :, pages, offsets].set(values.astype(pages_pool.dtype))
 
 
+def write_keys_values(k_pages, v_pages, layer: int, pages, offsets, k, v):
+  """`write_kv` of one layer's new keys and values, keeping every cached value finite.
+
+  A token whose key or value (per KV head) holds NaN or inf (a model that overflowed, NaN
+  weights) is written as key NaN, value 0. A query that sees its slot then scores NaN (its
+  output NaN, so its logits are NaN and the request fails: `jaxspec.decoding.sampling`); a
+  query that does not see the slot gets nothing of it. (A NaN *value* at a slot a query does
+  not see reached it anyway, as weight 0 times NaN: stale pages failed healthy requests, and a
+  chunk's later token, e.g. a rejected proposal, its earlier ones.)
+
+  Args:
+    k_pages, v_pages: [layers, K, P, L, H] pools; layer: static index.
+    pages, offsets: [B, T] int32 from `slot_address`; k, v: [B, T, K, H] new keys and values.
+  Returns:
+    (k_pages, v_pages) with the new tokens written.
+  """
+  k, v = k.astype(k_pages.dtype), v.astype(v_pages.dtype)   # an overflowing cast is caught too
+  bad = ~(jnp.isfinite(k).all(axis=-1, keepdims=True) & jnp.isfinite(v).all(axis=-1, keepdims=True))
+  return (write_kv(k_pages, layer, pages, offsets, jnp.where(bad, jnp.nan, k)),
+          write_kv(v_pages, layer, pages, offsets, jnp.where(bad, 0, v)))
+
+
 def gather_kv(pages_pool, layer: int, page_table):
   """All slots of every sequence for one layer, in slot order.
 

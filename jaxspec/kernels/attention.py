@@ -71,10 +71,7 @@ def gqa_attention(q, k, v, mask):
     mask: [B, T, S] bool, True where the key is visible.
   Returns:
     [B, T, N, H] in q's dtype: 0 for a query that sees no key (padding) or whose visible scores
-    are all -inf (`masked_softmax`; invisible keys never get weight). A NaN or inf value in a
-    slot that no query of the row sees (a stale page) changes nothing; one that a later query
-    of the same call sees makes the earlier queries NaN too (0 * NaN; per query,
-    `gqa_attention_per_query`, it does not).
+    are all -inf (`masked_softmax`; invisible keys never get weight).
   Raises:
     ValueError: q or k not 4-D, or N not a multiple of K (K >= 1).
   """
@@ -91,12 +88,6 @@ def gqa_attention(q, k, v, mask):
   # Contract over the minor axis of both operands: XLA:CPU then rounds each query row the same
   # way whatever T is, so one-token decode and K+1-token verification agree bit for bit.
   v_t = v.astype(jnp.float32).transpose(0, 2, 3, 1)                   # [B, K, H, S]
-  # A slot no query of the row sees adds exactly nothing, even holding NaN or inf: weight 0
-  # alone gives 0 * NaN = NaN, which carried a stale page's (or the null page's) NaN, written by
-  # a request whose model overflowed, into healthy requests. (Fused into the transpose: about
-  # free. A slot only later queries of the chunk see still reaches the earlier ones; zeroing
-  # per query cost 10-25 % of decode attention on the CPU, for rows that fail anyway.)
-  v_t = jnp.where(mask.any(axis=1)[:, None, None, :], v_t, 0.0)
   out = jnp.einsum('BKGTS,BKHS->BKGTH', probs, v_t)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
 

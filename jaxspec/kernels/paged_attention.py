@@ -92,10 +92,6 @@ def _kernel(q_ref, q_pos_ref, k_pages_ref, v_pages_ref, page_table_ref, key_pos_
     o, m, l = carry
     s, visible, pages = scores(i)
     v = v_pages_ref[pages].reshape(block_k, head_dim).astype(jnp.float32)
-    # A slot no row sees adds nothing, even holding NaN or inf (p = 0 alone gives 0 * NaN =
-    # NaN): a stale slot, or the null page, written last by a request whose model overflowed.
-    seen = jnp.max(visible.astype(jnp.int32), axis=0) > 0                       # [block_k]
-    v = jnp.where(seen[:, None], v, 0.0)
     m_next = jnp.maximum(m, s.max(axis=1))
     correction = jnp.exp(m - safe(m_next))
     p = jnp.where(visible, jnp.exp(s - safe(m_next)[:, None]), 0.0)

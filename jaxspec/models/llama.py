@@ -184,9 +184,9 @@ class Attention(nn.Module):
       keys, values = k, v
     else:
       pages, offsets = paged.slot_address(cache.page_table, slots, cache.page_size)
-      cache = cache.replace(
-          k_pages=paged.write_kv(cache.k_pages, self.layer, pages, offsets, k),
-          v_pages=paged.write_kv(cache.v_pages, self.layer, pages, offsets, v))
+      k_pages, v_pages = paged.write_keys_values(cache.k_pages, cache.v_pages, self.layer, pages,
+                                                 offsets, k, v)
+      cache = cache.replace(k_pages=k_pages, v_pages=v_pages)
       keys = paged.gather_kv(cache.k_pages, self.layer, cache.page_table)
       values = paged.gather_kv(cache.v_pages, self.layer, cache.page_table)
     mask = attention.slot_causal_mask(slots, keys.shape[1], c.sliding_window)

@@ -100,9 +100,10 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
     only), final train loss and the held-out val_loss (nats/token).
   Raises:
     ValueError: for non-positive sizes, a learning rate that is not a finite number > 0, a
-      weight decay or warmup that is negative (or not finite), warmup_steps > steps, a grad_clip that is not > 0, a
-      stream that is not a 1-D integer array or holds an id outside [0, vocab_size) (named:
-      an id past the table gave NaN, a negative one wrapped to the last rows silently), a
+      weight decay or warmup that is negative (or not finite), warmup_steps >= steps, a
+      grad_clip that is not > 0, a stream that is not a 1-D integer array or holds an id
+      outside [0, vocab_size) (named: an id past the table gave NaN, a negative one wrapped to
+      the last rows silently), a
       stream shorter than one window (both checked before step 1), a seed that is not an int
       in [0, 2**63); FloatingPointError: a final train or val loss that is not
       finite (diverged: the params are not worth saving); CheckpointError: a state in
@@ -112,9 +113,9 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
   seq_len = check_int('seq_len', seq_len, 1)
   eval_batches = check_int('eval_batches', eval_batches, 1)
   warmup_steps = check_int('warmup_steps', warmup_steps, 0)
-  if warmup_steps > steps:
-    raise ValueError(f'warmup_steps={warmup_steps} exceeds steps={steps}: the learning rate would '
-                     f'never reach learning_rate (lower warmup_steps)')
+  if warmup_steps >= steps:     # optax counts updates from 0: the last is lr * (steps - 1) / W
+    raise ValueError(f'warmup_steps={warmup_steps} must be below steps={steps}: the learning '
+                     f'rate would never reach learning_rate')
   learning_rate = check_real('learning_rate', learning_rate, 0.0, math.inf, high_open=True)
   if learning_rate == 0.0:
     raise ValueError('learning_rate must be > 0, got 0.0')
