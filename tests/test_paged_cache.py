@@ -198,6 +198,18 @@ def test_a_pool_past_the_devices_memory_is_refused_before_allocating(monkeypatch
     init_cache(num_pages=7, **sizes)
 
 
+def test_an_engines_target_and_draft_pools_must_fit_together(tiny, monkeypatch):
+  from jaxspec.cache import paged  # pylint: disable=import-outside-toplevel
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  one = 2 * config.num_layers * config.num_kv_heads * 9 * 4 * config.head_dim * 4   # 9 pages
+  monkeypatch.setattr(paged, 'memory_bytes', lambda device=None: int(1.5 * one))
+  Engine(config, params, num_slots=1, num_pages=9, page_size=4)        # one pool fits
+  with pytest.raises(ValueError, match=r"the engine's KV cache \(target and draft\) needs"):
+    Engine(config, params, num_slots=1, num_pages=9, page_size=4, draft=config,
+           draft_params=params, k=2)
+
+
 @pytest.mark.parametrize('change, match', [
     (dict(num_layers=1), r"pages \(1, 2, 3, 4, 8\) / .* not this model's \[layers=2"),
     (dict(head_dim=4), r"not this model's \[layers=2, kv_heads=2, P, L, head_dim=8\]"),

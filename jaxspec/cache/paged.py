@@ -51,16 +51,18 @@ def memory_bytes(device=None) -> Optional[int]:
   return None
 
 
-def check_pool_fits(shape, dtype, what: str = 'the KV cache') -> None:
-  """Refuse a key + value pool that cannot fit the device's memory at all, before allocating it
-  (on the CPU, a pool past the machine's memory was killed by the OS without a message).
+def check_pool_fits(shape, dtype, what: str = 'the KV cache', others=()) -> None:
+  """Refuse key + value pools that cannot fit the device's memory at all, before allocating
+  them (on the CPU, a pool past the machine's memory was killed by the OS without a message).
 
   Args:
     shape: the pages' shape ([layers, K, P, L, H]); dtype: theirs.
+    others: (shape, dtype) of more pools allocated with it (an engine's draft pools), counted
+      in the total.
   Raises:
-    ValueError: the two pools' bytes exceed `memory_bytes()` (named, in GiB).
+    ValueError: the pools' bytes exceed `memory_bytes()` (named, in GiB).
   """
-  need = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+  need = sum(2 * math.prod(s) * jnp.dtype(d).itemsize for s, d in [(shape, dtype), *others])
   have = memory_bytes()
   if have is not None and need > have:
     raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages ({shape[2]} '

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
+from jaxspec.cache.paged import check_pool_fits
 from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
@@ -163,6 +164,10 @@ class Engine:
       self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
       self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
       table, _ = device.idle_rows(1, self.pages_per_seq)
+      pools = [((c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim), c.dtype)
+               for c in configs]
+      check_pool_fits(*pools[0], "the engine's KV cache" + (' (target and draft)' if draft
+                                                             else ''), others=pools[1:])
       self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
       lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
               0 in self.policy.candidates)
