@@ -192,9 +192,10 @@ def run(config, results) -> None:
                        f'token passage scored), got {config.seq_len}')
   else:   # a chunk of 0 tokens never ends the run
     check_fields(config, ('worker_tokens', 'worker_chunk'))
-    if config.worker_chunk > config.worker_tokens:    # generated a whole chunk past the end
-      raise ValueError(f'config.worker_chunk={config.worker_chunk} exceeds '
-                       f'config.worker_tokens={config.worker_tokens}')
+    if config.worker_tokens % config.worker_chunk:    # the last chunk ran past the end
+      raise ValueError(f'config.worker_tokens={config.worker_tokens} must be a multiple of '
+                       f'config.worker_chunk={config.worker_chunk} (each chunk is one compiled '
+                       f'call of that many tokens)')
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
   model, params = load_at_dtype(config.target or shipped('target'), config)
   if config.mode == 'quality' and config.seq_len > model.max_seq_len:   # worker: past it by design

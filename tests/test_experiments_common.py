@@ -155,9 +155,11 @@ def test_eviction_quality_refuses_sequences_past_the_context():
     import_experiment('eviction').run(_smoke('eviction', seq_len=2000), None)
 
 
-def test_eviction_worker_refuses_a_chunk_longer_than_the_run(monkeypatch):
-  # It generated a whole 512-token chunk for a 10-token run.
+@pytest.mark.parametrize('tokens', [10, 1000])
+def test_eviction_worker_refuses_a_run_that_is_not_whole_chunks(monkeypatch, tokens):
+  # It generated a whole 512-token chunk for a 10-token run, and 1024 tokens for 1000.
   module = import_experiment('eviction')
   monkeypatch.setattr(module, 'load_at_dtype', lambda *a: pytest.fail('loaded a model'))
-  with pytest.raises(ValueError, match='config.worker_chunk=512 exceeds config.worker_tokens=10'):
-    module.run(_smoke('eviction', mode='worker', worker_tokens=10, worker_chunk=512), None)
+  with pytest.raises(ValueError, match=f'config.worker_tokens={tokens} must be a multiple of '
+                                       f'config.worker_chunk=512'):
+    module.run(_smoke('eviction', mode='worker', worker_tokens=tokens, worker_chunk=512), None)
