@@ -302,3 +302,22 @@ def test_the_device_steps_compile_once_per_shape(models_):
   sizes = (constrained._step._cache_size(), constrained._prefill_chunk._cache_size())
   run('{\n  "tags":', 1)                       # another prompt and output length, same shapes
   assert (constrained._step._cache_size(), constrained._prefill_chunk._cache_size()) == sizes
+
+
+def test_a_draft_whose_logits_turn_nan_is_served_the_targets_tokens(models_):
+  """From the step that reads one token on, the draft's logits are NaN (its embedding is): the
+  rounds verify the proposals before it (none once that token is in the draft's cache), so the
+  greedy output is the target's, where the draft used to raise NonFiniteLogitsError."""
+  target, target_params, draft, draft_params, tok = models_
+  prompt = tok.encode('{\n  "operations":{\n    "GetQuery":')
+  alone = constrained_generate(target, target_params, prompt, _constraint(SCHEMAS[0]),
+                               max_new_tokens=48, stop_token=tok.eos_id)
+  bad = alone.tokens[6]
+  embed = draft_params['params']['embed']['embedding']
+  broken = {'params': {**draft_params['params'],
+                       'embed': {'embedding': embed.at[bad].set(jnp.nan)}}}
+  out = constrained_generate(target, target_params, prompt, _constraint(SCHEMAS[0]),
+                             max_new_tokens=48, stop_token=tok.eos_id, draft=draft,
+                             draft_params=broken, k=3)
+  assert out.tokens == alone.tokens
+  assert 0 < out.accepted and out.target_calls > len(alone.tokens) - 6

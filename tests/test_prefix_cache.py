@@ -302,22 +302,22 @@ def test_a_failed_promotion_leaves_the_generator_serving_and_never_hits_its_page
                                                                                 monkeypatch):
   # The plan stayed pending after a failed host-to-device copy: every later call (and
   # reset_prefix_cache) raised 'a plan is pending'; the promoted page kept its key without data.
-  from jaxspec.cache import prefix as prefix_module  # pylint: disable=import-outside-toplevel
+  from jaxspec.cache import host as host_module  # pylint: disable=import-outside-toplevel
   config, params = tiny
   rng = np.random.default_rng(7)
   a, b = (rng.integers(3, config.vocab_size, 5 * L).tolist() for _ in range(2))
   gen = PrefixCachedGenerator(config, params, num_pages=8, page_size=L, host_pages=16)
   want = gen.generate(a, max_new_tokens=4).tokens
   gen.generate(b, max_new_tokens=4)                     # a's pages demoted to the host tier
-  write_pages = prefix_module.write_pages
+  write_pages = host_module.write_pages
 
   def out_of_memory(*args, **kwargs):
     raise MemoryError('simulated')
 
-  monkeypatch.setattr(prefix_module, 'write_pages', out_of_memory)
+  monkeypatch.setattr(host_module, 'write_pages', out_of_memory)
   with pytest.raises(MemoryError, match='simulated'):
     gen.generate(a, max_new_tokens=4)
-  monkeypatch.setattr(prefix_module, 'write_pages', write_pages)
+  monkeypatch.setattr(host_module, 'write_pages', write_pages)
   again = gen.generate(a, max_new_tokens=4)             # serves, and reads no page without data
   assert again.tokens == want
   assert gen.prefix.allocator.num_free + len(gen.prefix._lru) == gen.prefix.num_pages - 1

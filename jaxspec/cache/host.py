@@ -161,6 +161,50 @@ def write_pages(caches: Sequence, pages: Sequence[int], data: Sequence) -> list:
           for cache, (k, v) in zip(caches, values)]
 
 
+def check_caches(host: HostTier, demote: Sequence, promote: Sequence, caches: Sequence) -> None:
+  """Check that `move_pages` can carry out a plan with these caches.
+
+  Raises:
+    ValueError: pages to move and no caches; a promoted page that was demoted from another
+      number of caches (one per model sharing the page table) than given.
+  """
+  if (demote or promote) and not caches:
+    raise ValueError(f'the plan moves {len(demote)} demoted and {len(promote)} promoted pages, '
+                     f'and no caches were given')
+  for key, _ in promote:
+    if host.has_data(key) and len(host.get(key)) != len(caches):
+      raise ValueError(f'a promoted page was demoted from {len(host.get(key))} caches '
+                       f'(one per model), {len(caches)} given')
+
+
+def move_pages(host: HostTier, demote: Sequence, promote: Sequence, caches: Sequence):
+  """Carry out a prefix-cache plan's copies: demoted pages to the host tier first (they are read
+  before any promoted page overwrites a pool page), then promoted pages into their device pages.
+
+  Args:
+    host: the tier; demoted keys were reserved in it (`HostTier.reserve`), promoted ones hold
+      data.
+    demote: (device page, key) pairs; a key the tier no longer holds (it demoted more than its
+      capacity) is skipped.
+    promote: (key, device page) pairs.
+    caches: PagedKVCache per model (donated when a page is promoted).
+  Returns:
+    (caches, pages demoted).
+  """
+  caches = list(caches)
+  promoted = [host.get(key) for key, _ in promote]
+  demote = [(page, key) for page, key in demote if key in host]
+  if demote:
+    data = read_pages(caches, [page for page, _ in demote])
+    for i, (_, key) in enumerate(demote):
+      # Own copies: a view would keep the whole batched read alive past the tier's capacity.
+      host.put(key, [(np.ascontiguousarray(k[:, :, i]), np.ascontiguousarray(v[:, :, i]))
+                     for k, v in data])
+  if promote:
+    caches = write_pages(caches, [page for _, page in promote], promoted)
+  return caches, len(demote)
+
+
 def warm_up_copies(caches: Sequence, max_pages: int) -> list:
   """Compile the copy shapes of up to `max_pages` pages (a read and a write of the null page
   for each power-of-two bucket), so a timed run does not compile. Returns the caches (donated)."""

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
-from jaxspec.cache.host import HostTier, read_pages, write_pages
+from jaxspec.cache.host import HostTier, check_caches, move_pages
 from jaxspec.cache.page_hash import page_keys_unchecked, salt_bytes
 from jaxspec.cache.paged import pages_needed
 from jaxspec.checks import check_int, is_int_in, token_ids
@@ -298,7 +298,7 @@ class PrefixCache:
     """Release a request's pages: registered ones become cached (tail page reclaimed first),
     the rest return to the free list.
 
-    keep=False (a request whose model produced NaN or inf, `jaxspec.engine`): first unregister
+    keep=False (a request whose model produced NaN or +inf, `jaxspec.engine`): first unregister
     every registered page that no other request holds, so none is served from the cache (a
     page it computed may hold NaN keys/values even for healthy tokens; one it hit is only
     recomputed later).
@@ -369,16 +369,14 @@ class PrefixCache:
     if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
     caches = list(caches)
-    if self.host is not None and (plan.demote or plan.promote):   # checked while still pending
-      if not caches:
-        raise ValueError(f'the plan moves {len(plan.demote)} demoted and {len(plan.promote)} '
-                         f'promoted pages, and no caches were given')
-      for key, _ in plan.promote:
-        if self.host.has_data(key) and len(self.host.get(key)) != len(caches):
-          raise ValueError(f'a promoted page was demoted from {len(self.host.get(key))} caches '
-                           f'(one per model), {len(caches)} given')
+    if self.host is not None:                   # checked while the plan is still pending
+      check_caches(self.host, plan.demote, plan.promote, caches)
     try:
-      return self._move(plan, caches)
+      if not plan or self.host is None:
+        return caches
+      caches, demoted = move_pages(self.host, plan.demote, plan.promote, caches)
+      self.stats['demoted_pages'] += demoted
+      return caches
     except BaseException:
       # Nothing may count on data that never arrived: promoted pages lose their keys (their
       # request frees them at `finish`), host entries still waiting for data are dropped; the
@@ -393,23 +391,6 @@ class PrefixCache:
       raise
     finally:
       self._pending = None
-
-  def _move(self, plan: Plan, caches: list) -> list:
-    if plan and self.host is not None:
-      promoted = [self.host.get(key) for key, _ in plan.promote]
-      # A plan demoting more pages than the tier holds keeps the most recently used ones.
-      demote = [(page, key) for page, key in plan.demote if key in self.host]
-      if demote:
-        data = read_pages(caches, [page for page, _ in demote])
-        for i, (_, key) in enumerate(demote):
-          # Own copies: a view would keep the whole batched read alive past the tier's capacity.
-          self.host.put(key, [(np.ascontiguousarray(k[:, :, i]), np.ascontiguousarray(v[:, :, i]))
-                              for k, v in data])
-        self.stats['demoted_pages'] += len(demote)
-      if plan.promote:
-        pages = [page for _, page in plan.promote]
-        caches = write_pages(caches, pages, promoted)
-    return caches
 
   # ---------------------------------------------------------------- internals
 

@@ -30,7 +30,7 @@ from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.generate import MAX_K, stop_ids
-from jaxspec.decoding.output import NonFiniteLogitsError, check_valid
+from jaxspec.decoding.output import check_valid
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import (INVALID_TOKEN, SamplingParams, check_sampling,
                                        probabilities, sample)
@@ -162,7 +162,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
       constraint's eos_id too) or a prompt that does not fit the context.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
-    NonFiniteLogitsError: the target's (or the draft's) logits were NaN or inf.
+    NonFiniteLogitsError: the target's logits were NaN or +inf. (A draft's are not an error:
+      the round verifies the proposals drafted before them, so the output is still the
+      target's, as with `generate` and the engine.)
   (A constraint that has consumed tokens, e.g. from an earlier call, is a ValueError: its mask
   would continue that text.)
   """
@@ -270,19 +272,29 @@ def _round(target, draft, target_params, draft_params, t_cache, d_cache, pending
                             masks[-1], step_rng, sampling=sampling)
       x, drafted = int(x[0]), drafted + 1
       if x == INVALID_TOKEN:
-        raise NonFiniteLogitsError('the draft\'s logits were not finite (NaN or inf) or allowed '
-                                   'no token: a float16 draft that overflows, or NaN weights?')
+        # The draft's logits were not finite: the target verifies the proposals before it
+        # (none: one plain target step), which keeps its distribution exact, as generate and
+        # the engine serve a broken draft's request with the target's tokens.
+        break
     if constraint is not None:
       constraint.advance(x)
     xs.append(x)
     qs.append(q)
     token = x
-  masks.append(_mask(constraint, vocab))
+  else:
+    masks.append(_mask(constraint, vocab))
+  k = len(xs)
   if constraint is not None:
     constraint.rollback(k)
-  n, nxt, t_cache = _verify(target, target_params, t_cache, jnp.array([pending], jnp.int32),
-                            jnp.array([xs], jnp.int32), jnp.stack(qs, axis=1),
-                            jnp.asarray(np.stack(masks, axis=1)), rng_verify, sampling=sampling)
+  if k:
+    n, nxt, t_cache = _verify(target, target_params, t_cache, jnp.array([pending], jnp.int32),
+                              jnp.array([xs], jnp.int32), jnp.stack(qs, axis=1),
+                              jnp.asarray(np.stack(masks, axis=1)), rng_verify,
+                              sampling=sampling)
+  else:
+    nxt, _, t_cache = _step(target, target_params, t_cache, jnp.array([pending], jnp.int32),
+                            masks[0], rng_verify, sampling=sampling)
+    n = jnp.zeros((1,), jnp.int32)
   n, nxt = int(n[0]), int(nxt[0])
   window = xs[:n] + [nxt]
   if stop_token is not None and stop_token in window:

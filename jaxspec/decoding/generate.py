@@ -222,7 +222,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
       K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids (a
       prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
       not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
-    NonFiniteLogitsError: the target's logits were NaN or inf for some prompt (its row ended
+    NonFiniteLogitsError: the target's logits were NaN or +inf for some prompt (its row ended
       with INVALID_TOKEN; e.g. a float16 model that overflows).
     CheckpointError: target_params (or draft_params) that are not the config's params (a
       tensor missing, extra, of another shape or of a dtype that is not a float, named).

@@ -92,10 +92,12 @@ class NonFiniteLogitsError(FloatingPointError):
   NaN weights) or left no token to draw, so the row drew INVALID_TOKEN instead of a token."""
 
 
-def invalid_rows(rows) -> list:
-  """Indexes of the token lists (host ints) that end in INVALID_TOKEN (the decode loops end a
-  row there)."""
-  return [i for i, row in enumerate(rows) if len(row) and row[-1] == INVALID_TOKEN]
+def non_finite_message(where: str, model: str = 'model') -> str:
+  """The one wording of a NonFiniteLogitsError (`check_valid`, the engine's failed requests):
+  `where` names the row and token, e.g. 'prompt 2 at token 5'."""
+  return (f'the {model}\'s logits were not finite (NaN or +inf) or allowed no token for {where}: '
+          f'a float16 model that overflows, or NaN weights? Compare it with its float32 or '
+          f'bfloat16 twin')
 
 
 def check_valid(rows, what: str = 'prompt') -> None:
@@ -109,12 +111,9 @@ def check_valid(rows, what: str = 'prompt') -> None:
     NonFiniteLogitsError: naming the rows (by index) whose model logits were not finite, and
       at which of their tokens.
   """
-  bad = invalid_rows(rows)
+  bad = [i for i, row in enumerate(rows) if len(row) and row[-1] == INVALID_TOKEN]
   if bad:
     label = (lambda i: what) if len(rows) == 1 else (lambda i: f'{what} {i}')
     where = ', '.join(f'{label(i)} at token {len(rows[i]) - 1}' for i in bad[:8])
     more = f' and {len(bad) - 8} more' if len(bad) > 8 else ''
-    raise NonFiniteLogitsError(
-        f'the model\'s logits were not finite (NaN or inf) or allowed no token for {where}'
-        f'{more}: a float16 model that overflows, or NaN weights? Compare it with its float32 '
-        f'or bfloat16 twin')
+    raise NonFiniteLogitsError(non_finite_message(where + more))

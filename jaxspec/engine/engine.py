@@ -33,6 +33,7 @@ from jaxspec.cache.paged import check_pool_fits
 from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import check_request
 from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
+from jaxspec.decoding.output import non_finite_message
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
@@ -397,9 +398,8 @@ class Engine:
       if request.metrics.first_token_s is None:
         request.metrics.first_token_s = now
     if invalid:
-      self._finish(request, 'error', now, error=(
-          f'the model\'s logits were not finite (NaN or inf) at token {len(request.output)} of '
-          f'request {request.id!r}: a float16 model that overflows, or NaN weights?'))
+      self._finish(request, 'error', now, error=non_finite_message(
+          f'request {request.id!r} at token {len(request.output)}'))
     elif tokens and tokens[-1] in request.stop_tokens:
       self._finish(request, 'stop', now)
     elif request.room <= 0:

@@ -98,7 +98,7 @@ class RequestOutput:
     prompt: the prompt token ids.
     tokens: emitted token ids (a stop token that ended it included).
     finish_reason: 'stop' (a stop token), 'length' (max_tokens), 'abort' (`Engine.abort`) or
-      'error' (the model's logits were not finite: NaN or inf; `tokens` holds the real tokens
+      'error' (the model's logits were not finite: NaN or +inf; `tokens` holds the real tokens
       before that point, and the other requests are unaffected).
     metrics: its `RequestMetrics`.
     error: what went wrong, for finish_reason 'error' (else None).

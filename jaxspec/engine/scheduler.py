@@ -97,7 +97,7 @@ class Scheduler:
 
   def release(self, request: Request, failed: bool = False) -> None:
     """Commit what the request computed and give its pages and slot back; failed (its model
-    produced NaN or inf): commit nothing, and take its pages no one else holds out of the
+    produced NaN or +inf): commit nothing, and take its pages no one else holds out of the
     prefix cache."""
     if not failed:
       self.commit(request)
