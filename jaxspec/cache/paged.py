@@ -51,24 +51,35 @@ def memory_bytes(device=None) -> Optional[int]:
   return None
 
 
-def check_pool_fits(shape, dtype, what: str = 'the KV cache', others=()) -> None:
-  """Refuse key + value pools that cannot fit the device's memory at all, before allocating
+def check_pool_fits(pools, what: str = 'the KV cache', device=None) -> None:
+  """Refuse key + value pools that cannot fit one device's memory at all, before allocating
   them (on the CPU, a pool past the machine's memory was killed by the OS without a message).
 
   Args:
-    shape: the pages' shape ([layers, K, P, L, H]); dtype: theirs.
-    others: (shape, dtype) of more pools allocated with it (an engine's draft pools), counted
-      in the total.
+    pools: per pool allocated together (an engine's target and draft), (name, shape, dtype) or
+      (name, shape, dtype, split): the pages' shape [layers, K, P, L, H], their dtype, and the
+      number of devices the pool is split over (1: each device holds it whole; a target cache
+      split over a mesh's 'model' axis: that axis' size).
+    what: the cache's name, for the message.
+    device: the device each share lands on (default: the first device).
   Raises:
-    ValueError: the pools' bytes exceed `memory_bytes()` (named, in GiB).
+    ValueError: one device's share of the pools exceeds `memory_bytes(device)` (each pool and
+      the device named, in GiB).
   """
-  need = sum(2 * math.prod(s) * jnp.dtype(d).itemsize for s, d in [(shape, dtype), *others])
-  have = memory_bytes()
+  device = jax.devices()[0] if device is None else device
+  parts = []
+  for name, shape, dtype, *split in pools:
+    split = split[0] if split else 1
+    parts.append((name, shape, 2 * math.prod(shape) * jnp.dtype(dtype).itemsize / split, split))
+  need = sum(b for _, _, b, _ in parts)
+  have = memory_bytes(device)
   if have is not None and need > have:
-    raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages ({shape[2]} '
-                     f'pages of {shape[3]} tokens, {shape[0]} layers), more than the '
-                     f'{have / 2 ** 30:.1f} GiB of {jax.devices()[0].platform} memory: use fewer '
-                     f'pages (a smaller batch, pool or context)')
+    each = '; '.join(f'{name}: {b / 2 ** 30:.1f} GiB, {shape[2]} pages of {shape[3]} tokens, '
+                     f'{shape[0]} layers' + (f', split over {split} devices' if split > 1 else '')
+                     for name, shape, b, split in parts)
+    raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages on one device '
+                     f'({each}), more than the {have / 2 ** 30:.1f} GiB of memory of {device} '
+                     f'({device.platform}): use fewer pages (a smaller batch, pool or context)')
 
 
 @flax.struct.dataclass
@@ -152,7 +163,7 @@ def init_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: 
   check_page_table(page_table, num_pages)
   page_table = jnp.asarray(page_table, jnp.int32)
   shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-  check_pool_fits(shape, dtype)
+  check_pool_fits([('keys and values', shape, dtype)])
   return PagedKVCache(
       k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype),
       page_table=page_table, lengths=jnp.zeros((page_table.shape[0],), jnp.int32))

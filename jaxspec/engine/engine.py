@@ -165,10 +165,9 @@ class Engine:
       self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
       self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
       table, _ = device.idle_rows(1, self.pages_per_seq)
-      pools = [((c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim), c.dtype)
-               for c in configs]
-      check_pool_fits(*pools[0], "the engine's KV cache" + (' (target and draft)' if draft
-                                                             else ''), others=pools[1:])
+      check_pool_fits([(name, (c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim),
+                        c.dtype) for name, c in zip(('target', 'draft'), configs)],
+                      "the engine's KV cache")
       self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
       lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
               0 in self.policy.candidates)

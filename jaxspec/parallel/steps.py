@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.cache import PagedKVCache
-from jaxspec.cache.paged import check_page_table
+from jaxspec.cache.paged import check_page_table, check_pool_fits
 from jaxspec.checks import check_int
 from jaxspec.decoding import autoregressive, speculative
 from jaxspec.models import ModelConfig
@@ -130,7 +130,8 @@ class ShardedSteps:
 
     Raises:
       ValueError: bad sizes or page table entries outside [0, num_pages); KV heads or batch not
-        divisible by the mesh.
+        divisible by the mesh; a device's share of the pool (the target's: 1 / the 'model'
+        axis; the draft's: all of it) past its memory (`check_pool_fits`).
     """
     num_pages = check_int('num_pages', num_pages, 1)
     page_size = check_int('page_size', page_size, 1)
@@ -139,6 +140,9 @@ class ShardedSteps:
     if not draft:
       check_model_fits(config, self.mesh.shape[MODEL])
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
+    split = 1 if draft else self.mesh.shape[MODEL]       # the target's pool: KV heads over 'model'
+    check_pool_fits([('draft' if draft else 'target', shape, config.dtype, split)],
+                    'the sharded KV cache', device=self.mesh.devices.flat[0])
     return self._empty_cache(shape, jnp.dtype(config.dtype), draft)(
         self.put_batch(table.astype(np.int32)))
 
