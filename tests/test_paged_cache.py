@@ -237,3 +237,23 @@ def test_slots_past_capacity_map_to_the_null_page_and_rollback_clips_at_zero(tin
   assert rollback(cache, jnp.array([-4, 1])).lengths.tolist() == [0, 1]
   with pytest.raises(ValueError, match=r'new_lengths must have shape \(2,\)'):
     rollback(cache, jnp.array([1, 1, 1]))
+
+
+@pytest.mark.parametrize('use_engine', [True, False], ids=['engine', 'prefix-generator'])
+def test_a_host_tier_past_the_machines_memory_is_refused_up_front(tiny, monkeypatch, use_engine):
+  # The tier fills one demoted page at a time: a run with host_pages past the machine's memory
+  # was killed late (or failed mid-run) instead of refused.
+  from jaxspec.cache import paged  # pylint: disable=import-outside-toplevel
+  from jaxspec.decoding import PrefixCachedGenerator  # pylint: disable=import-outside-toplevel
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  page = 2 * config.num_layers * config.num_kv_heads * 4 * config.head_dim * 4   # bytes, 1 model
+  monkeypatch.setattr(paged, 'host_memory_bytes', lambda: (9 + 100) * page)     # pools: 9 pages
+  make = ((lambda n: Engine(config, params, num_slots=1, num_pages=9, page_size=4, host_pages=n))
+          if use_engine else
+          (lambda n: PrefixCachedGenerator(config, params, num_pages=9, page_size=4, host_pages=n)))
+  make(100)                                                      # exactly fits
+  with pytest.raises(ValueError, match=r"host_pages=101 needs 0.0 GiB of host memory when full "
+                                       r"\(.* KiB a page for 1 model\(s\)\) besides 0.0 GiB of "
+                                       r"device pools in the same memory, more than the machine"):
+    make(101)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxspec.cache import paged
 from jaxspec.cache.paged import NULL_PAGE
 from jaxspec.checks import check_int
 
@@ -100,6 +101,29 @@ class HostTier:
   def num_bytes(self) -> int:
     """Bytes of page data held."""
     return sum(a.nbytes for data in self._entries.values() if data for kv in data for a in kv)
+
+
+def check_host_fits(host_pages: int, caches: Sequence) -> None:
+  """Refuse a host tier that could not fit the machine's memory when full, before it fills (it
+  grows one demoted page at a time, so a run would fail late, or be killed by the OS).
+
+  Args:
+    host_pages: the tier's capacity in pages.
+    caches: PagedKVCache per model sharing the page table (a demoted page holds each one's
+      keys and values). On the CPU their pools live in the same memory and are counted too.
+  Raises:
+    ValueError: the tier's bytes when full (+ the pools on the CPU) exceed the machine's
+      physical memory (named, in GiB).
+  """
+  per_page = sum(2 * c.k_pages.nbytes // c.k_pages.shape[2] for c in caches)
+  pools = sum(2 * c.k_pages.nbytes for c in caches
+              if all(d.platform == 'cpu' for d in c.k_pages.devices()))
+  need, have = host_pages * per_page, paged.host_memory_bytes()
+  if have is not None and need + pools > have:
+    also = f' besides {pools / 2 ** 30:.1f} GiB of device pools in the same memory' if pools else ''
+    raise ValueError(f'host_pages={host_pages} needs {need / 2 ** 30:.1f} GiB of host memory when '
+                     f'full ({per_page / 2 ** 10:.1f} KiB a page for {len(caches)} model(s)){also},'
+                     f' more than the machine\'s {have / 2 ** 30:.1f} GiB: use fewer host pages')
 
 
 def _bucket(n: int) -> int:

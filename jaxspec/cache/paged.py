@@ -43,12 +43,15 @@ def memory_bytes(device=None) -> Optional[int]:
     stats = {}
   if stats.get('bytes_limit'):
     return int(stats['bytes_limit'])
-  if device.platform == 'cpu':
-    try:
-      return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
-    except (ValueError, OSError, AttributeError):
-      return None
-  return None
+  return host_memory_bytes() if device.platform == 'cpu' else None
+
+
+def host_memory_bytes() -> Optional[int]:
+  """Bytes of the machine's physical memory (host RAM), None if unknown."""
+  try:
+    return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+  except (ValueError, OSError, AttributeError):
+    return None
 
 
 def check_pool_fits(pools, what: str = 'the KV cache', device=None) -> None:

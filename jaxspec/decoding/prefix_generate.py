@@ -46,7 +46,7 @@ class PrefixCachedGenerator:
   Raises:
     ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
       SamplingParams, host_pages > 0 with prefix_caching False, a mesh whose 'data' axis is
-      not 1. A pool too small for a request is reported by `generate` (OutOfPagesError), for
+      not 1, pools past the device's memory, a full host tier past the machine's. A pool too small for a request is reported by `generate` (OutOfPagesError), for
       that request.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
@@ -78,6 +78,8 @@ class PrefixCachedGenerator:
     self.caches = [steps.new_cache(target, table, num_pages, page_size)]
     if draft is not None:
       self.caches.append(steps.new_cache(draft, table, num_pages, page_size, draft=True))
+    if host_pages:
+      host_lib.check_host_fits(host_pages, self.caches)
     self.peak_device_pages = 0
 
   @property

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PrefixCache, pages_needed
+from jaxspec.cache.host import check_host_fits
 from jaxspec.cache.paged import check_pool_fits
 from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import check_request
@@ -107,7 +108,8 @@ class Engine:
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
       without speculation, draft and target vocabularies that differ, prefix_caching not a bool
       (or False with host_pages > 0), a seed that is not a 64-bit int, a max_seq_len too short
-      for any request (< K + 3), sampling that is not a SamplingParams.
+      for any request (< K + 3), sampling that is not a SamplingParams, target + draft pools
+      past the device's memory, a full host tier past the machine's (`check_host_fits`).
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
@@ -169,6 +171,8 @@ class Engine:
                         c.dtype) for name, c in zip(('target', 'draft'), configs)],
                       "the engine's KV cache")
       self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
+      if host_pages:
+        check_host_fits(host_pages, self.caches)
       lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
               0 in self.policy.candidates)
       self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
