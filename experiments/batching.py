@@ -317,6 +317,24 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   return {name: (engine, StepKinds(engine)) for name, engine in engines.items()}
 
 
+def validate(config) -> None:
+  """Check a batching config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
+      max_tokens, repeats, prompt_len (also: too short for retrieval), interleave or
+      cost_rounds.
+  """
+  parse_settings(config.settings)
+  check_fields(config, ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'))
+  if config.interleave not in ('steps', 'runs'):
+    raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
+  check_fields(config, ('cost_rounds', 'min_requests'), minimum=0)
+  if 'retrieval' in parse_workloads(config) and config.prompt_len < MIN_RETRIEVAL_PROMPT:
+    raise ValueError(f'config.prompt_len must be >= {MIN_RETRIEVAL_PROMPT} for the retrieval '
+                     f'workload, got {config.prompt_len}')
+
+
 def load_study(config) -> tuple:
   """(workloads, (target, target_params, draft, draft_params, tokenizer), engines) of a batching
   study config: its workloads, its model pair (`load_pair`) and its settings' engines
@@ -325,10 +343,8 @@ def load_study(config) -> tuple:
   Raises:
     ValueError: an unknown workload or setting, or a pair that does not load.
   """
+  validate(config)
   workloads, settings = parse_workloads(config), parse_settings(config.settings)
-  if 'retrieval' in workloads and config.prompt_len < MIN_RETRIEVAL_PROMPT:  # before warm-ups
-    raise ValueError(f'config.prompt_len must be >= {MIN_RETRIEVAL_PROMPT} for the retrieval '
-                     f'workload, got {config.prompt_len}')
   pair = load_pair(config)                # after the checks: a bad name fails before loading
   engines = build_engines(config, settings, *pair[:4])
   return workloads, pair, engines
@@ -388,11 +404,8 @@ def run(config, results) -> None:
       max_tokens, repeats, prompt_len or cost_rounds (before any model is loaded), or a setting
       the Engine refuses.
   """
+  validate(config)
   settings = parse_settings(config.settings)
-  check_fields(config, ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'))
-  if config.interleave not in ('steps', 'runs'):
-    raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
-  check_fields(config, ('cost_rounds', 'min_requests'), minimum=0)
   workloads, (*_, tokenizer), engines = load_study(config)
   b = int(config.batch_size)
   n = max(int(config.requests_per_slot) * b, int(config.min_requests))

@@ -53,14 +53,23 @@ def forward_seconds(config, params, context: int, num_tokens: int, page_size: in
   return best
 
 
-def run(config, results) -> None:
-  """Measure configs/benchmark.py; one record per K, then one MBU record."""
-  ks = comma_list(config, 'ks', convert=int, what='K')
-  bad = [k for k in ks if not 1 <= k <= MAX_K]
-  if bad:                                        # before any model is loaded or compiled
+def validate(config) -> None:
+  """Check a benchmark config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: a K out of [1, MAX_K] in ks, repeats or num_prompts < 1, max_new_tokens < 2.
+  """
+  bad = [k for k in comma_list(config, 'ks', convert=int, what='K') if not 1 <= k <= MAX_K]
+  if bad:
     raise ValueError(f'config.ks: speculation length K must be in [1, {MAX_K}], got {bad[0]}')
   check_fields(config, ('repeats', 'num_prompts'))
   check_fields(config, ('max_new_tokens',), minimum=2)   # a decode step to time after prefill
+
+
+def run(config, results) -> None:
+  """Measure configs/benchmark.py; one record per K, then one MBU record."""
+  validate(config)
+  ks = comma_list(config, 'ks', convert=int, what='K')
   sampling = SamplingParams(temperature=float(config.temperature))
   target, tparams, draft, dparams, tokenizer = load_pair(config)
   prompts = [p.tokens for p in make_prompts(config.workload, tokenizer, config.num_prompts,

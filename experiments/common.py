@@ -352,6 +352,19 @@ def import_experiment(name: str):
     raise ValueError(f'config.experiment={name!r} names no module experiments/{name}.py') from None
 
 
+def validate(module, config) -> None:
+  """Run an experiment module's `validate(config)` if it has one: the checks of its config that
+  need no model, so a bad value fails before a run directory is made or a sweep's first case
+  runs (each experiment's `run` calls its own too).
+
+  Raises:
+    ValueError: from the module, naming the bad field.
+  """
+  check = getattr(module, 'validate', None)
+  if check is not None:
+    check(config)
+
+
 def check_fields(config, names, minimum: int = 1) -> None:
   """Raise ValueError('config.NAME must be >= MINIMUM, got VALUE') for the first of `names`
   whose value in `config` is below `minimum` (sizes and counts an experiment checks before it

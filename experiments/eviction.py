@@ -174,8 +174,14 @@ def run_worker(config, results, model, params, tokenizer) -> None:
         tokens_per_s=n / seconds))
 
 
-def run(config, results) -> None:
-  """Quality (one record per workload) or worker mode (one record per chunk)."""
+def validate(config) -> None:
+  """Check an eviction config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: an unknown mode or policy, a budget the policy refuses, bad sizes for the mode
+      (quality: batch_size, num_sequences a multiple of it, seq_len; worker: worker_tokens a
+      multiple of worker_chunk).
+  """
   if config.mode not in ('quality', 'worker'):
     raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
   make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
@@ -196,6 +202,11 @@ def run(config, results) -> None:
       raise ValueError(f'config.worker_tokens={config.worker_tokens} must be a multiple of '
                        f'config.worker_chunk={config.worker_chunk} (each chunk is one compiled '
                        f'call of that many tokens)')
+
+
+def run(config, results) -> None:
+  """Quality (one record per workload) or worker mode (one record per chunk)."""
+  validate(config)
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))
   model, params = load_at_dtype(config.target or shipped('target'), config)
   if config.mode == 'quality' and config.seq_len > model.max_seq_len:   # worker: past it by design

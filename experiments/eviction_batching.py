@@ -199,8 +199,19 @@ def score_reference(model, params, policy, prompts, reference, page_size) -> tup
           float((np.asarray(out['argmax']) == nxt)[scored].mean()))
 
 
+def validate(config) -> None:
+  """Check an eviction_batching config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: a size < 1, plain_slots < 0, an unknown workload.
+  """
+  memory(config)
+  parse_workloads(config)
+
+
 def run(config, results) -> None:
   """Serve the requests with every setting, interleaved `repeats` times; one record each."""
+  validate(config)
   mem = memory(config)
   workloads = parse_workloads(config)
   tokenizer = load_tokenizer(config.tokenizer, config.target or shipped('target'))

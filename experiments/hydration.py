@@ -27,7 +27,16 @@ STRATEGIES = ('stuffing', 'stuffing_prefix_cache', 'hydration', 'hydration_prefi
 EXTRACTORS = ('draft', 'target', 'oracle')
 
 
-def _check(config):
+def validate(config) -> tuple:
+  """Check a hydration config before any model loads (`experiments.common.validate`).
+
+  Returns:
+    (strategies, α-phase temperatures).
+  Raises:
+    ValueError: an unknown strategy or extractor, a count out of range, extractor_k without
+      extractor=target, constrained=False with the oracle, alpha_k out of [1, MAX_K], a
+      temperature SamplingParams refuses.
+  """
   strategies = comma_list(config, 'strategies', STRATEGIES, what='strategy')
   if config.extractor not in EXTRACTORS:
     raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
@@ -70,7 +79,7 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
   model, params = (draft, draft_params) if config.extractor == 'draft' else (target,
                                                                              target_params)
   spec = {}
-  if config.extractor_k:                        # extractor 'target' (_check): draft proposes
+  if config.extractor_k:                        # extractor 'target' (validate): draft proposes
     spec = dict(draft=draft, draft_params=draft_params, k=config.extractor_k)
   return ModelExtractor(model, params, tokenizer, tokenizer.source,
                         max_new_tokens=config.max_extract_tokens, retries=config.retries,
@@ -86,7 +95,7 @@ def _measure(session: ContextSession, tokens, repeats: int):
 
 
 def run(config, results) -> None:
-  strategies, temps = _check(config)
+  strategies, temps = validate(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   episodes = tool_episodes(tokenizer, config.num_episodes, config.num_turns,
                            max_result_tokens=config.max_result_tokens, seed=config.seed)

@@ -37,13 +37,23 @@ def _generator(setting, config, models, pool_pages):
       host_pages=config.host_pages if setting == 'on_host' else 0, **spec)
 
 
-def run(config, results) -> None:
-  """Replay the conversations under every setting; write per-turn and per-setting records."""
-  settings = _settings(config)
+def validate(config) -> None:
+  """Check a prefix_cache config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: an unknown or repeated setting, K out of [0, MAX_K], a size < 1.
+  """
+  _settings(config)
   if not 0 <= config.k <= MAX_K:
     raise ValueError(f'speculation length K must be an int in [0, {MAX_K}] (0 = off), got '
                      f'{config.k}')
   check_fields(config, ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'))
+
+
+def run(config, results) -> None:
+  """Replay the conversations under every setting; write per-turn and per-setting records."""
+  validate(config)
+  settings = _settings(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:
     draft = draft_params = None

@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
                                 exit_unknown_field, import_experiment, new_run_dir, parse_flags,
-                                warn_if_busy)
+                                validate, warn_if_busy)
 from jaxspec.checks import nearest_existing
 from jaxspec.models.checkpoint import out_of_memory
 from jaxspec.parallel import distributed
@@ -60,6 +60,7 @@ def main(argv):
     # Before any device is touched; with 1 process a no-op.
     distributed.initialize(config.get('distributed'))
     module = import_experiment(config.experiment)
+    validate(module, config)             # before a run directory is made
     if distributed.is_primary():
       try:
         run_dir = new_run_dir(_WORKDIR.value, config.experiment)

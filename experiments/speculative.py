@@ -56,10 +56,16 @@ def load_pair(config):
   return target_cfg, target_params, draft_cfg, draft_params, tokenizer
 
 
-def run(config, results) -> None:
-  """Measure every workload of `config` (see configs/speculative.py) and write one record each."""
-  sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
-                            top_p=float(config.top_p))
+def validate(config) -> None:
+  """Check a speculative config before any model loads (`experiments.common.validate`).
+
+  Raises:
+    ValueError: sampling SamplingParams refuses, max_k < 1, K out of [1, max_k], batch_size
+      or num_prompts < 1 or batch_size > num_prompts, an unknown workload, mesh.data < 1 or a
+      batch it does not divide.
+  """
+  SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
+                 top_p=float(config.top_p))
   check_int('max_k', config.max_k, 1)
   if not 1 <= config.k <= config.max_k:
     raise ValueError(f'speculation length K must be an int in [1, {config.max_k}], got '
@@ -70,7 +76,7 @@ def run(config, results) -> None:
   if config.batch_size > config.num_prompts:    # the record would claim a batch never run
     raise ValueError(f'config.batch_size={config.batch_size} exceeds config.num_prompts='
                      f'{config.num_prompts}: no batch would be that large')
-  workloads = parse_workloads(config)                     # checked before any model is loaded
+  parse_workloads(config)
   data = int(config.get('mesh', {}).get('data', 1))
   if data < 1:
     raise ValueError(f'mesh.data must be an int >= 1, got {data}')
@@ -78,6 +84,14 @@ def run(config, results) -> None:
     if rows % data:
       raise ValueError(f'a batch of {rows} prompts (batch_size={config.batch_size}, num_prompts='
                        f'{config.num_prompts}) does not split over mesh.data={data}')
+
+
+def run(config, results) -> None:
+  """Measure every workload of `config` (see configs/speculative.py) and write one record each."""
+  validate(config)
+  sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
+                            top_p=float(config.top_p))
+  workloads = parse_workloads(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   # Sharded target and replicated draft on a mesh, or the default device for a 1 x 1 mesh.
   steps, target_params, draft_params = place_pair(config.get('mesh'), target, target_params,

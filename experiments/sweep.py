@@ -36,7 +36,8 @@ from tqdm import tqdm
 
 from experiments import report, sweeps
 from experiments.common import (DEFAULT_CONFIG, Results, exit_config_error, exit_unknown_field,
-                                format_record, import_experiment, parse_flags, read_results)
+                                format_record, import_experiment, parse_flags, read_results,
+                                validate)
 from jaxspec.parallel import distributed
 
 
@@ -240,6 +241,12 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
   ids = [sweeps.case_id(c) for c in cases]
   picked = sweeps.select_cases(cases, only, shard)
   experiment = import_experiment(base.experiment)
+  for i in picked:        # every case's values, before the first runs (a bad base fails once)
+    try:
+      validate(experiment, configs[i])
+    except ValueError as error:
+      raise ValueError(f'sweep case {i} ({ids[i]}): {error} (--only picks the cases to run)'
+                       ) from error
 
   sweep_dir = pathlib.Path(workdir) / base.experiment / sweep_name
   sweep_dir.mkdir(parents=True, exist_ok=True)

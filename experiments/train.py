@@ -11,11 +11,17 @@ from jaxspec.checks import nearest_existing
 from jaxspec.data import Tokenizer, train_mixture
 from jaxspec.models import ModelConfig, save_model, shipped
 from jaxspec.models.checkpoint import floating_dtype
-from jaxspec.training import train
+from jaxspec.training import check_settings, train
 
 
-def run(config, results) -> None:
-  """Train `config.model` on the train split, evaluate on val, save, write one record."""
+def validate(config) -> None:
+  """Check a train config before any data is read (`experiments.common.validate`).
+
+  Raises:
+    ValueError: an unknown model or store_dtype, an out or checkpoint_dir that cannot be a
+      directory, max_docs < 0, or an optimisation setting `train` refuses
+      (`jaxspec.training.check_settings`).
+  """
   # What is checked only at the end (saving) is checked first: a long run is not lost to it.
   floating_dtype(config.store_dtype)
   for field in ('out', 'checkpoint_dir'):
@@ -23,6 +29,16 @@ def run(config, results) -> None:
       _check_directory(f'config.{field}', pathlib.Path(config[field]))
   if config.max_docs < 0:
     raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
+  check_settings(ModelConfig.from_name(config.model), steps=config.steps,
+                 batch_size=config.batch_size, seq_len=config.seq_len,
+                 learning_rate=config.learning_rate, warmup_steps=config.warmup_steps,
+                 weight_decay=config.weight_decay, grad_clip=config.grad_clip, seed=config.seed,
+                 eval_batches=config.eval_batches, checkpoint_every=config.checkpoint_every)
+
+
+def run(config, results) -> None:
+  """Train `config.model` on the train split, evaluate on val, save, write one record."""
+  validate(config)
   tokenizer = Tokenizer.load(config.tokenizer or shipped('tokenizer.json'))
   max_docs = config.max_docs or None
   train_tokens = train_mixture(tokenizer, 'train', max_docs=max_docs)

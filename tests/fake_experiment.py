@@ -10,6 +10,12 @@ first record (environment, not config: a resumed sweep must keep the same base c
 import os
 
 
+def validate(config) -> None:
+  """What the runners check before any case runs: num_prompts >= 1."""
+  if config.num_prompts < 1:
+    raise ValueError(f'config.num_prompts must be >= 1, got {config.num_prompts}')
+
+
 def run(config, results) -> None:
   """Writes one record per workload; raises as `fail_on` / `interrupt_on` ask."""
   case = results.tags.get('case_id', '')

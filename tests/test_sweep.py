@@ -2,6 +2,7 @@
 
 import collections
 import csv
+import importlib.util
 import json
 import pathlib
 import subprocess
@@ -12,7 +13,7 @@ import pytest
 
 import fake_experiment
 from experiments import report, sweeps
-from experiments.common import read_results
+from experiments.common import import_experiment, read_results
 from experiments.sweep import run_sweep
 
 TESTS = pathlib.Path(__file__).parent
@@ -124,6 +125,30 @@ def test_unknown_field_fails_before_any_case_runs(tmp_path):
   assert not (tmp_path / 'log.txt').exists() and not (tmp_path / 'runs').exists()
   with pytest.raises(ValueError, match="'num_promts'"):
     _sweep(tmp_path, overrides={'num_promts': 2})
+
+
+def test_a_bad_value_fails_once_before_any_case_runs(tmp_path):
+  # A base override every case inherits failed each case in turn (six failures, one per case).
+  log = tmp_path / 'log.txt'
+  with pytest.raises(ValueError, match=r'sweep case 0 \(k=1,temperature=0.0\): '
+                                       r'config.num_prompts must be >= 1, got 0'):
+    run_sweep(CONFIG, tmp_path / 'runs', overrides={'num_prompts': 0, 'log': str(log)})
+  assert not log.exists() and not (tmp_path / 'runs').exists()
+
+
+def test_every_shipped_config_and_its_sweep_pass_their_experiments_validate():
+  for path in sorted((ROOT / 'configs').glob('[!_]*.py')):
+    spec = importlib.util.spec_from_file_location('_config_' + path.stem, path)
+    file = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(file)
+    for variant in (None, 'smoke'):
+      base = file.get_config(variant) if variant else file.get_config()
+      module = import_experiment(base.experiment)
+      assert callable(module.validate), path            # each experiment checks before it loads
+      module.validate(base)
+      if hasattr(file, 'get_sweep'):
+        for config in sweeps.validate_sweep(base, file.get_sweep()):
+          module.validate(config)
 
 
 def test_failing_case_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):

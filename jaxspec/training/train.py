@@ -77,6 +77,40 @@ def _check_stream(name: str, tokens, vocab_size: int, seq_len: int) -> None:
                      f'[0, {vocab_size}) ({bad.size} such ids)')
 
 
+def check_settings(config: ModelConfig, *, steps, batch_size, seq_len, learning_rate,
+                   warmup_steps, weight_decay, grad_clip, seed, eval_batches, checkpoint_every):
+  """`train`'s scalar arguments, checked (before any data is read: the train experiment checks
+  its config with it) and converted.
+
+  Returns:
+    (steps, batch_size, seq_len, learning_rate, warmup_steps, weight_decay, grad_clip, seed,
+    eval_batches, checkpoint_every) as ints and floats.
+  Raises:
+    ValueError: as `train` says for each.
+  """
+  steps, batch_size = check_int('steps', steps, 1), check_int('batch_size', batch_size, 1)
+  seq_len = check_int('seq_len', seq_len, 1)
+  eval_batches = check_int('eval_batches', eval_batches, 1)
+  warmup_steps = check_int('warmup_steps', warmup_steps, 0)
+  if warmup_steps >= steps:     # optax counts updates from 0: the last is lr * (steps - 1) / W
+    raise ValueError(f'warmup_steps={warmup_steps} must be below steps={steps}: the learning '
+                     f'rate would never reach learning_rate')
+  learning_rate = check_real('learning_rate', learning_rate, 0.0, math.inf, high_open=True)
+  if learning_rate == 0.0:
+    raise ValueError('learning_rate must be > 0, got 0.0')
+  weight_decay = check_real('weight_decay', weight_decay, 0.0, math.inf, high_open=True)
+  grad_clip = check_real('grad_clip', grad_clip, 0.0, math.inf, high_open=True)
+  if grad_clip == 0.0:
+    raise ValueError('grad_clip must be > 0, got 0.0')
+  checkpoint_every = check_int('checkpoint_every', checkpoint_every, 0)
+  if seq_len > config.max_seq_len:
+    raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
+  if not is_int_in(seed, 0, 2 ** 63 - 1):    # numpy's window sampler takes no negative seed
+    raise ValueError(f'seed must be an int in [0, 2**63), got {seed!r}')
+  return (steps, batch_size, seq_len, learning_rate, warmup_steps, weight_decay, grad_clip,
+          int(seed), eval_batches, checkpoint_every)
+
+
 def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray, *, steps: int,
           batch_size: int, seq_len: int, learning_rate: float, warmup_steps: int,
           weight_decay: float = 0.1, grad_clip: float = 1.0, seed: int = 0,
@@ -109,26 +143,11 @@ def train(config: ModelConfig, train_tokens: np.ndarray, val_tokens: np.ndarray,
       finite (diverged: the params are not worth saving); CheckpointError: a state in
       checkpoint_dir written with other arguments, or unreadable.
   """
-  steps, batch_size = check_int('steps', steps, 1), check_int('batch_size', batch_size, 1)
-  seq_len = check_int('seq_len', seq_len, 1)
-  eval_batches = check_int('eval_batches', eval_batches, 1)
-  warmup_steps = check_int('warmup_steps', warmup_steps, 0)
-  if warmup_steps >= steps:     # optax counts updates from 0: the last is lr * (steps - 1) / W
-    raise ValueError(f'warmup_steps={warmup_steps} must be below steps={steps}: the learning '
-                     f'rate would never reach learning_rate')
-  learning_rate = check_real('learning_rate', learning_rate, 0.0, math.inf, high_open=True)
-  if learning_rate == 0.0:
-    raise ValueError('learning_rate must be > 0, got 0.0')
-  weight_decay = check_real('weight_decay', weight_decay, 0.0, math.inf, high_open=True)
-  grad_clip = check_real('grad_clip', grad_clip, 0.0, math.inf, high_open=True)
-  if grad_clip == 0.0:
-    raise ValueError('grad_clip must be > 0, got 0.0')
-  checkpoint_every = check_int('checkpoint_every', checkpoint_every, 0)
-  if seq_len > config.max_seq_len:
-    raise ValueError(f'seq_len={seq_len} exceeds the model context {config.max_seq_len}')
-  if not is_int_in(seed, 0, 2 ** 63 - 1):    # numpy's window sampler takes no negative seed
-    raise ValueError(f'seed must be an int in [0, 2**63), got {seed!r}')
-  seed = int(seed)
+  (steps, batch_size, seq_len, learning_rate, warmup_steps, weight_decay, grad_clip, seed,
+   eval_batches, checkpoint_every) = check_settings(
+       config, steps=steps, batch_size=batch_size, seq_len=seq_len, learning_rate=learning_rate,
+       warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
+       eval_batches=eval_batches, checkpoint_every=checkpoint_every)
   for name, stream in (('train_tokens', train_tokens), ('val_tokens', val_tokens)):
     _check_stream(name, stream, config.vocab_size, seq_len)
   params = init_params(config, seed) if params is None else params
