@@ -14,7 +14,7 @@ def plot_batching(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
   line per setting) and alpha_threshold_vs_batch.png (α* and each K's α-to-pay vs B, with each
   workload's i.i.d.-equivalent α, mean over the fixed K). Returns the PNG paths written (none
   without batch-size records)."""
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top  (report sets Agg)
+  from experiments.figures import plt, save_figure  # pylint: disable=g-import-not-at-top
   result = analyze(records)
   rows = [r for r in result['settings'] if r['speedup'] is not None
           and not (r['k'] == 0 and r['k_policy'] in (None, 'fixed'))]   # all but baselines
@@ -41,10 +41,7 @@ def plot_batching(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
         if row == 1:
           ax.set_xlabel('batch size B (slots)')
     axes[0][-1].legend(title='setting', fontsize='small')
-    fig.tight_layout()
-    paths.append(out_dir / 'speedup_vs_batch.png')
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / 'speedup_vs_batch.png'))
   if result['thresholds']:
     fig, ax = plt.subplots(figsize=(5.5, 4))
     bs = [t['batch_size'] for t in result['thresholds']]
@@ -74,8 +71,5 @@ def plot_batching(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
     ax.set_title('speculation pays above the line')
     ax.grid(alpha=0.3)
     ax.legend(fontsize='small')
-    fig.tight_layout()
-    paths.append(out_dir / 'alpha_threshold_vs_batch.png')
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / 'alpha_threshold_vs_batch.png'))
   return paths

@@ -288,9 +288,7 @@ def plot_eviction_batching(records: list[dict], out_dir) -> list:
   policy, the plain engine as a dashed line (registered in experiments.report.PLOTS).
   Returns the PNG paths written (none without evicting records)."""
   import pathlib   # pylint: disable=g-import-not-at-top
-  import matplotlib   # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt   # pylint: disable=g-import-not-at-top
+  from experiments.figures import plt, save_figure  # pylint: disable=g-import-not-at-top
   evicting = [r for r in records if r.get('budget') is not None and r.get('policy')]
   plain = {}                             # the first record of each plain setting, K = 0 first
   for r in sorted(records, key=lambda r: r.get('k') or 0):
@@ -316,8 +314,4 @@ def plot_eviction_batching(records: list[dict], out_dir) -> list:
   fig.suptitle(f"same KV memory ({evicting[0]['num_pages'] - 1} pages): "
                f"{evicting[0]['num_requests']} requests of {evicting[0]['prompt_len']} + "
                f"{evicting[0]['max_tokens']} tokens", fontsize='medium')
-  fig.tight_layout()
-  path = pathlib.Path(out_dir) / 'eviction_vs_batching.png'
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return [path]
+  return [save_figure(fig, pathlib.Path(out_dir) / 'eviction_vs_batching.png')]

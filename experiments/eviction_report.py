@@ -5,11 +5,9 @@ from __future__ import annotations
 import collections
 import pathlib
 
-import matplotlib
 import numpy as np
 
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments.figures import plt, save_figure
 
 _PANELS = [('agreement', 'next-token agreement with the full cache'),
            ('perplexity_increase_pct', 'perplexity increase over the full cache (%)')]
@@ -46,10 +44,7 @@ def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
         ax.set_title(workload)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(title='policy', fontsize='small')
-    fig.tight_layout()
-    paths.append(out_dir / 'quality_vs_budget.png')
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / 'quality_vs_budget.png'))
   worker = sorted((r for r in records if r.get('mode') == 'worker'),
                   key=lambda r: r['tokens_generated'])
   if worker:
@@ -63,8 +58,5 @@ def plot_eviction(records: list[dict], out_dir: pathlib.Path) -> list[pathlib.Pa
     ax.set_ylabel('KV cache (MiB)')
     ax.grid(alpha=0.3)
     ax.legend(fontsize='small')
-    fig.tight_layout()
-    paths.append(out_dir / 'worker_memory.png')
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / 'worker_memory.png'))
   return paths

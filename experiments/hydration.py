@@ -234,7 +234,7 @@ def plot_hydration(records: list[dict], out_dir) -> list:
   episodes). Returns the PNG paths written (none without 'turn' records)."""
   import collections
   import pathlib
-  from experiments.report import plt  # matplotlib with the Agg backend
+  from experiments.figures import plt, save_figure
   turns = [r for r in records if r.get('kind') == 'turn']
   if not turns:
     return []
@@ -253,8 +253,4 @@ def plot_hydration(records: list[dict], out_dir) -> list:
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize='small')
-  fig.tight_layout()
-  path = pathlib.Path(out_dir) / 'hydration_per_turn.png'
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return [path]
+  return [save_figure(fig, pathlib.Path(out_dir) / 'hydration_per_turn.png')]

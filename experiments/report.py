@@ -19,11 +19,9 @@ import pathlib
 import sys
 from typing import Callable, Optional
 
-import matplotlib
+import matplotlib.ticker
 
-matplotlib.use('Agg')
-import matplotlib.ticker  # pylint: disable=g-import-not-at-top,wrong-import-position
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments.figures import plt, save_figure
 
 # pylint: disable-next=g-import-not-at-top
 from experiments.batching_plots import plot_batching
@@ -115,10 +113,7 @@ def plot_speculative(records: list[dict], out_dir: pathlib.Path) -> list[pathlib
       ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(title='workload', fontsize='small')
-    fig.tight_layout()
-    paths.append(out_dir / name)
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / name))
   return paths
 
 
@@ -144,11 +139,7 @@ def plot_prefix_cache(records: list[dict], out_dir: pathlib.Path) -> list[pathli
   axes[0].set_title('time to first token')
   axes[1].set_title('prompt tokens computed by prefill')
   axes[1].legend(title='setting', fontsize='small')
-  fig.tight_layout()
-  path = out_dir / 'ttft_vs_turn.png'
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return [path]
+  return [save_figure(fig, out_dir / 'ttft_vs_turn.png')]
 
 
 def _plot_hydration(records, out_dir):

@@ -267,6 +267,14 @@ def test_a_change_between_false_and_0_inside_a_list_is_recorded(old, new):
   assert json.dumps(store.replay()) == json.dumps(store.state) == json.dumps({'v': new})
 
 
+@pytest.mark.parametrize('old, new', [({'-': 1}, {'-': 2}), ({'k': {'-': 1}}, {'k': {'-': [1]}})])
+def test_a_change_under_an_object_key_named_dash_is_recorded(old, new):
+  # jsonpatch wrote a replace at '/-' and refused to apply it: update raised InvalidJsonPatch.
+  store = StateStore({'type': 'object'}, old)
+  assert store.update(new)
+  assert store.state == store.replay() == new
+
+
 def test_the_experiment_finishes_when_every_extraction_falls_back(tmp_path):
   # A hydrated prompt of fallbacks (headers + every raw result) outgrows the stuffed one: the
   # sessions were sized from the stuffed prompts and the run died before its summaries.

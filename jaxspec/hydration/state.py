@@ -55,9 +55,15 @@ class StateStore:
     # gets its own copy, or editing that state in place (the caller's working dict, or the
     # store's `state`, which hydrate hands out) would rewrite recorded history.
     patch = jsonpatch.make_patch(self.state, new_state).patch
-    if not _same(jsonpatch.apply_patch(self.state, patch), new_state):
+    try:
+      exact = _same(jsonpatch.apply_patch(self.state, patch), new_state)
+    except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException):
+      exact = False
+    if not exact:
       # jsonpatch compares list items with Python's ==, where 0 == False and 1 == True: a
-      # change between them inside a list gives no operation. Replace the whole state then.
+      # change between them inside a list gives no operation; and it writes a replace of an
+      # object key named '-' that it then refuses to apply ('-' ends an array). Replace the
+      # whole state then.
       patch = [{'op': 'replace', 'path': '', 'value': new_state}]
     self.patches.append(copy.deepcopy(patch))
     self.state = copy.deepcopy(new_state)
