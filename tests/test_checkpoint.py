@@ -52,12 +52,17 @@ def test_missing_params_is_named(saved):
 
 def test_corrupt_params_is_named(saved):
   path, _, _ = saved
+  json_files = ('_METADATA', '_CHECKPOINT_METADATA')
   for f in (path / 'params').rglob('*'):
-    if f.is_file() and f.stat().st_size > 0:
+    if f.is_file() and f.stat().st_size > 0 and f.name not in json_files:
       f.write_bytes(b'\x00garbage' * 4)
   with pytest.raises(CheckpointError, match='cannot read the checkpoint') as error:
     load_model(path)
   assert 'tensorstore_spec' not in str(error.value)
+  meta = path / 'params' / '_METADATA'                 # checked before orbax reads anything
+  meta.write_bytes(meta.read_bytes()[:len(meta.read_bytes()) // 2])
+  with pytest.raises(CheckpointError, match=r'params/_METADATA is damaged \(not JSON'):
+    load_model(path)
 
 
 def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):

@@ -223,6 +223,7 @@ def load_model(path, dtype: str = 'float32'):
     return hf.load_pretrained(path, dtype)
   config = read_config(path)
   expected = param_shapes(config)
+  check_orbax_metadata(path / 'params')
   try:
     with ocp.StandardCheckpointer() as ckptr:
       restored = ckptr.restore(path / 'params')
@@ -274,6 +275,25 @@ def out_of_memory(error: BaseException) -> bool:
   """Whether `error` is JAX's device out-of-memory error (RESOURCE_EXHAUSTED), which the
   loaders pass on as it is instead of reporting a damaged checkpoint."""
   return isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(error)
+
+
+def check_orbax_metadata(directory: pathlib.Path) -> None:
+  """Refuse an orbax checkpoint directory whose JSON metadata files do not parse, before orbax
+  reads it: a damaged one failed inside orbax's restore while its array reads were in flight,
+  and each of those then printed an 'Event loop is closed' traceback around the one error.
+
+  Raises:
+    CheckpointError: naming the file that is not JSON.
+  """
+  directory = pathlib.Path(directory)
+  files = [directory / name for name in ('_METADATA', '_CHECKPOINT_METADATA', '_sharding')]
+  files += sorted((directory / 'array_metadatas').glob('*'))
+  for file in files:
+    if file.is_file():
+      try:
+        json.loads(file.read_bytes())
+      except (OSError, ValueError) as error:
+        raise CheckpointError(f'{file} is damaged (not JSON: {error})') from error
 
 
 def orbax_reason(error: Exception, limit: int = 400) -> str:

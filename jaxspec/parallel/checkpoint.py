@@ -16,7 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
-                                       check_complete, floating_dtype, orbax_reason,
+                                       check_complete, check_orbax_metadata, floating_dtype,
+                                       orbax_reason,
                                        listed_sums, out_of_memory, read_config,
                                        verify_checksums, verify_sums)
 from jaxspec.parallel import specs
@@ -67,6 +68,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   else:
     check_model_fits(config, mesh.shape[MODEL])
     shardings = specs.named(mesh, specs.param_specs(shapes))
+  check_orbax_metadata(path / 'params')
   try:
     with ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree

@@ -13,8 +13,8 @@ from typing import Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, orbax_reason,
-                                       verify_checksums, write_checksums)
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, check_orbax_metadata,
+                                       orbax_reason, verify_checksums, write_checksums)
 
 
 class TrainState:
@@ -80,6 +80,7 @@ class TrainState:
                             f'checkpoint directory')
     target = dict(params=params, opt_state=opt_state, step=np.array(0, np.int64),
                   loss=np.array(0.0, np.float32))
+    check_orbax_metadata(self.path / 'state')
     try:
       with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(self.path / 'state', target)
