@@ -10,7 +10,7 @@ import shutil
 from jaxspec.checks import nearest_existing
 from jaxspec.data import Tokenizer, train_mixture
 from jaxspec.models import ModelConfig, save_model, shipped
-from jaxspec.models.checkpoint import floating_dtype
+from jaxspec.models.checkpoint import check_model_destination, floating_dtype
 from jaxspec.training import check_settings, train
 
 
@@ -19,7 +19,7 @@ def validate(config) -> None:
 
   Raises:
     ValueError: an unknown model or store_dtype, an out or checkpoint_dir that cannot be a
-      directory, max_docs < 0, or an optimisation setting `train` refuses
+      directory, an out that holds something other than a model (`check_model_destination`), max_docs < 0, or an optimisation setting `train` refuses
       (`jaxspec.training.check_settings`).
   """
   # What is checked only at the end (saving) is checked first: a long run is not lost to it.
@@ -27,6 +27,11 @@ def validate(config) -> None:
   for field in ('out', 'checkpoint_dir'):
     if config[field]:
       _check_directory(f'config.{field}', pathlib.Path(config[field]))
+  if config.out:
+    try:
+      check_model_destination(config.out)
+    except ValueError as error:
+      raise ValueError(f'config.out={config.out!r}: {error}') from None
   if config.max_docs < 0:
     raise ValueError(f'config.max_docs must be >= 0 (0: every document), got {config.max_docs}')
   check_settings(ModelConfig.from_name(config.model), steps=config.steps,

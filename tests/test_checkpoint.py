@@ -363,3 +363,24 @@ def test_a_tensor_restored_in_another_dtype_is_named(tmp_path):
   with pytest.raises(CheckpointError, match='tensor w was saved as float32 and restored as '
                                             'bfloat16'):
     verify_checksums(tmp_path / 'checksums.json', {'w': tree['w'].astype(jnp.bfloat16)})
+
+
+def test_a_directory_holding_something_else_is_not_saved_into(saved, tmp_path):
+  # A Hugging Face checkpoint given as the destination lost its config.json and tokenizer.json.
+  import shutil  # pylint: disable=import-outside-toplevel
+  from experiments import train as train_experiment  # pylint: disable=import-outside-toplevel
+  from configs.train import get_config  # pylint: disable=import-outside-toplevel
+  path, config, params = saved
+  hf_dir = tmp_path / 'hf'
+  shutil.copytree(pathlib.Path(__file__).parent / 'fixtures/hf/llama', hf_dir)
+  before = {f.name: f.read_bytes() for f in hf_dir.iterdir() if f.is_file()}
+  with pytest.raises(ValueError, match=r'hf is a directory that holds no jaxspec model \(config'):
+    save_model(hf_dir, config, params)
+  assert {f.name: f.read_bytes() for f in hf_dir.iterdir() if f.is_file()} == before
+  settings = get_config('smoke')
+  settings.out = str(hf_dir)
+  with pytest.raises(ValueError, match=r"config.out='.*hf': .* holds no jaxspec model"):
+    train_experiment.validate(settings)                 # before any training
+  save_model(path, config, params, dtype='float32')     # a model directory is replaced
+  (tmp_path / 'empty').mkdir()
+  save_model(tmp_path / 'empty', config, params, dtype='float32')

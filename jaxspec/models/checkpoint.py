@@ -64,6 +64,25 @@ def check_params(config: ModelConfig, params, name: str = 'params') -> None:
                             f'{jnp.result_type(leaf)}, not a floating-point dtype')
 
 
+def check_model_destination(path) -> None:
+  """Refuse to save a model into `path` when it is a directory that holds something else: it must
+  not exist, be empty, or be a model directory (`params/`, or a save's SAVE_INCOMPLETE marker),
+  which a save replaces. Writing into a Hugging Face checkpoint replaced its config.json and
+  tokenizer.json, and `load_model` then read our model from it.
+
+  Raises:
+    ValueError: naming the directory and a few of its entries.
+  """
+  path = pathlib.Path(path)
+  if not path.is_dir() or (path / 'params').is_dir() or (path / INCOMPLETE).exists():
+    return
+  entries = sorted(p.name for p in path.iterdir())
+  if entries:
+    shown = ', '.join(entries[:5]) + (', ...' if len(entries) > 5 else '')
+    raise ValueError(f'{path} is a directory that holds no jaxspec model ({shown}): save into a '
+                     f'new or empty directory, or a model directory to replace')
+
+
 def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
                info: Optional[dict] = None) -> None:
   """Write a model directory (overwriting one that exists).
@@ -80,9 +99,11 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
       inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
       `config`'s (a tensor missing, extra, of the wrong shape or not of a float dtype: an int
       tensor would be cast and saved as weights). Both before anything is written. A save cut
-      short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the loaders refuse.
+      short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the loaders refuse. A
+      ValueError too for a directory that holds something else (`check_model_destination`).
   """
   dtype = floating_dtype(dtype)
+  check_model_destination(path)
   check_params(config, params, 'params given to save_model')
   for keys, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     check_fits(jax.tree_util.keystr(keys), leaf, dtype)
