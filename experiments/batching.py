@@ -289,7 +289,15 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
   b = int(config.batch_size)
   k_max = max(int(s.get('k', 0)) for s in settings.values())
   page = int(config.page_size)
-  max_seq_len = pages_needed(config.prompt_len + config.max_tokens + k_max + 1, page) * page
+  need = config.prompt_len + config.max_tokens + k_max + 1
+  drafting = any(uses_draft_model(kwargs) for kwargs in settings.values())
+  context = min(m.max_seq_len for m in (target, draft if drafting else None) if m is not None)
+  if need > context:
+    raise ValueError(f'config.prompt_len={config.prompt_len} + config.max_tokens='
+                     f'{config.max_tokens} + K + 1 = {need} tokens (K = {k_max}, the largest of '
+                     f'any setting) exceeds the models\' context of {context}: lower prompt_len '
+                     f'or max_tokens')
+  max_seq_len = min(pages_needed(need, page) * page, context)
   pool = int(config.pool_pages) or b * (max_seq_len // page) + 1
   sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
                             top_p=float(config.top_p))

@@ -90,6 +90,13 @@ def _settings(config, mem, model, params):
   k = int(config.lookup_k)
   if not 0 <= k <= MAX_K:
     raise ValueError(f'config.lookup_k must be in [0, {MAX_K}], got {config.lookup_k}')
+  need = mem['span'] + max(k, 0)
+  if need > model.max_seq_len:                    # named here, not as the engine's max_seq_len
+    raise ValueError(f'config.prompt_len={config.prompt_len} + config.max_tokens='
+                     f'{config.max_tokens} + 1{f" + lookup_k={k}" if k else ""} = {need} tokens '
+                     f'exceeds the model\'s context of {model.max_seq_len}: lower prompt_len or '
+                     f'max_tokens')
+  mem = dict(mem, max_seq_len=min(mem['max_seq_len'], model.max_seq_len))
   shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
                 chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
   lookup = dict(k=k, drafter='ngram')

@@ -31,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from jaxspec.checks import check_int
 from jaxspec.data import Tokenizer, make_prompts
 from jaxspec.decoding import generate
+from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine import Engine, check_outputs
 from jaxspec.models import load_model, shipped
 
@@ -60,8 +61,15 @@ def main():
   for name in ('requests', 'prompt_len', 'max_tokens', 'repeats'):
     check_int(f'--{name}', getattr(args, name), 1)
   batches, ks = _ints(args.batch, '--batch'), _ints(args.k, '--k')
+  if max(ks) > MAX_K:                                   # before the models load
+    raise ValueError(f'--k: speculation length K must be in [1, {MAX_K}], got {max(ks)}')
   target, target_params = load_model(shipped('target'))
   draft, draft_params = load_model(shipped('draft'))
+  need = args.prompt_len + args.max_tokens + max(ks) + 1
+  context = min(target.max_seq_len, draft.max_seq_len)
+  if need > context:
+    raise ValueError(f'--prompt_len={args.prompt_len} + --max_tokens={args.max_tokens} + K + 1 = '
+                     f'{need} tokens exceeds the models\' context of {context}')
   tok = Tokenizer.load(shipped('tokenizer.json'))
   prompts = [p.tokens for p in make_prompts('json', tok, args.requests, args.prompt_len)]
   k_max = max(ks)
@@ -87,7 +95,7 @@ def main():
         spec.update(drafter='ngram')
       engines[name] = Engine(target, target_params, num_slots=b,
                              num_pages=b * per_request + 1, chunk_size=64,
-                             max_seq_len=per_request * 16, **spec)
+                             max_seq_len=min(per_request * 16, context), **spec)
       engines[name].warm_up()
     rates = {name: [] for name in names}
     alpha = []

@@ -77,6 +77,10 @@ def test_unknown_config_field_fails_loudly(tmp_path):
      "FATAL: config.out='/proc/version/model': '/proc/version' is a file"),
     (['--config=configs/speculative.py:smoke', '--config.max_k=0'],   # was: 'K ... in [1, 0]'
      'FATAL: max_k must be an int >= 1, got 0'),
+    (['--config=configs/batching.py:smoke', '--config.prompt_len=2000'],  # was: max_seq_len=
+     "FATAL: config.prompt_len=2000 + config.max_tokens=8 + K + 1 = 2011 tokens (K = 2,"),
+    (['--config=configs/eviction_batching.py:smoke', '--config.prompt_len=2000'],
+     "FATAL: config.prompt_len=2000 + config.max_tokens=8 + 1 + lookup_k=2 = 2011 tokens exceeds"),
     (['--config=configs/hydration.py:smoke', '--config.alpha_temperatures=0,1e-5'],  # was: late
      "FATAL: config.alpha_temperatures='0,1e-5': temperature 1e-05 would overflow"),
 ])
@@ -140,6 +144,8 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
     (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups
      "--set 'nope.policy.spec_margin=1': want SETTING.PATH=VALUE with SETTING in"),
+    (['engine_throughput.py', '--k', '17'],                # was: after loading the models
+     'FATAL: --k: speculation length K must be in [1, 16], got 17'),
 ])
 def test_script_arguments_are_refused_before_any_work(args, line):
   proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,

@@ -174,6 +174,15 @@ def test_a_mistyped_model_path_is_named_before_tokenizers_are_compared():
     load_pair(config)
 
 
+def test_load_pretrained_names_a_missing_directory_as_missing(tmp_path):
+  # Was 'no config.json in /x', as if the directory were there.
+  with pytest.raises(CheckpointError, match=r'no model directory at .*/absent$'):
+    load_pretrained(tmp_path / 'absent')
+  with pytest.raises(CheckpointError, match=r'no config.json in .*/empty$'):
+    (tmp_path / 'empty').mkdir()
+    load_pretrained(tmp_path / 'empty')
+
+
 def test_a_missing_tokenizer_is_named_before_any_model_loads(monkeypatch):
   from experiments import speculative
   monkeypatch.setattr(speculative, 'load_at_dtype', lambda *a: pytest.fail('loaded a model'))

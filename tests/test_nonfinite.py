@@ -13,6 +13,7 @@ import pytest
 from jaxspec.decoding import (INVALID_TOKEN, NonFiniteLogitsError, PrefixCachedGenerator,
                               RowSampling, SamplingParams, cut_lengths, generate, probabilities,
                               rejection_sample, sample)
+import jaxspec.engine as engine_module
 from jaxspec.engine import Engine, check_outputs
 
 V = 8
@@ -97,6 +98,7 @@ def test_engine_fails_only_the_request_whose_logits_turned_nan(tiny, tiny_draft,
   assert engine.prefix.num_held == 0
   with pytest.raises(NonFiniteLogitsError, match=r'1 request failed \(1\)'):
     check_outputs(outs.values())
+  assert engine_module.NonFiniteLogitsError is NonFiniteLogitsError   # importable beside it
 
 
 def test_prefix_generator_raises_and_caches_nothing_of_the_failed_request(tiny):

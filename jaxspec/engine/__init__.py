@@ -2,6 +2,7 @@
 with pluggable drafters (draft model, prompt lookup) and per-round K policies, and the evicting
 engine (each request's KV cache under an eviction budget)."""
 
+from jaxspec.decoding.output import NonFiniteLogitsError   # what check_outputs raises
 from jaxspec.engine.device import compile_counts
 from jaxspec.engine.drafters import Drafter, ModelDrafter, NGramDrafter, Round
 from jaxspec.engine.engine import Engine
@@ -13,6 +14,7 @@ from jaxspec.engine.request import (Request, RequestMetrics, RequestOutput, Stat
 from jaxspec.engine.scheduler import Scheduler
 
 __all__ = ['AlphaTracker', 'Drafter', 'Engine', 'EvictingEngine', 'EvictingScheduler', 'FixedK',
-           'GoodputK', 'KPolicy', 'ModelDrafter', 'NGramDrafter', 'Request', 'RequestMetrics',
+           'GoodputK', 'KPolicy', 'ModelDrafter', 'NGramDrafter', 'NonFiniteLogitsError', 'Request',
+           'RequestMetrics',
            'RequestOutput', 'Round', 'ScheduleK', 'Scheduler', 'State', 'check_outputs',
            'compile_counts']

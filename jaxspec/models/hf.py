@@ -140,6 +140,8 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
   if max_seq_len is not None:
     max_seq_len = check_int('max_seq_len', max_seq_len, 1)
   path = pathlib.Path(path).absolute()
+  if not path.is_dir():
+    raise CheckpointError(f'no model directory at {path}')
   if not (path / 'config.json').is_file():
     raise CheckpointError(f'no config.json in {path}')
   try:
