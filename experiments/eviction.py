@@ -27,6 +27,7 @@ from jaxspec.decoding.evicting import (decode_autoregressive_evicting, prefill_e
                                        score_tokens)
 from jaxspec.models import shipped
 
+WORKER_PROMPT = 256          # tokens of worker mode's prompt
 _FULL_REFERENCE: dict = {}   # full-cache scores per (model, workload, shapes): one per process
 
 
@@ -138,7 +139,8 @@ def run_worker(config, results, model, params, tokenizer) -> None:
   worker_budget tokens; one record per chunk (cached tokens, KV bytes, tokens/s)."""
   policy = make_policy(config.policy, None if config.policy == 'full' else
                        int(config.worker_budget))
-  prompt = make_prompts('code', tokenizer, 1, 256, split='test', seed=config.seed)[0].tokens
+  prompt = make_prompts('code', tokenizer, 1, WORKER_PROMPT, split='test',
+                        seed=config.seed)[0].tokens
   chunks = -(-config.worker_tokens // config.worker_chunk)
   # 'full' keeps every token: the prompt and every chunk's (each call caches worker_chunk).
   slots = (len(prompt) + chunks * config.worker_chunk if policy.slots is None
@@ -180,7 +182,7 @@ def validate(config) -> None:
   Raises:
     ValueError: an unknown mode or policy, a budget the policy refuses, bad sizes for the mode
       (quality: batch_size, num_sequences a multiple of it, seq_len; worker: worker_tokens a
-      multiple of worker_chunk).
+      multiple of worker_chunk, a worker_budget that evicts nothing).
   """
   if config.mode not in ('quality', 'worker'):
     raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
@@ -202,6 +204,13 @@ def validate(config) -> None:
       raise ValueError(f'config.worker_tokens={config.worker_tokens} must be a multiple of '
                        f'config.worker_chunk={config.worker_chunk} (each chunk is one compiled '
                        f'call of that many tokens)')
+    if config.policy != 'full':
+      make_policy(config.policy, config.worker_budget)
+    context = WORKER_PROMPT + config.worker_tokens
+    if config.policy != 'full' and config.worker_budget >= context:  # its pool outgrew the full
+      raise ValueError(f'config.worker_budget={config.worker_budget} keeps every token of the '
+                       f'run ({WORKER_PROMPT} prompt + worker_tokens={config.worker_tokens}): '
+                       f'below {context} it evicts (policy=full measures the full cache)')
 
 
 def run(config, results) -> None:

@@ -37,6 +37,8 @@ def test_unknown_config_field_fails_loudly(tmp_path):
      "FATAL: config.workloads names no workload: ''"),
     (['--config=configs/eviction.py:worker', '--config.worker_chunk=0'],
      'FATAL: config.worker_chunk must be >= 1, got 0'),          # looped for ever, writing 0s
+    (['--config=configs/eviction.py:worker', '--config.worker_budget=5000'],  # more KV than full
+     'FATAL: config.worker_budget=5000 keeps every token of the run (256 prompt + worker_tokens='),
     (['--config=configs/eviction.py:smoke', '--config.workloads=retrieval',
       '--config.seq_len=100'],
      'FATAL: config.seq_len must be >= 176 with the retrieval workload'),  # named prompt_len
