@@ -19,7 +19,8 @@ def validate(config) -> None:
 
   Raises:
     ValueError: an unknown model or store_dtype, an out or checkpoint_dir that cannot be a
-      directory, an out that holds something other than a model (`check_model_destination`), max_docs < 0, or an optimisation setting `train` refuses
+      directory, an out that holds something other than a model (`check_model_destination`),
+      max_docs < 0, or an optimisation setting `train` refuses
       (`jaxspec.training.check_settings`).
   """
   # What is checked only at the end (saving) is checked first: a long run is not lost to it.

@@ -46,8 +46,8 @@ class PrefixCachedGenerator:
   Raises:
     ValueError: bad K, mismatched vocabularies, a bad size, sampling that is not a
       SamplingParams, host_pages > 0 with prefix_caching False, a mesh whose 'data' axis is
-      not 1, pools past the device's memory, a full host tier past the machine's. A pool too small for a request is reported by `generate` (OutOfPagesError), for
-      that request.
+      not 1, pools past the device's memory, a full host tier past the machine's. A pool too
+      small for a request is reported by `generate` (OutOfPagesError), for that request.
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   """
 
