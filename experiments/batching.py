@@ -298,7 +298,7 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
                      f'any setting) exceeds the models\' context of {context}: lower prompt_len '
                      f'or max_tokens')
   max_seq_len = min(pages_needed(need, page) * page, context)
-  pool = int(config.pool_pages) or b * (max_seq_len // page) + 1
+  pool = int(config.pool_pages) or b * pages_needed(max_seq_len, page) + 1
   sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
                             top_p=float(config.top_p))
   engines = {}
@@ -334,6 +334,11 @@ def validate(config) -> None:
       cost_rounds.
   """
   parse_settings(config.settings)
+  for field in ('temperature', 'top_k', 'top_p'):       # SamplingParams' ranges, named
+    try:
+      SamplingParams(**{field: config[field]})
+    except (TypeError, ValueError) as error:
+      raise ValueError(f'config.{field}={config[field]!r}: {error}') from None
   check_fields(config, ('batch_size', 'requests_per_slot', 'max_tokens', 'repeats', 'prompt_len'))
   if config.interleave not in ('steps', 'runs'):
     raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")

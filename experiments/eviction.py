@@ -205,7 +205,10 @@ def validate(config) -> None:
                        f'config.worker_chunk={config.worker_chunk} (each chunk is one compiled '
                        f'call of that many tokens)')
     if config.policy != 'full':
-      make_policy(config.policy, config.worker_budget)
+      try:
+        make_policy(config.policy, config.worker_budget)
+      except ValueError as error:
+        raise ValueError(f'config.worker_budget={config.worker_budget}: {error}') from None
     context = WORKER_PROMPT + config.worker_tokens
     if config.policy != 'full' and config.worker_budget >= context:  # its pool outgrew the full
       raise ValueError(f'config.worker_budget={config.worker_budget} keeps every token of the '

@@ -28,6 +28,12 @@ def validate(config) -> None:
   for field in ('out', 'checkpoint_dir'):
     if config[field]:
       _check_directory(f'config.{field}', pathlib.Path(config[field]))
+  if config.out and config.checkpoint_dir:        # the state's files would block the save
+    out, state = (pathlib.Path(config[f]).absolute() for f in ('out', 'checkpoint_dir'))
+    if state == out or out in state.parents:
+      raise ValueError(f'config.checkpoint_dir={config.checkpoint_dir!r} is config.out='
+                       f'{config.out!r} or inside it: the model directory would hold the '
+                       f'training state; give them separate directories')
   if config.out:
     try:
       check_model_destination(config.out)

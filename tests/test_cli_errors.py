@@ -37,6 +37,13 @@ def test_unknown_config_field_fails_loudly(tmp_path):
      "FATAL: config.workloads names no workload: ''"),
     (['--config=configs/eviction.py:worker', '--config.worker_chunk=0'],
      'FATAL: config.worker_chunk must be >= 1, got 0'),          # looped for ever, writing 0s
+    (['--config=configs/eviction.py:worker', '--config.worker_budget=0'],
+     'FATAL: config.worker_budget=0: budget must be an int >= 1, got 0'),
+    (['--config=configs/batching.py:smoke', '--config.top_p=1.5'],   # was: after loading models
+     'FATAL: config.top_p=1.5: top_p must be in (0, 1], got 1.5'),
+    (['--config=configs/train.py:smoke', '--config.out=/tmp/jaxspec-m',   # save failed at the end
+      '--config.checkpoint_dir=/tmp/jaxspec-m/ck'],
+     "FATAL: config.checkpoint_dir='/tmp/jaxspec-m/ck' is config.out='/tmp/jaxspec-m' or inside"),
     (['--config=configs/eviction.py:worker', '--config.worker_budget=5000'],  # more KV than full
      'FATAL: config.worker_budget=5000 keeps every token of the run (256 prompt + worker_tokens='),
     (['--config=configs/eviction.py:smoke', '--config.workloads=retrieval',
