@@ -94,7 +94,7 @@ def test_a_flipped_byte_in_the_tensor_data_is_refused(saved):
 def test_split_independent_sums_catch_the_flipped_byte_too(saved):
   # Across processes (load_sharded), where no tensor is whole anywhere, the sums are the check.
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from jaxspec.models.checkpoint import verify_sums  # pylint: disable=import-outside-toplevel
+  from jaxspec.models.checksums import verify_sums  # pylint: disable=import-outside-toplevel
   from jaxspec.models.shard_sums import tensor_sums  # pylint: disable=import-outside-toplevel
   path, _, params = saved
   with ocp.StandardCheckpointer() as ckptr:

@@ -12,7 +12,7 @@ partial sums add up to the same value whatever the split or the reduction order.
 make a changed element change S (a flipped bit of b_i moves S by ±2^j·(2i + 1) ≢ 0), and most
 swaps of two elements too (b_i and b_k swapped move S by 2(b_i − b_k)(k − i), which vanishes mod
 2**32 only when that product is a multiple of 2**31). It is a check against damage, not a
-cryptographic hash: the SHA-256 beside it (`checkpoint.tensor_checksums`) is the check wherever
+cryptographic hash: the SHA-256 beside it (`checksums.tensor_checksums`) is the check wherever
 a tensor is whole.
 """
 

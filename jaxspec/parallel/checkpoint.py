@@ -15,11 +15,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
-from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, _check_all_fit, _check_tree,
-                                       check_complete, check_orbax_metadata, floating_dtype,
-                                       orbax_reason,
-                                       listed_sums, out_of_memory, read_config,
-                                       verify_checksums, verify_sums)
+from jaxspec.models.checkpoint import (_check_all_fit, _check_tree, check_complete,
+                                       check_orbax_metadata, floating_dtype, orbax_reason,
+                                       out_of_memory, read_config)
+from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_sums, verify_checksums,
+                                      verify_sums)
 from jaxspec.parallel import specs
 from jaxspec.parallel.mesh import MODEL, check_model_fits
 
