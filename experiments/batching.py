@@ -330,8 +330,9 @@ def validate(config) -> None:
 
   Raises:
     ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
-      max_tokens, repeats, prompt_len (also: too short for retrieval), interleave or
-      cost_rounds.
+      max_tokens, repeats, prompt_len (also: too short for retrieval), interleave, cost_rounds,
+      or a temperature, top_k or top_p out of `SamplingParams`' range (each on its own; their
+      combinations are checked in `build_engines`).
   """
   parse_settings(config.settings)
   for field in ('temperature', 'top_k', 'top_p'):       # SamplingParams' ranges, named

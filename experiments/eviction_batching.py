@@ -80,39 +80,33 @@ def memory(config) -> dict:
               max_seq_len=pages_needed(span + lookup, config.page_size) * config.page_size)
 
 
-def _settings(config, mem, model, params):
-  """[(name, policy or None, engine)] with every engine compiled (`warm_up`); with lookup_k =
-  K > 0 each is followed by its prompt-lookup twin `NAME+ngramK`.
-
-  Raises:
-    ValueError: lookup_k outside [0, MAX_K], a budget needing more pages than the pool.
-  """
+def _lookup_k(config) -> int:
   k = int(config.lookup_k)
   if not 0 <= k <= MAX_K:
     raise ValueError(f'config.lookup_k must be in [0, {MAX_K}], got {config.lookup_k}')
-  need = mem['span'] + max(k, 0)
-  if need > model.max_seq_len:                    # named here, not as the engine's max_seq_len
-    raise ValueError(f'config.prompt_len={config.prompt_len} + config.max_tokens='
-                     f'{config.max_tokens} + 1{f" + lookup_k={k}" if k else ""} = {need} tokens '
-                     f'exceeds the model\'s context of {model.max_seq_len}: lower prompt_len or '
-                     f'max_tokens')
-  mem = dict(mem, max_seq_len=min(mem['max_seq_len'], model.max_seq_len))
-  shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
-                chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
+  return k
+
+
+def _cases(config, mem) -> list:
+  """[(name, policy, slots, prompt-lookup engine kwargs)] of the evicting settings: each policy x
+  budget (+ the control window), each followed by its `+ngramK` twin when lookup_k = K > 0. Needs
+  no model, so `validate` runs it before one loads.
+
+  Raises:
+    ValueError: lookup_k outside [0, MAX_K], 'full' among the policies, a bad policy or budget, a
+      budget needing more pages than the pool.
+  """
+  k = _lookup_k(config)
   lookup = dict(k=k, drafter='ngram')
-  settings = [('plain', None, Engine(model, params, num_slots=mem['plain_slots'],
-                                     prefix_caching=False, **shared))]
-  if k:
-    settings.append((f'plain+ngram{k}', None, Engine(
-        model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared, **lookup)))
   kinds = comma_list(config, 'policies', what='policy')
   if 'full' in kinds:
     raise ValueError("config.policies names 'full': the full cache is the 'plain' setting (the "
                      'plain Engine), which every run measures as the baseline')
-  cases = [(kind, b) for kind in kinds for b in _ints(config, 'budgets')]
-  if config.control and ('window', mem['span']) not in cases:   # given already: measured once
-    cases.append(('window', mem['span']))
-  for kind, budget in cases:
+  pairs = [(kind, b) for kind in kinds for b in _ints(config, 'budgets')]
+  if config.control and ('window', mem['span']) not in pairs:   # given already: measured once
+    pairs.append(('window', mem['span']))
+  cases = []
+  for kind, budget in pairs:
     for delay, extra, suffix in [(0, {}, '')] + ([(k + 1, lookup, f'+ngram{k}')] if k else []):
       policy = make_policy(kind, budget, reuse_delay=delay)
       slots = (mem['num_pages'] - 1) // pages_needed(policy.slots, config.page_size)
@@ -121,10 +115,38 @@ def _settings(config, mem, model, params):
                          f'{pages_needed(policy.slots, config.page_size)} pages a request, more '
                          f'than the pool has ({mem["num_pages"] - 1} usable of num_pages='
                          f'{mem["num_pages"]}: page 0 is the null page)')
-      engine = EvictingEngine(model, params, policy=policy,
-                              num_slots=min(config.num_requests, slots),
-                              prefill_group=config.prefill_group, **shared, **extra)
-      settings.append((f'{kind}@{budget}{suffix}', policy, engine))
+      cases.append((f'{kind}@{budget}{suffix}', policy, min(config.num_requests, slots), extra))
+  return cases
+
+
+def _settings(config, mem, model, params):
+  """[(name, policy or None, engine)] with every engine compiled (`warm_up`); with lookup_k =
+  K > 0 each is followed by its prompt-lookup twin `NAME+ngramK`.
+
+  Raises:
+    ValueError: as `_cases`; a request span beyond the model's context.
+  """
+  k = _lookup_k(config)
+  cases = _cases(config, mem)
+  need = mem['span'] + k
+  if need > model.max_seq_len:                    # named here, not as the engine's max_seq_len
+    raise ValueError(f'config.prompt_len={config.prompt_len} + config.max_tokens='
+                     f'{config.max_tokens} + 1{f" + lookup_k={k}" if k else ""} = {need} tokens '
+                     f'exceeds the model\'s context of {model.max_seq_len}: lower prompt_len or '
+                     f'max_tokens')
+  mem = dict(mem, max_seq_len=min(mem['max_seq_len'], model.max_seq_len))
+  shared = dict(num_pages=mem['num_pages'], page_size=config.page_size,
+                chunk_size=config.chunk_size, max_seq_len=mem['max_seq_len'], seed=config.seed)
+  settings = [('plain', None, Engine(model, params, num_slots=mem['plain_slots'],
+                                     prefix_caching=False, **shared))]
+  if k:
+    settings.append((f'plain+ngram{k}', None, Engine(
+        model, params, num_slots=mem['plain_slots'], prefix_caching=False, **shared, k=k,
+        drafter='ngram')))
+  for name, policy, slots, extra in cases:
+    settings.append((name, policy, EvictingEngine(
+        model, params, policy=policy, num_slots=slots, prefill_group=config.prefill_group,
+        **shared, **extra)))
   for _, _, engine in settings:
     engine.warm_up()
   return settings
@@ -210,10 +232,12 @@ def validate(config) -> None:
   """Check an eviction_batching config before any model loads (`experiments.common.validate`).
 
   Raises:
-    ValueError: a size < 1, plain_slots < 0, an unknown workload.
+    ValueError: a size < 1, plain_slots < 0, an unknown workload; as `_cases` (lookup_k,
+      policies, budgets).
   """
-  memory(config)
+  mem = memory(config)
   parse_workloads(config)
+  _cases(config, mem)
 
 
 def run(config, results) -> None:

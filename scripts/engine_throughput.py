@@ -64,12 +64,13 @@ def main():
   if max(ks) > MAX_K:                                   # before the models load
     raise ValueError(f'--k: speculation length K must be in [1, {MAX_K}], got {max(ks)}')
   target, target_params = load_model(shipped('target'))
-  draft, draft_params = load_model(shipped('draft'))
+  draft, draft_params = load_model(shipped('draft')) if args.drafter == 'model' else (None, None)
   need = args.prompt_len + args.max_tokens + max(ks) + 1
-  context = min(target.max_seq_len, draft.max_seq_len)
+  context = min([target.max_seq_len] + ([draft.max_seq_len] if draft else []))   # ngram: no draft
+  whose = "models'" if draft else "target's"
   if need > context:
     raise ValueError(f'--prompt_len={args.prompt_len} + --max_tokens={args.max_tokens} + K + 1 = '
-                     f'{need} tokens exceeds the models\' context of {context}')
+                     f'{need} tokens exceeds the {whose} context of {context}')
   tok = Tokenizer.load(shipped('tokenizer.json'))
   prompts = [p.tokens for p in make_prompts('json', tok, args.requests, args.prompt_len)]
   k_max = max(ks)

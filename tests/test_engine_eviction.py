@@ -266,7 +266,7 @@ def test_bad_evicting_engine_arguments(tiny):
 def test_eviction_batching_metrics_and_memory():
   """The experiment's quality metrics and pool sizing (configs/eviction_batching.py)."""
   from configs.eviction_batching import get_config
-  from experiments.eviction_batching import _settings, match, memory
+  from experiments.eviction_batching import match, memory, validate
   exact, prefix = match([[1, 2, 3, 4], [1, 5, 3, 4], [9, 9, 9, 9]],
                         [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
   assert exact == pytest.approx(1 / 3) and prefix == pytest.approx((1 + 0.25 + 0) / 3)
@@ -287,7 +287,14 @@ def test_eviction_batching_metrics_and_memory():
   for bad in (-1, 17):
     config.lookup_k = bad
     with pytest.raises(ValueError, match=rf'config.lookup_k must be in \[0, 16\], got {bad}'):
-      _settings(config, mem, None, None)
+      validate(config)                  # before any model loads
+  for field, bad, message in [('policies', 'window,full', "config.policies names 'full'"),
+                              ('budgets', '64,0', 'config.budgets must list ints >= 1'),
+                              ('budgets', '100000', 'budget 100000 .* more than the pool')]:
+    config = get_config()
+    config[field] = bad
+    with pytest.raises(ValueError, match=message):
+      validate(config)
 
 
 def test_a_model_with_a_sliding_window_is_refused_under_eviction(tiny):

@@ -10,8 +10,8 @@ at each position i: the draft proposes x_1..x_K while advancing the constraint, 
 position i is the one of the state after x_<i, and the target's p_{K+1} gets the mask after all
 K. Both distributions are then conditioned on the same allowed set, and modified rejection
 sampling (Leviathan et al. 2023, Alg. 1; `rejection_sample`) emits exactly the constrained
-target's distribution. The constraint is rolled back over the round's proposals and advanced over what
-was emitted.
+target's distribution. The constraint is rolled back over the round's proposals and advanced over
+what was emitted.
 """
 
 from __future__ import annotations
