@@ -364,7 +364,8 @@ class PrefixCache:
         stays pending: apply it again with the right caches). An error while moving data (e.g.
         host memory exhausted) is raised as is, after undoing what counted on it: the
         promoted pages lose their keys (a later request misses instead of reading a page whose
-        data never arrived) and the plan stops being pending.
+        data never arrived), demoted pages whose copy arrived stay in the tier and count in
+        stats['demoted_pages'], and the plan stops being pending.
     """
     if plan is not self._pending and (plan or self._pending is not None):
       raise ValueError('this plan is not the pending one (apply each plan once, in order)')
@@ -380,7 +381,10 @@ class PrefixCache:
     except BaseException:
       # Nothing may count on data that never arrived: promoted pages lose their keys (their
       # request frees them at `finish`), host entries still waiting for data are dropped; the
-      # plan is no longer pending, so the cache keeps serving.
+      # plan is no longer pending, so the cache keeps serving. Pages whose copy did arrive (the
+      # demotes run first) stay in the tier and are counted.
+      if self.host is not None:
+        self.stats['demoted_pages'] += sum(self.host.has_data(key) for _, key in plan.demote)
       for _, page in plan.promote:
         if page in self._key_of_page:
           self._unregister(page)
