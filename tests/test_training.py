@@ -212,3 +212,14 @@ def test_a_save_cut_short_anywhere_leaves_a_whole_state(tmp_path, monkeypatch, c
   state.save({'w': params['w'] + 1}, opt, step=2, loss=1.0)      # and saving goes on
   assert resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0}).restore(params, opt)[2] == 2
   assert sorted(p.name for p in (tmp_path / 'ckpt').iterdir()) == ['args.json', 'state']
+
+
+@pytest.mark.parametrize('text', ['[]', '"lr"', 'not json'])
+def test_an_args_file_that_is_not_an_object_is_a_checkpoint_error(tmp_path, text):
+  # '[]' raised AttributeError ('list' object has no attribute 'get') from restore.
+  from jaxspec.training import resume  # pylint: disable=import-outside-toplevel
+  params, opt = {'w': np.arange(6, dtype=np.float32)}, {'m': np.zeros(6, np.float32)}
+  resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0}).save(params, opt, step=1, loss=2.0)
+  (tmp_path / 'ckpt' / 'args.json').write_text(text)
+  with pytest.raises(CheckpointError, match=r'args.json (is not a JSON object|is missing or)'):
+    resume.TrainState(tmp_path / 'ckpt', {'lr': 1.0}).restore(params, opt)

@@ -72,6 +72,9 @@ class TrainState:
       saved = json.loads((self.path / 'args.json').read_text())
     except (OSError, ValueError) as e:
       raise CheckpointError(f'{self.path / "args.json"} is missing or unreadable: {e}') from e
+    if not isinstance(saved, dict):
+      raise CheckpointError(f'{self.path / "args.json"} is not a JSON object of arguments, got '
+                            f'{type(saved).__name__}')
     differ = sorted(k for k in set(saved) | set(self.args) if saved.get(k) != self.args.get(k))
     if differ:
       changes = ', '.join(f'{k}: {saved.get(k)!r} -> {self.args.get(k)!r}' for k in differ)
