@@ -181,7 +181,7 @@ def validate(config) -> None:
 
   Raises:
     ValueError: an unknown mode or policy, a budget the policy refuses, bad sizes for the mode
-      (quality: batch_size, num_sequences a multiple of it, seq_len; worker: worker_tokens a
+      (quality: batch_size, num_sequences a multiple of it, seq_len >= 2; worker: worker_tokens a
       multiple of worker_chunk, a worker_budget that evicts nothing).
   """
   if config.mode not in ('quality', 'worker'):
@@ -189,7 +189,8 @@ def validate(config) -> None:
   make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
   if config.mode == 'quality':
     workloads = parse_workloads(config)
-    check_fields(config, ('batch_size', 'num_sequences', 'seq_len'))
+    check_fields(config, ('batch_size', 'num_sequences'))
+    check_fields(config, ('seq_len',), minimum=2)     # 1 token has no next token to score
     if config.num_sequences % config.batch_size:
       raise ValueError(f'config.num_sequences ({config.num_sequences}) must be a multiple of '
                        f'config.batch_size ({config.batch_size})')

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxspec.checks import check_int, check_real, is_int_in
-from jaxspec.decoding import SamplingParams, generate
+from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, generate
 from jaxspec.models import ModelConfig
 
 
@@ -155,6 +155,19 @@ def test_bad_model_config():
   # An odd head failed at the first forward pass inside jnp.split, naming no field.
   with pytest.raises(ValueError, match='ModelConfig.head_dim must be even .*got 7'):
     ModelConfig.from_name('test-tiny', head_dim=7)
+
+
+def test_a_prompt_bucket_past_the_context_pads_only_to_it(tiny, tiny_draft):
+  # prompt_bucket=100000 sized the pool for 100000 tokens: RESOURCE_EXHAUSTED (320 GB).
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  prompts = [[1, 5, 9], [2, 7]]
+  for spec in ({}, dict(draft=draft, draft_params=draft_params, k=3)):
+    want = generate(config, params, prompts, max_new_tokens=5, **spec)
+    got = generate(config, params, prompts, max_new_tokens=5, prompt_bucket=10 ** 9, **spec)
+    assert got.tokens == want.tokens
+    gen = PrefixCachedGenerator(config, params, num_pages=64, prompt_bucket=10 ** 9, **spec)
+    assert gen.generate(prompts[0], max_new_tokens=5).tokens == want.tokens[:1]
 
 
 @pytest.mark.parametrize('kwargs, match', [

@@ -153,6 +153,9 @@ def test_eviction_quality_refuses_sequences_past_the_context():
   with pytest.raises(ValueError, match=r'config.seq_len=2000 exceeds the context of the target '
                                        r'\(1024 tokens\)'):
     import_experiment('eviction').run(_smoke('eviction', seq_len=2000), None)
+  # One token has no next token: the run scored nothing and wrote perplexity=None, 'done'.
+  with pytest.raises(ValueError, match='config.seq_len must be >= 2, got 1'):
+    import_experiment('eviction').validate(_smoke('eviction', seq_len=1, workloads='json'))
 
 
 @pytest.mark.parametrize('tokens', [10, 1000])

@@ -202,7 +202,8 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   """Generate continuations of a batch of prompts.
 
   Autoregressive when `draft` is None, speculative (draft K, verify in one target pass) otherwise.
-  Prompts are right-padded to a multiple of `prompt_bucket` so similar batches reuse one compile.
+  Prompts are right-padded to a multiple of `prompt_bucket` so similar batches reuse one compile
+  (at most to what the context leaves beside max_new_tokens and the slack).
 
   Args:
     target, target_params: the target model.
@@ -243,6 +244,9 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   b = len(prompts)
   lengths = np.array([len(p) for p in prompts], np.int32)
   width = -(-int(lengths.max()) // prompt_bucket) * prompt_bucket
+  # The padding never outgrows the context (checked: the longest prompt + max_new_tokens + slack
+  # fits it): a bucket of 100000 sized a 320 GB pool for a 256-token model.
+  width = min(width, min(c.max_seq_len for c in configs) - int(max_new_tokens) - slack)
   tokens = np.zeros((b, width), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p

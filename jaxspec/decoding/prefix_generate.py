@@ -39,7 +39,8 @@ class PrefixCachedGenerator:
     prefix_caching: False recomputes every prompt (the baseline), through the same code.
     draft, draft_params, k: optional draft model and speculation length K.
     sampling: sampling parameters of every request.
-    prompt_bucket: new-token counts are padded to a multiple of this (one compile per bucket).
+    prompt_bucket: new-token counts are padded to a multiple of this (one compile per bucket;
+      the padding stops at the context).
     steps: where the device calls run: `LOCAL_STEPS`, or a `jaxspec.parallel.ShardedSteps`
       (target and its pages sharded over a mesh's 'model' axis, draft replicated; the mesh's
       'data' axis must be 1, since requests run one at a time).
@@ -165,6 +166,7 @@ class PrefixCachedGenerator:
                      for c in self.caches]
       new = prompt[request.num_cached:]
       width = -(-len(new) // self.prompt_bucket) * self.prompt_bucket
+      width = min(width, self.target.max_seq_len - request.num_cached)   # padding within context
       tokens = np.zeros((1, width), np.int32)
       tokens[0, :len(new)] = new
       tokens, lengths = put(tokens), put(np.full((1,), len(new), np.int32))
