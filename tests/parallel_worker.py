@@ -212,6 +212,10 @@ def main():
     out['error_load_sharded_checksum'] = error(lambda: load_sharded(f'{tmp}/b', mesh))
     fields = json.loads(pathlib.Path(f'{tmp}/m/config.json').read_text())
     pathlib.Path(f'{tmp}/m/config.json').write_text(json.dumps({**fields, 'd_ff': 128}))
+    out['error_load_sharded_config'] = error(lambda: load_sharded(f'{tmp}/m', mesh))
+    sums = json.loads(pathlib.Path(f'{tmp}/m/checksums.json').read_text())
+    del sums['config']                                    # as written before configs were listed
+    pathlib.Path(f'{tmp}/m/checksums.json').write_text(json.dumps(sums))
     out['error_load_sharded'] = error(lambda: load_sharded(f'{tmp}/m', mesh))
 
   # Errors naming the sizes.

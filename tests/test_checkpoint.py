@@ -231,9 +231,29 @@ def test_wrong_shape_names_the_tensor(saved):
   fields = json.loads((path / 'config.json').read_text())
   fields['d_ff'] = config.d_ff * 2
   (path / 'config.json').write_text(json.dumps(fields))
+  sums = json.loads((path / 'checksums.json').read_text())
+  del sums['config']                       # as a directory saved before configs were listed
+  (path / 'checksums.json').write_text(json.dumps(sums))
   with pytest.raises(CheckpointError,
                      match=r"tensor \['params'\]\['layer_0'\]\['mlp'\].*has shape \(64, 32\)"):
     load_model(path)
+
+
+@pytest.mark.parametrize('changes', [
+    dict(num_heads=2, num_kv_heads=1, head_dim=16),     # every shape kept, every token changed
+    dict(norm_eps=0.5), dict(rope_theta=500.0), dict(max_seq_len=100000)])
+def test_a_config_edited_beside_its_tensors_is_named(saved, changes):
+  # checksums.json listed tensors only: each of these loaded silently (three changed the tokens).
+  path, config, params = saved
+  fields = json.loads((path / 'config.json').read_text())
+  (path / 'config.json').write_text(json.dumps({**fields, **changes}, indent=4))
+  first = sorted(changes)[0]
+  with pytest.raises(CheckpointError, match=re.escape(
+      f'config.json differs from the config its tensors were saved with ({first}: '
+      f'{fields[first]!r} -> {changes[first]!r}')):
+    load_model(path)
+  (path / 'config.json').write_text(json.dumps(fields))            # reformatted: the same config
+  assert load_model(path)[0] == config
 
 
 @pytest.mark.parametrize('dtype', ['foo', 'int32', 'bool'])
@@ -293,6 +313,37 @@ def test_weights_beyond_float16_range_are_named_before_writing(saved, tmp_path):
   with pytest.warns(UserWarning, match='unverified'), pytest.raises(
       CheckpointError, match=r"embed.* holds 1 values outside float16's range"):
     load_sharded(tmp_path / 'b', make_mesh(1, 1), dtype='float16')
+
+
+@pytest.mark.parametrize('bad', [np.nan, np.inf])
+def test_non_finite_weights_are_refused_when_saved_and_loaded(saved, tmp_path, monkeypatch, bad):
+  # Saved and loaded without a word (the checksums were of the NaN bytes); a draft with NaN
+  # weights then proposed nothing and a run reported α = 0 as a measurement.
+  from jaxspec.models import checkpoint  # pylint: disable=import-outside-toplevel
+  from jaxspec.models.hf import load_pretrained, save_pretrained  # pylint: disable=C0415
+  from jaxspec.parallel import load_sharded, make_mesh  # pylint: disable=import-outside-toplevel
+  _, config, params = saved
+  broken = jax.tree.map(lambda x: x, params)
+  broken['params']['layer_1']['mlp']['up']['kernel'] = (
+      broken['params']['layer_1']['mlp']['up']['kernel'].at[0, :3].set(bad))
+  needle = r"up'\]\['kernel'\] holds 3 NaN or infinite values"
+  for dtype in ('float32', 'bfloat16'):
+    with pytest.raises(ValueError, match=needle):
+      save_model(tmp_path / 'n', config, broken, dtype=dtype)
+  with pytest.raises(ValueError, match='up_proj.weight holds 3 NaN or infinite values'):
+    save_pretrained(tmp_path / 'hf', config, broken)
+  assert not (tmp_path / 'n').exists() and not (tmp_path / 'hf').exists()
+  monkeypatch.setattr(checkpoint, 'check_fits', lambda *args, **kwargs: None)   # as if older
+  save_model(tmp_path / 'n', config, broken, dtype='float32')
+  from jaxspec.models import hf  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(hf, 'check_fits', lambda *args, **kwargs: None)
+  save_pretrained(tmp_path / 'hf', config, broken)
+  monkeypatch.undo()
+  for load in (lambda: load_model(tmp_path / 'n'),
+               lambda: load_sharded(tmp_path / 'n', make_mesh(1, 1)),
+               lambda: load_pretrained(tmp_path / 'hf')):
+    with pytest.raises(CheckpointError, match='holds 3 NaN or infinite values'):
+      load()
 
 
 def test_float32_values_past_bfloat16s_max_are_named(saved, tmp_path):

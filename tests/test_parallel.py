@@ -265,6 +265,8 @@ def test_checkpoint_loads_straight_into_its_shardings(worker):
   assert worker['load_sharded_equal']
   assert worker['load_sharded_bfloat16_equal']
   assert "dtype must be a floating-point dtype" in worker['error_load_sharded_dtype']
+  assert ("config.json differs from the config its tensors were saved with (d_ff: 64 -> 128)"
+          in worker['error_load_sharded_config'])
   assert ("tensor ['params']['layer_0']['mlp']['down']['kernel'] has shape (64, 32), config "
           "implies (128, 32)") in worker['error_load_sharded']
   assert ('tensor params/layer_0/mlp/down/kernel does not match its checksum' in

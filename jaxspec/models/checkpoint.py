@@ -25,7 +25,8 @@ import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Transformer
-from jaxspec.models.checksums import CHECKSUMS, CheckpointError, verify_checksums, write_checksums
+from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, check_config, verify_checksums,
+                                      write_checksums)
 
 
 def param_shapes(config: ModelConfig):
@@ -88,8 +89,8 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
       removes an info.json left by an earlier save.
   Raises:
     ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
-      weight), a weight outside the dtype's range (float16: |x| > 65504 would be stored as
-      inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
+      weight), a weight that is NaN or infinite, or outside the dtype's range (float16:
+      |x| > 65504 would be stored as inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
       `config`'s (a tensor missing, extra, of the wrong shape or not of a float dtype: an int
       tensor would be cast and saved as weights). Both before anything is written. A save cut
       short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the loaders refuse. A
@@ -104,7 +105,8 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
     info_text = None if info is None else json.dumps(info, indent=2, allow_nan=False) + '\n'
   except (TypeError, ValueError) as e:
     raise ValueError(f'info is not JSON-serialisable ({e}): {str(info)[:200]}') from None
-  config_text = json.dumps(dataclasses.asdict(config), indent=2) + '\n'   # before any write
+  config_fields = dataclasses.asdict(config)
+  config_text = json.dumps(config_fields, indent=2) + '\n'   # before any write
   stored = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
   path = pathlib.Path(path).absolute()
   path.mkdir(parents=True, exist_ok=True)
@@ -113,7 +115,7 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
   (path / CHECKSUMS).unlink(missing_ok=True)
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path / 'params', stored, force=True)
-  write_checksums(path / CHECKSUMS, stored)
+  write_checksums(path / CHECKSUMS, stored, config_fields)
   (path / 'config.json').write_text(config_text)
   if info_text is not None:
     (path / 'info.json').write_text(info_text)
@@ -139,7 +141,8 @@ def read_config(path: pathlib.Path) -> ModelConfig:
   finished), once its params/ directory is known to be there.
 
   Raises:
-    CheckpointError: config.json missing or not a valid ModelConfig, or params/ missing (named).
+    CheckpointError: config.json missing, not a valid ModelConfig or not the config the
+      tensors were saved with (`checksums.check_config`), or params/ missing (named).
   """
   fields = None
   try:
@@ -151,23 +154,30 @@ def read_config(path: pathlib.Path) -> ModelConfig:
     hint = (" (a Hugging Face config.json? it names no 'architectures' or 'model_type')"
             if isinstance(fields, dict) and 'hidden_size' in fields else '')
     raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}{hint}') from e
+  check_config(path / CHECKSUMS, fields)
   if not (path / 'params').is_dir():
     raise CheckpointError(f'{path / "params"} is missing')
   return config
 
 
 def check_fits(name: str, x, dtype, fix: Optional[str] = None) -> None:
-  """Whether tensor `x` (any shape; a numpy or jax array) can be cast to `dtype` without its
-  finite values becoming inf (float16's max is 65504). A cast within the same exponent range
-  (float32 -> bfloat16, whose max is a little lower: 3.39e38 against 3.40e38) first checks only
-  the largest magnitude, on x's own device, without copying x to the host; a widening cast is
-  not checked.
+  """Whether tensor `x` (any shape; a numpy or jax array) holds only finite values, and can be
+  cast to `dtype` without any becoming inf (float16's max is 65504). Both are checked on x's own
+  device first (one reduction each), copying x to the host only to count what is out of range;
+  a widening cast is not checked. A NaN weight makes every logit NaN: a target would fail each
+  request, a draft would silently propose nothing (α = 0).
 
   Raises:
-    ValueError: naming `name`, the count and the largest value out of range, and `fix` (what
-      to do instead; default: save in a wider dtype).
+    ValueError: naming `name` and the count of NaN / inf values; or the count and the largest
+      value out of range, and `fix` (what to do instead; default: save in a wider dtype).
   """
   source = x.dtype if hasattr(x, 'dtype') else np.asarray(x).dtype
+  if jnp.issubdtype(source, jnp.floating) and np.size(x):
+    xp = jnp if isinstance(x, jax.Array) else np
+    if not bool(xp.isfinite(x).all()):
+      count = int(np.size(x) - int(xp.isfinite(x).sum()))
+      raise ValueError(f'tensor {name} holds {count} NaN or infinite values (a diverged or '
+                       f'damaged model)')
   target = jnp.dtype(dtype)
   wider = 'float32' if target == jnp.bfloat16 else 'bfloat16 or float32'
   fix = f'save in a wider dtype ({wider})' if fix is None else fix.format(wider=wider)
@@ -223,7 +233,8 @@ def load_model(path, dtype: str = 'float32'):
       (named).
     CheckpointError: a save into the directory did not finish, the directory, config.json or
       params/ is missing or unreadable, the config
-      has unknown or missing fields, a tensor is missing or has the wrong shape, or a tensor's
+      has unknown or missing fields, a tensor is missing, has the wrong shape or holds NaN or
+      infinite values (or values past float16's range when loading in float16), or a tensor's
       bytes differ from its checksum in checksums.json (named; a directory without
       checksums.json, written before they existed, loads unverified).
   """

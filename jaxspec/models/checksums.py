@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import warnings
+from typing import Optional
 
 import jax
 import numpy as np
@@ -47,15 +48,18 @@ def _digests(leaves: dict) -> dict:
   return sums
 
 
-def write_checksums(file, tree) -> None:
+def write_checksums(file, tree, config: Optional[dict] = None) -> None:
   """Write `tensor_checksums(tree)`, each leaf's dtype and its split-independent sum
   (`shard_sums.tensor_sums`, float leaves) to `file` as JSON (through a temporary file and a
-  rename, so the file is whole or absent)."""
+  rename, so the file is whole or absent); with `config` (a model directory's config.json
+  fields, JSON-serialisable) that too, which `check_config` compares config.json against."""
   file = pathlib.Path(file)
   leaves = _leaves(tree)
   dtypes = {name: array.dtype.name for name, array in leaves.items()}
-  text = json.dumps({'sha256': _digests(leaves), 'dtype': dtypes, 'sum32': tensor_sums(tree)},
-                    indent=1, sort_keys=True) + '\n'
+  listing = {'sha256': _digests(leaves), 'dtype': dtypes, 'sum32': tensor_sums(tree)}
+  if config is not None:
+    listing['config'] = json.loads(json.dumps(config))
+  text = json.dumps(listing, indent=1, sort_keys=True) + '\n'
   partial = file.with_name(file.name + '.partial')
   partial.write_text(text)
   os.replace(partial, file)
@@ -105,6 +109,36 @@ def _compare(file, what: str, want: dict, got: dict, dtypes: dict, restored: dic
     raise CheckpointError(f'{file.parent}: tensor {bad[0]} does not match its {what} in '
                           f'{file.name} ({len(bad)} of {len(got)} tensors differ): the checkpoint '
                           f'is damaged; write it again (or restore it from a copy)')
+
+
+def check_config(file, fields: dict) -> None:
+  """Compare a model directory's config.json `fields` (as parsed) with the config its save
+  listed in `file` (`write_checksums`): the tensors' checksums cannot see a config edited or
+  damaged beside them (num_heads 6 -> 4 with head_dim doubled keeps every shape, and changes
+  every token). Nothing to compare when `file` is missing or lists no config (written before
+  configs were listed).
+
+  Raises:
+    CheckpointError: `file` unreadable or malformed, or fields that differ (each named, saved ->
+      found).
+  """
+  file = pathlib.Path(file)
+  if not file.exists():
+    return
+  try:
+    want = json.loads(file.read_text()).get('config')
+    if want is not None and not isinstance(want, dict):
+      raise ValueError("'config' must be an object")
+  except (OSError, ValueError, AttributeError) as e:   # JSONDecodeError, UnicodeDecodeError
+    raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
+  if want is None:
+    return
+  differ = sorted(k for k in set(want) | set(fields) if want.get(k, None) != fields.get(k, None))
+  if differ:
+    changes = ', '.join(f'{k}: {want.get(k)!r} -> {fields.get(k)!r}' for k in differ)
+    raise CheckpointError(f'{file.parent / "config.json"} differs from the config its tensors '
+                          f'were saved with ({changes}): the directory was edited or damaged; '
+                          f'save the model again with the config it should have')
 
 
 def listed_sums(file) -> tuple:
