@@ -96,8 +96,11 @@ def test_engine_fails_only_the_request_whose_logits_turned_nan(tiny, tiny_draft,
   assert failed.finish_reason == 'error' and failed.tokens == clean[1][:j + 1]
   assert 'not finite' in failed.error and INVALID_TOKEN not in failed.tokens
   assert engine.prefix.num_held == 0
-  with pytest.raises(NonFiniteLogitsError, match=r'1 request failed \(1\)'):
-    check_outputs(outs.values())
+  for given in (outs.values(), outs):      # the mapping run() returns: its keys were iterated
+    with pytest.raises(NonFiniteLogitsError, match=r'1 request failed \(1\)'):
+      check_outputs(given)
+  with pytest.raises(TypeError, match=r'check_outputs takes RequestOutputs .* got int \d'):
+    check_outputs(list(outs))
   assert engine_module.NonFiniteLogitsError is NonFiniteLogitsError   # importable beside it
 
 

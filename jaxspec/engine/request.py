@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Hashable, Optional
+from typing import Hashable, Mapping, Optional
 
 from jaxspec.decoding.output import NonFiniteLogitsError
 from jaxspec.decoding.sampling import SamplingParams
@@ -113,13 +113,19 @@ class RequestOutput:
 
 
 def check_outputs(outputs) -> list:
-  """`outputs` (RequestOutputs), unless one finished with an error: a measurement over them
-  would count a request cut short by NaN logits as served.
+  """`outputs` (RequestOutputs, or the {request_id: RequestOutput} mapping `Engine.run` returns)
+  as a list, unless one finished with an error: a measurement over them would count a request
+  cut short by NaN logits as served.
 
   Raises:
     NonFiniteLogitsError: naming the failed requests and the first one's error.
+    TypeError: an item that is not a RequestOutput.
   """
-  outputs = list(outputs)
+  outputs = list(outputs.values() if isinstance(outputs, Mapping) else outputs)
+  odd = [o for o in outputs if not isinstance(o, RequestOutput)]
+  if odd:
+    raise TypeError(f'check_outputs takes RequestOutputs (or the mapping Engine.run returns), '
+                    f'got {type(odd[0]).__name__} {odd[0]!r:.80}')
   failed = [o for o in outputs if o.finish_reason == 'error']
   if failed:
     names = ', '.join(repr(o.request_id) for o in failed[:8])
