@@ -340,7 +340,10 @@ def markdown(result: dict) -> str:
     cell = _fmt(t.get(main))
     return f'{cell} ({_fmt(t[other])})' if t.get(other) is not None else cell
 
-  if not result['thresholds']:     # an empty table would read as "measured, nothing pays"
+  if not result['settings']:       # a sweep whose cases all failed: not a settings problem
+    lines += ['No batching records to analyse: every run (or sweep case) failed before writing '
+              'one; see its FATAL line, or a sweep case\'s error.txt.']
+  elif not result['thresholds']:   # an empty table would read as "measured, nothing pays"
     lines += ['No cost ratio c(B, K), so no threshold: these records hold no fixed K >= 1 '
               'draft-model setting beside K = 0 with its round times (add one, e.g. '
               "`--config.settings='k0=k:0;k2=k:2;...'`)."]

@@ -207,6 +207,9 @@ def test_records_without_a_fixed_k_say_why_there_is_no_threshold():
   text = br.markdown(result)
   assert 'no threshold' in text and '| B | α* |' not in text
   assert '## Adaptive policies' in text                          # the rest is still written
+  # No records at all (a sweep whose cases all failed) said to add a K >= 1 setting.
+  text = br.markdown(br.analyze([]))
+  assert 'No batching records to analyse' in text and 'no threshold' not in text
 
 
 def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
