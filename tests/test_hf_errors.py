@@ -49,12 +49,32 @@ def _edit_config(path, **changes):
     (dict(head_dim=0), 'head_dim must be an int >= 1, got 0'),        # not "use the default"
     (dict(num_key_value_heads=0), 'num_kv_heads must be an int >= 1, got 0'),
     (dict(architectures=7), 'architectures must be a list of names, got 7'),
+    # Each was loaded silently: a half-rotary model with full rotary, the 4 layout's RoPE winning.
+    (dict(partial_rotary_factor=0.5), r'partial_rotary_factor=0.5 is not supported'),
+    (dict(rope_parameters={'rope_type': 'default', 'rope_theta': 1e4,
+                           'partial_rotary_factor': 0.25}),
+     r'rope_parameters.partial_rotary_factor=0.25 is not supported'),
+    (dict(rope_theta=10000.0, rope_parameters={'rope_type': 'default', 'rope_theta': 500000.0}),
+     r'rope_theta=10000.0 and rope_parameters.rope_theta=500000.0 disagree'),
+    (dict(rope_scaling={'rope_type': 'linear', 'factor': 2.0},
+          rope_parameters={'rope_type': 'linear', 'factor': 4.0, 'rope_theta': 1e4}),
+     r"rope_scaling=\{'rope_type': 'linear', 'factor': 2.0\} and rope_parameters=.* disagree"),
 ])
 def test_bad_config_is_named(tmp_path, changes, match):
   path = _copy(tmp_path)
   _edit_config(path, **changes)
   with pytest.raises(CheckpointError, match=match):
     load_pretrained(path)
+
+
+def test_both_rope_layouts_load_when_they_agree(tmp_path):
+  path = _copy(tmp_path)
+  fields = json.loads((path / 'config.json').read_text())
+  want = load_pretrained(path)[0]
+  scaling = {k: v for k, v in fields['rope_parameters'].items() if k != 'rope_theta'}
+  _edit_config(path, rope_theta=fields['rope_parameters']['rope_theta'], rope_scaling=scaling,
+               partial_rotary_factor=1.0)
+  assert load_pretrained(path)[0] == want
 
 
 def test_qwen2_window_on_some_layers_is_rejected(tmp_path):

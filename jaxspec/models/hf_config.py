@@ -9,6 +9,7 @@ import pathlib
 from typing import Optional
 
 from jaxspec.models.checkpoint import CheckpointError
+from jaxspec.models import rope
 from jaxspec.models.config import ModelConfig
 
 ARCHITECTURES = ('LlamaForCausalLM', 'MistralForCausalLM', 'Qwen2ForCausalLM')
@@ -43,7 +44,8 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
   Raises:
     CheckpointError: naming an unsupported architecture, a missing key, or a feature we do not
       implement (o_proj/MLP biases, an activation other than SiLU, a rope_scaling type other than
-      linear/llama3, a sliding window on only some layers).
+      linear/llama3, a sliding window on only some layers, a partial_rotary_factor below 1),
+      or RoPE settings of the transformers 4 and 5 layouts that disagree.
   """
   if not isinstance(fields, dict):
     raise CheckpointError(f'{where} is not a JSON object')
@@ -74,6 +76,12 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
   rope_params = fields.get('rope_parameters') or {}
   if not isinstance(rope_params, dict):
     raise CheckpointError(f'{where}: rope_parameters must be an object, got {rope_params!r}')
+  for source, value in (('', fields.get('partial_rotary_factor')),
+                        ('rope_parameters.', rope_params.get('partial_rotary_factor'))):
+    if value not in (None, 1, 1.0):    # was ignored: every head dimension rotated
+      raise CheckpointError(f'{where}: {source}partial_rotary_factor={value!r} is not supported '
+                            f'(rotary embeddings over whole heads only)')
+  _check_rope_layouts(fields, rope_params, where)
   scaling = fields.get('rope_scaling') or rope_params
   theta = fields.get('rope_theta', rope_params.get('rope_theta', 10000.0))
   tie = fields.get('tie_word_embeddings', False)
@@ -98,6 +106,25 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
     raise
   except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
     raise CheckpointError(f'{where}: {e}') from e
+
+
+def _check_rope_layouts(fields: dict, rope_params: dict, where: str) -> None:
+  """CheckpointError when the transformers 4 keys (`rope_theta`, `rope_scaling`) and the 5
+  layout's `rope_parameters` both give a RoPE setting and disagree: which one a model was
+  trained with cannot be told (the 4 keys won silently)."""
+  theta, theta5 = fields.get('rope_theta'), rope_params.get('rope_theta')
+  if theta is not None and theta5 is not None and theta != theta5:
+    raise CheckpointError(f'{where}: rope_theta={theta!r} and rope_parameters.rope_theta='
+                          f'{theta5!r} disagree')
+  if fields.get('rope_scaling') and rope_params:
+    try:
+      old, new = (rope.normalize_scaling({k: v for k, v in d.items() if k != 'rope_theta'})
+                  for d in (fields['rope_scaling'], rope_params))
+    except (TypeError, ValueError, AttributeError):
+      return                             # ModelConfig names what is wrong with the one it uses
+    if old != new:
+      raise CheckpointError(f'{where}: rope_scaling={fields["rope_scaling"]!r} and '
+                            f'rope_parameters={rope_params!r} disagree')
 
 
 def _sliding_window(fields: dict, arch: str, where: str) -> Optional[int]:
