@@ -119,7 +119,7 @@ def test_state_store_validates_and_records_rfc6902_patches(episode):
     StateStore(STATE_SCHEMA, {'operations': []})
 
 
-def test_state_store_history_survives_edits_in_place_and_keys_must_be_strings(episode):
+def test_state_store_history_survives_edits_in_place_and_states_must_be_json(episode):
   store = StateStore(STATE_SCHEMA, INITIAL_STATE)
   state = copy.deepcopy(INITIAL_STATE)          # one working dict, edited in place every turn
   record = truth_record(episode.turns[0].value)
@@ -137,6 +137,17 @@ def test_state_store_history_survives_edits_in_place_and_keys_must_be_strings(ep
   with pytest.raises(StateError, match=r"at \['operations'\]: key None is not a string"):
     store.update(bad)
   assert store.state == state and len(store.patches) == 2
+  # NaN was stored (every later update then replaced the whole state) and bytes failed only when
+  # the state was rendered; a bad schema raised jsonschema's own errors.
+  for value, why in [(float('nan'), 'nan is not a JSON number'),
+                     (b'x', r"b'x' \(bytes\) is not a JSON value"),
+                     ({1, 2}, r'\{1, 2\} \(set\) is not a JSON value')]:
+    with pytest.raises(StateError, match=rf"at \['last_operation'\]: {why}"):
+      store.update(dict(state, last_operation=value))
+  assert store.state == state and len(store.patches) == 2
+  for schema in ({'type': 'bogus'}, 'x'):
+    with pytest.raises(StateError, match='schema is not a valid JSON schema'):
+      StateStore(schema, {})
 
 
 def test_a_malformed_record_from_a_custom_extractor_is_a_fallback(episode):

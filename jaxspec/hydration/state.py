@@ -4,6 +4,7 @@ each update recorded as a JSON Patch (RFC 6902, via the `jsonpatch` library)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import jsonpatch
 import jsonschema
@@ -23,7 +24,12 @@ class StateStore:
   """
 
   def __init__(self, schema: dict, initial: dict):
-    """Raises StateError if `initial` does not validate against `schema`."""
+    """Raises StateError if `schema` is not a valid JSON schema (draft 2020-12), or `initial`
+    does not validate against it."""
+    try:
+      jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.exceptions.SchemaError as e:    # was jsonschema's UnknownType, later
+      raise StateError(f'schema is not a valid JSON schema: {e.message}') from None
     self.schema = schema
     self._validator = jsonschema.Draft202012Validator(schema)
     self._check(initial)
@@ -32,10 +38,10 @@ class StateStore:
     self.patches: list[list[dict]] = []
 
   def _check(self, state):
-    path = _non_string_key(state, [])
-    if path is not None:     # jsonschema checks values, not keys: None would replay as 'None'
-      raise StateError(f'state does not validate at {path[:-1]}: key {path[-1]!r} is not a '
-                       f'string (a JSON object\'s keys are strings)')
+    found = _not_json(state, [])
+    if found is not None:    # jsonschema checks neither keys nor NaN: None would replay as 'None'
+      path, why = found
+      raise StateError(f'state does not validate at {path}: {why}')
     error = jsonschema.exceptions.best_match(self._validator.iter_errors(state))
     if error is not None:
       raise StateError(f'state does not validate at {list(error.absolute_path)}: '
@@ -89,18 +95,24 @@ def _same(a, b) -> bool:
   return a == b
 
 
-def _non_string_key(value, path: list):
-  """The path (ending in the key) to the first dict key in `value` that is not a str, or None."""
+def _not_json(value, path: list):
+  """(path, why) of the first part of `value` that JSON cannot hold: a dict key that is not a
+  str, a NaN or infinite float, or a value of another type (bytes, a set, an object: json.dumps
+  failed on it only when the state was rendered); None when it is all JSON."""
   if isinstance(value, dict):
     for key, item in value.items():
       if not isinstance(key, str):
-        return path + [key]
-      found = _non_string_key(item, path + [key])
+        return path, f"key {key!r} is not a string (a JSON object's keys are strings)"
+      found = _not_json(item, path + [key])
       if found is not None:
         return found
   elif isinstance(value, (list, tuple)):
     for i, item in enumerate(value):
-      found = _non_string_key(item, path + [i])
+      found = _not_json(item, path + [i])
       if found is not None:
         return found
+  elif isinstance(value, float) and not math.isfinite(value):
+    return path, f'{value!r} is not a JSON number'
+  elif value is not None and not isinstance(value, (str, int, float)):
+    return path, f'{value!r:.60} ({type(value).__name__}) is not a JSON value'
   return None
