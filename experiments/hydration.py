@@ -234,6 +234,7 @@ def plot_hydration(records: list[dict], out_dir) -> list:
   episodes). Returns the PNG paths written (none without 'turn' records)."""
   import collections
   import pathlib
+  from matplotlib.ticker import MaxNLocator
   from experiments.figures import plt, save_figure
   turns = [r for r in records if r.get('kind') == 'turn']
   if not turns:
@@ -250,6 +251,7 @@ def plot_hydration(records: list[dict], out_dir) -> list:
       xs = sorted(by_turn)
       ax.plot(xs, [np.mean(by_turn[x]) for x in xs], marker='o', label=strategy)
     ax.set_xlabel('turn')
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))     # turns are whole numbers
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize='small')

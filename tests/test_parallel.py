@@ -73,7 +73,7 @@ def test_model_axis_that_does_not_divide_the_heads_names_the_sizes():
 
 def test_mesh_larger_than_the_devices_names_both_counts():
   with pytest.raises(ValueError, match=r'data=1 x model=2 = 2 devices does not match the 1 '
-                                       r'devices available'):
+                                       r'device available'):
     make_mesh(1, 2)
   with pytest.raises(ValueError, match=r'mesh.model must be an int >= 1, got 0'):
     make_mesh(1, 0)

@@ -40,7 +40,8 @@ def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None)
     raise ValueError(f'make_mesh got a device more than once: {devices}')
   if data * model != len(devices):
     raise ValueError(f'a mesh of data={data} x model={model} = {data * model} devices does not '
-                     f'match the {len(devices)} devices available ({devices[0].platform}); '
+                     f'match the {len(devices)} device{"s" if len(devices) != 1 else ""} '
+                     f'available ({devices[0].platform}); '
                      f'set mesh.data * mesh.model = {len(devices)}')
   # jax.make_mesh orders the devices by topology on GPU/TPU (neighbours on the 'model' axis).
   return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
