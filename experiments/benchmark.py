@@ -80,7 +80,8 @@ def run(config, results) -> None:
               'draft': lambda p: generate(draft, dparams, [p], **common)}
   for k in ks:
     decoders[k] = (lambda k: lambda p: generate(target, tparams, [p], draft=draft,
-                                                draft_params=dparams, k=k, **common))(k)
+                                                draft_params=dparams, k=k, **common).check_draft(
+                                                    f'the draft ({config.draft or "shipped"})'))(k)
   for decode in decoders.values():                     # compile every loop before timing
     decode(prompts[0])
   runs = {name: [] for name in decoders}

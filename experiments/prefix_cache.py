@@ -93,7 +93,8 @@ def run(config, results) -> None:
         gen = gens[setting]
         prompt = turn_prompt(conv, turn, replies[setting][c])
         out = gen.generate(prompt, max_new_tokens=config.reply_tokens, stop_tokens=stop,
-                           seed=config.seed + turn)
+                           seed=config.seed + turn).check_draft(
+                               f'the draft ({config.draft or "shipped"})')
         replies[setting][c].append(out.tokens[0])
         peak_host[setting] = max(peak_host[setting], gen.host_pages_used)
         record = dict(

@@ -113,7 +113,7 @@ def run(config, results) -> None:
     for i, batch in enumerate(batches):
       ar_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common))
       sp_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common,
-                              **spec))
+                              **spec).check_draft(f'the draft ({config.draft or "shipped"})'))
     results.write(summarize(workload, config, ar_runs, sp_runs, sampling))
 
 

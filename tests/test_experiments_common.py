@@ -14,6 +14,7 @@ from experiments import common
 from experiments.common import (Results, check_fields, empty_cache, import_experiment,
                                 parse_workloads)
 from jaxspec.data import WORKLOADS
+from jaxspec.decoding import NonFiniteLogitsError
 from jaxspec.models import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -166,3 +167,23 @@ def test_eviction_worker_refuses_a_run_that_is_not_whole_chunks(monkeypatch, tok
   with pytest.raises(ValueError, match=f'config.worker_tokens={tokens} must be a multiple of '
                                        f'config.worker_chunk=512'):
     module.run(_smoke('eviction', mode='worker', worker_tokens=tokens, worker_chunk=512), None)
+
+
+def test_the_speculative_experiment_refuses_to_measure_a_draft_whose_logits_turn_nan(
+    monkeypatch, tmp_path):
+  # Finite weights whose logits overflow (NaN weights are refused at load): it wrote alpha = 0
+  # records and 'done', as if the draft were merely poor.
+  module = import_experiment('speculative')
+  load_pair = module.load_pair
+
+  def nan_draft(config):
+    target, tparams, draft, dparams, tokenizer = load_pair(config)
+    norm = dparams['params']['final_norm']
+    return (target, tparams, draft, {'params': {**dparams['params'], 'final_norm': jax.tree.map(
+        lambda x: x * np.inf, norm)}}, tokenizer)
+
+  monkeypatch.setattr(module, 'load_pair', nan_draft)
+  config = _smoke('speculative', workloads='json')
+  with pytest.warns(UserWarning), pytest.raises(
+      NonFiniteLogitsError, match=r"the draft \(shipped\)'s logits were not finite"):
+    module.run(config, Results(tmp_path / 'run', config, verbose=False))

@@ -82,6 +82,47 @@ def test_generate_raises_naming_the_row_whose_logits_turned_nan(tiny, tiny_draft
     generate(config, poisoned, PROMPTS, max_new_tokens=MAX_NEW, page_size=8, **spec)
 
 
+def test_a_draft_whose_logits_turn_nan_is_counted_warned_and_refused_for_measurement(
+    tiny, tiny_draft):
+  # Its proposals are INVALID_TOKEN and rejected, so the tokens are the target's; the run then
+  # reported alpha = 0 as a measurement of the draft, without a word.
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  want = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8)
+  clean = generate(draft, draft_params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  poisoned, _ = _poisoned((draft, draft_params), PROMPTS, clean)   # prompt 1's rows turn NaN
+  spec = dict(draft=draft, page_size=8, k=3)
+  with pytest.warns(UserWarning, match=r"the draft's logits were not finite \(NaN or \+inf\) in "
+                                       r'\d+ of \d+ rounds'):
+    got = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, draft_params=poisoned, **spec)
+  assert got.tokens == want.tokens and 0 < got.draft_failed < got.target_calls
+  with pytest.raises(NonFiniteLogitsError, match=rf"the draft \(x\)'s logits .* in "
+                                                 rf'{got.draft_failed} of {got.target_calls}'):
+    got.check_draft('the draft (x)')
+  fine = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, draft_params=draft_params,
+                  **spec)
+  assert fine.draft_failed == 0 and fine.check_draft() is fine
+
+
+def test_the_engine_counts_rounds_whose_draft_failed_and_check_outputs_refuses_them(
+    tiny, tiny_draft):
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  want = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  clean = generate(draft, draft_params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  poisoned, _ = _poisoned((draft, draft_params), PROMPTS, clean)   # prompt 1's rows turn NaN
+  engine = Engine(config, params, num_slots=2, num_pages=24, page_size=8, chunk_size=8,
+                  draft=draft, draft_params=poisoned, k=3)
+  ids = [engine.add_request(p, max_tokens=MAX_NEW) for p in PROMPTS]
+  outs = engine.run()
+  assert [outs[i].tokens for i in ids] == want                # served: the target's tokens
+  assert outs[ids[0]].metrics.draft_failed == 0 < outs[ids[1]].metrics.draft_failed
+  with pytest.raises(NonFiniteLogitsError, match=r"the draft's logits were not finite .* "
+                                                 r'\(requests 1\)'):
+    check_outputs(outs)
+  assert check_outputs([outs[ids[0]]]) == [outs[ids[0]]]
+
+
 @pytest.mark.parametrize('k', [0, 3])
 def test_engine_fails_only_the_request_whose_logits_turned_nan(tiny, tiny_draft, k):
   config, params = tiny

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import time
+import warnings
 from typing import Optional, Sequence
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.checks import check_int, check_seed, seed_key, token_ids
-from jaxspec.decoding.output import check_valid
+from jaxspec.decoding.output import NonFiniteLogitsError, check_valid, draft_failed_message
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.speculative import check_pair
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -35,8 +36,10 @@ class GenerationResult:
     prompt_tokens: prompt tokens of the batch; prefill_tokens: of those, the ones prefill
       computed (the rest came from the prefix cache: cached_tokens, promoted_tokens of them from
       its host tier).
-    proposed, accepted, emitted, target_calls, rejected: speculative counters of the decode
-      loop (zero for autoregressive decoding); see `SpecStats`.
+    proposed, accepted, emitted, target_calls, rejected, draft_failed: speculative counters of
+      the decode loop (zero for autoregressive decoding); see `SpecStats`. draft_failed > 0: the
+      draft's logits were NaN or +inf in that many rounds (a warning says so; the tokens are
+      still the target's, but α then measures a broken draft: `check_draft` refuses it).
   """
 
   tokens: list
@@ -51,6 +54,18 @@ class GenerationResult:
   emitted: int = 0
   target_calls: int = 0
   rejected: int = 0
+  draft_failed: int = 0
+
+  def check_draft(self, what: str = 'the draft') -> 'GenerationResult':
+    """This result, unless the draft's logits were NaN or +inf in some round (`draft_failed`):
+    a measurement of α or speedup over it would measure a broken draft as a poor one.
+
+    Raises:
+      NonFiniteLogitsError: naming `what` and the rounds.
+    """
+    if self.draft_failed:
+      raise NonFiniteLogitsError(draft_failed_message(self.draft_failed, self.target_calls, what))
+    return self
 
   @property
   def num_tokens(self) -> int:
@@ -189,7 +204,10 @@ def decode(target, target_params, cache, first, rng, stop, *, sampling, max_new_
       target, draft, target_params, draft_params, cache, draft_cache, first, rng, stop,
       k=k, sampling=sampling, max_new_tokens=max_new_tokens)
   counters = {f: int(getattr(stats, f).sum()) for f in
-              ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected')}
+              ('proposed', 'accepted', 'emitted', 'target_calls', 'rejected', 'draft_failed')}
+  if counters['draft_failed']:
+    warnings.warn(draft_failed_message(counters['draft_failed'], counters['target_calls']),
+                  stacklevel=3)
   return out, counters, cache, draft_cache
 
 

@@ -100,6 +100,14 @@ def non_finite_message(where: str, model: str = 'model') -> str:
           f'bfloat16 twin')
 
 
+def draft_failed_message(rounds: int, total: int, what: str = 'the draft') -> str:
+  """The wording for a draft whose logits were NaN or +inf in `rounds` of `total` rounds
+  (`GenerationResult.check_draft`, generate's warning, the engine's requests)."""
+  return (f'{what}\'s logits were not finite (NaN or +inf) in {rounds} of {total} rounds: its '
+          f'proposals there were rejected, so the tokens are the target\'s, but α and speedup '
+          f'measure a broken draft (a float16 draft that overflows, or NaN weights?)')
+
+
 def check_valid(rows, what: str = 'prompt') -> None:
   """Raise unless every row of emitted tokens is made of real tokens.
 

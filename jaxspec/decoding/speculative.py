@@ -20,7 +20,7 @@ from jaxspec.checks import check_int, is_int_in
 from jaxspec.decoding.autoregressive import decode_step
 from jaxspec.decoding.output import Output, commit
 from jaxspec.decoding.rejection import rejection_sample
-from jaxspec.decoding.sampling import SamplingParams, probabilities, sample
+from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, probabilities, sample
 from jaxspec.models import ModelConfig, Transformer
 from jaxspec.models.llama import EXACT_ROWS
 
@@ -51,6 +51,9 @@ class SpecStats:
   Fields (all [B] int32):
     proposed: draft tokens proposed (K per round the row was active, fewer in a round cut
       before its first rejection: `proposals_in_reach`).
+    draft_failed: rounds of an active row in which the draft had no distribution at some
+      position (its logits NaN or +inf): those proposals are INVALID_TOKEN, always rejected, so
+      the output is still the target's but α measures a broken draft.
     accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
     emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
     target_calls: target forward passes (rounds the row was active).
@@ -64,26 +67,29 @@ class SpecStats:
   emitted: jax.Array
   target_calls: jax.Array
   rejected: jax.Array
+  draft_failed: jax.Array
 
   @classmethod
   def zeros(cls, batch: int) -> 'SpecStats':
     z = jnp.zeros((batch,), jnp.int32)
-    return cls(z, z, z, z, z)
+    return cls(z, z, z, z, z, z)
 
-  def after_round(self, active, n, emitted, k: int) -> 'SpecStats':
+  def after_round(self, active, n, emitted, k: int, failed) -> 'SpecStats':
     """The counters after one round.
 
     Args:
       active: [B] bool, rows that were not done before the round.
       n: [B] int32 draft tokens accepted by rejection sampling; emitted: [B] int32 tokens
         committed after the stop-token / max-token cut; k: static K.
+      failed: [B] bool, rows whose proposals hold INVALID_TOKEN (the draft had no distribution).
     """
     act = active.astype(jnp.int32)
     return SpecStats(proposed=self.proposed + act * proposals_in_reach(k, n, emitted),
                      accepted=self.accepted + jnp.minimum(n, emitted),
                      emitted=self.emitted + emitted,
                      target_calls=self.target_calls + act,
-                     rejected=self.rejected + act * ((n < k) & (emitted == n + 1)))
+                     rejected=self.rejected + act * ((n < k) & (emitted == n + 1)),
+                     draft_failed=self.draft_failed + act * failed.astype(jnp.int32))
 
 
 def draft_tokens(draft: ModelConfig, draft_params, draft_cache, pending, rng, *, k: int,
@@ -144,13 +150,20 @@ def speculative_round(target: ModelConfig, draft: ModelConfig, target_params, dr
   Raises:
     ValueError: see `check_pair`.
   """
+  return _round(target, draft, target_params, draft_params, target_cache, draft_cache, pending,
+                rng, k=k, sampling=sampling)[:4]
+
+
+def _round(target, draft, target_params, draft_params, target_cache, draft_cache, pending, rng,
+           *, k, sampling):
+  """`speculative_round`'s results and [B] bool: the row's proposals hold INVALID_TOKEN."""
   check_pair(target, draft, k)
   rng_draft, rng_accept = jax.random.split(rng)
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft,
                                      k=k, sampling=sampling)
   window, n, target_cache = verify(target, target_params, target_cache, pending, xs, qs,
                                    rng_accept, sampling=sampling)
-  return window, n, target_cache, draft_cache
+  return window, n, target_cache, draft_cache, jnp.any(xs == INVALID_TOKEN, axis=1)
 
 
 def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng, *, sampling):
@@ -226,7 +239,7 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     rng, round_rng = jax.random.split(rng)
     active = ~out.done
     old_lengths = target_cache.lengths
-    window, n, target_cache, draft_cache = speculative_round(
+    window, n, target_cache, draft_cache, failed = _round(
         target, draft, target_params, draft_params, target_cache, draft_cache, pending,
         round_rng, k=k, sampling=sampling)
     out, emitted = commit(out, window, n + 1, stop_tokens, max_new_tokens)
@@ -241,7 +254,7 @@ def decode_speculative(target: ModelConfig, draft: ModelConfig, target_params, d
     draft_cache = rollback(draft_cache, keep)
     last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     pending = jnp.where(emitted > 0, last, pending)
-    stats = stats.after_round(active, n, emitted, k)
+    stats = stats.after_round(active, n, emitted, k, failed)
     return target_cache, draft_cache, out, stats, pending, rng
 
   state = (target_cache, draft_cache, out, SpecStats.zeros(b), first_token, rng)

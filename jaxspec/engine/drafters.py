@@ -37,6 +37,8 @@ class Round:
     successes, trials: [B] float64, the round's acceptance observation per row for the K policy
       (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
     token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
+    draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal (None:
+      no draft model drafted this round).
   """
 
   window: np.ndarray
@@ -46,6 +48,7 @@ class Round:
   successes: np.ndarray
   trials: np.ndarray
   token_p: Optional[np.ndarray] = None
+  draft_failed: Optional[np.ndarray] = None
 
 
 def plain_round(engine, caches, pending, room, stop, rng, sampling):
@@ -152,13 +155,14 @@ class ModelDrafter(Drafter):
       beta = np.where(busy, np.asarray(beta, np.float64), 0.0)
       return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, beta,
                    busy.astype(np.float64)), [target_cache, draft_cache]
-    window, n, emitted, target_cache, draft_cache = spec_steps.model_step(
+    window, n, emitted, failed, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
         caches[1], pending, room, stop, caps, rng, sampling, k=k)
     n = np.asarray(n)
     successes, trials = observation(n, caps, busy)
     return Round(np.asarray(window), n, np.asarray(emitted), np.where(busy, caps, 0),
-                 successes, trials), [target_cache, draft_cache]
+                 successes, trials, draft_failed=np.asarray(failed) & busy), [target_cache,
+                                                                              draft_cache]
 
 
 def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list:

@@ -11,7 +11,7 @@ import enum
 import math
 from typing import Hashable, Mapping, Optional
 
-from jaxspec.decoding.output import NonFiniteLogitsError
+from jaxspec.decoding.output import NonFiniteLogitsError, draft_failed_message
 from jaxspec.decoding.sampling import SamplingParams
 
 
@@ -40,6 +40,9 @@ class RequestMetrics:
       emitted.
     accepted_lengths: per target pass of a decode round, tokens it emitted (accepted + 1, after
       stop-token and max_tokens cuts): the per-round τ; its mean is `mean_accepted_length`.
+    draft_failed: its speculative rounds in which the draft model's logits were NaN or +inf
+      (those proposals were rejected: its tokens are the target's, but its α measures a broken
+      draft; `check_outputs` refuses it for measurement).
   """
 
   arrival_s: float
@@ -53,6 +56,7 @@ class RequestMetrics:
   accepted: int = 0
   accepted_lengths: list = dataclasses.field(default_factory=list)
   num_tokens: int = 0
+  draft_failed: int = 0
 
   @property
   def ttft_s(self) -> float:
@@ -114,11 +118,13 @@ class RequestOutput:
 
 def check_outputs(outputs) -> list:
   """`outputs` (RequestOutputs, or the {request_id: RequestOutput} mapping `Engine.run` returns)
-  as a list, unless one finished with an error: a measurement over them would count a request
-  cut short by NaN logits as served.
+  as a list, unless one finished with an error or its draft's logits turned NaN or +inf: a
+  measurement over them would count a request cut short by NaN logits as served, or a broken
+  draft's α as a poor draft's.
 
   Raises:
-    NonFiniteLogitsError: naming the failed requests and the first one's error.
+    NonFiniteLogitsError: naming the failed requests and the first one's error; or the requests
+      whose draft failed (`RequestMetrics.draft_failed`) and the rounds.
     TypeError: an item that is not a RequestOutput.
   """
   outputs = list(outputs.values() if isinstance(outputs, Mapping) else outputs)
@@ -132,6 +138,13 @@ def check_outputs(outputs) -> list:
     more = f' and {len(failed) - 8} more' if len(failed) > 8 else ''
     raise NonFiniteLogitsError(f'{len(failed)} request{"s" if len(failed) > 1 else ""} '
                                f'failed ({names}{more}): {failed[0].error}')
+  broken = [o for o in outputs if o.metrics.draft_failed]
+  if broken:
+    rounds = sum(o.metrics.draft_failed for o in broken)
+    total = sum(len(o.metrics.accepted_lengths) for o in broken)
+    names = ', '.join(repr(o.request_id) for o in broken[:8])
+    raise NonFiniteLogitsError(draft_failed_message(rounds, total) + f' (requests {names}'
+                               f'{" and more" if len(broken) > 8 else ""})')
   return outputs
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxspec.decoding.autoregressive import chunk_logits, decode_step
 from jaxspec.decoding.output import cut_lengths
-from jaxspec.decoding.sampling import RowSampling, probabilities, sample
+from jaxspec.decoding.sampling import INVALID_TOKEN, RowSampling, probabilities, sample
 from jaxspec.decoding.speculative import draft_tokens, verify
 from jaxspec.models import ModelConfig
 
@@ -67,7 +67,8 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
     k: static K >= 1.
   Returns:
     (window [B, K+1] int32, num_accepted [B] int32 n <= caps, emitted [B] int32 after stop /
-    max-token cuts, target_cache, draft_cache).
+    max-token cuts, draft_failed [B] bool: the draft had no distribution (NaN or +inf logits) at
+    some position, its proposals INVALID_TOKEN, target_cache, draft_cache).
   """
   rng_draft, rng_accept = jax.random.split(rng)
   xs, qs, draft_cache = draft_tokens(draft, draft_params, draft_cache, pending, rng_draft, k=k,
@@ -79,7 +80,7 @@ def model_step(target: ModelConfig, draft: ModelConfig, target_params, draft_par
       jnp.any(emitted == k + 1),
       lambda c: decode_step(draft, draft_params, c, window[:, k - 1])[1],
       lambda c: c, draft_cache)
-  return window, n, emitted, target_cache, draft_cache
+  return window, n, emitted, jnp.any(xs == INVALID_TOKEN, axis=1), target_cache, draft_cache
 
 
 @functools.partial(jax.jit, static_argnames=('target', 'draft'),

@@ -219,6 +219,8 @@ def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
     # "accepted" says nothing about the draft (and would enter the global sums every request
     # shares).
     if observed[row] and INVALID_TOKEN not in result.window[row, :e]:
+      if result.draft_failed is not None:
+        request.metrics.draft_failed += int(result.draft_failed[row])
       request.metrics.proposed += proposals_in_reach(int(result.num_proposed[row]), n, e)
       request.metrics.accepted += min(n, e)
       policy.observe(request.id, int(caps[row]), n, float(result.successes[row]),
