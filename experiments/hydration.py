@@ -206,7 +206,7 @@ def _alpha(config, target, target_params, draft, draft_params, tokenizer, extrac
   decode(0, calls[0])
   out_lengths, timing = [], dict(spec_s=0.0, spec_tokens=0, ar_s=0.0, ar_tokens=0)
   for i, call in enumerate(calls):
-    out = decode(i, call, **spec)
+    out = decode(i, call, **spec).check_draft(f'the draft ({config.draft or "shipped"})')
     ar = decode(i, call)
     for key in ('proposed', 'accepted', 'rejected'):
       stats[key] += getattr(out, key)

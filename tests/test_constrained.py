@@ -15,7 +15,8 @@ from scipy import stats
 from tokenizers import decoders, models, pre_tokenizers
 
 from jaxspec.data import Tokenizer
-from jaxspec.decoding import SamplingParams, probabilities, rejection_sample, sample
+from jaxspec.decoding import (NonFiniteLogitsError, SamplingParams, probabilities,
+                              rejection_sample, sample)
 from jaxspec.decoding.constrained import constrained_generate
 from jaxspec.decoding.constraint import ConstraintError, TokenConstraint
 from jaxspec.models import load_model, shipped
@@ -321,3 +322,8 @@ def test_a_draft_whose_logits_turn_nan_is_served_the_targets_tokens(models_):
                              draft_params=broken, k=3)
   assert out.tokens == alone.tokens
   assert 0 < out.accepted and out.target_calls > len(alone.tokens) - 6
+  assert 0 < out.draft_failed <= out.target_calls        # counted, and refused for measurement
+  with pytest.raises(NonFiniteLogitsError, match=rf"in {out.draft_failed} of {out.target_calls} "
+                                                 r'rounds'):
+    out.check_draft()
+  assert alone.draft_failed == 0 and alone.check_draft() is alone

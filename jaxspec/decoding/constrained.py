@@ -30,7 +30,7 @@ from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.decoding.generate import MAX_K, stop_ids
-from jaxspec.decoding.output import check_valid
+from jaxspec.decoding.output import NonFiniteLogitsError, check_valid, draft_failed_message
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import (INVALID_TOKEN, SamplingParams, check_sampling,
                                        probabilities, sample)
@@ -50,7 +50,8 @@ class ConstrainedResult:
       when max_new_tokens ran out first.
     ttft_s: seconds from the call to the first token (prefill of both models + first sample).
     decode_s: seconds after the first token.
-    proposed, accepted, rejected, target_calls: speculative counters (see `SpecStats`).
+    proposed, accepted, rejected, target_calls, draft_failed: speculative counters (see
+      `SpecStats`; a round whose draft had no distribution verifies the proposals before it).
   """
 
   tokens: list
@@ -61,6 +62,14 @@ class ConstrainedResult:
   accepted: int = 0
   rejected: int = 0
   target_calls: int = 0
+  draft_failed: int = 0
+
+  def check_draft(self, what: str = 'the draft') -> 'ConstrainedResult':
+    """This result, unless the draft's logits were NaN or +inf in some round (as
+    `GenerationResult.check_draft`). Raises NonFiniteLogitsError naming `what` and the rounds."""
+    if self.draft_failed:
+      raise NonFiniteLogitsError(draft_failed_message(self.draft_failed, self.target_calls, what))
+    return self
 
   @property
   def acceptance_rate(self) -> float:
@@ -222,7 +231,7 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
 
   start = time.perf_counter()
   tokens = [first]
-  stats = dict(proposed=0, accepted=0, rejected=0, target_calls=0)
+  stats = dict(proposed=0, accepted=0, rejected=0, target_calls=0, draft_failed=0)
   if constraint is not None:
     constraint.advance(first)
   pending = first
@@ -274,7 +283,8 @@ def _round(target, draft, target_params, draft_params, t_cache, d_cache, pending
       if x == INVALID_TOKEN:
         # The draft's logits were not finite: the target verifies the proposals before it
         # (none: one plain target step), which keeps its distribution exact, as generate and
-        # the engine serve a broken draft's request with the target's tokens.
+        # the engine serve a broken draft's request with the target's tokens (and count it).
+        stats['draft_failed'] += 1
         break
     if constraint is not None:
       constraint.advance(x)
