@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import report
-from experiments.common import check_fields, comma_list
+from experiments.common import check_fields, comma_list, load_tokenizer
 from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
 from jaxspec.decoding import PrefixCachedGenerator
 from jaxspec.decoding.generate import MAX_K
+from jaxspec.models import shipped
 
 SETTINGS = ('off', 'on', 'on_small', 'on_host')
 REPORT_TURNS = (2, 5, 10)  # 1-based turns whose TTFT ratio the summary states
@@ -38,36 +39,38 @@ def _generator(setting, config, models, pool_pages):
 
 
 def validate(config) -> None:
-  """Check a prefix_cache config before any model loads (`experiments.common.validate`).
+  """Check a prefix_cache config before any model loads (`experiments.common.validate`; it reads
+  the tokenizer and builds the conversations, ~1 s).
 
   Raises:
-    ValueError: an unknown or repeated setting, K out of [0, MAX_K], a size < 1.
+    ValueError: an unknown or repeated setting, K out of [0, MAX_K], a size < 1, a pool or host
+      tier too small for one request of the longest turn (`_plan`).
   """
   _settings(config)
   if not 0 <= config.k <= MAX_K:
     raise ValueError(f'speculation length K must be an int in [0, {MAX_K}] (0 = off), got '
                      f'{config.k}')
   check_fields(config, ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'))
+  _plan(config, load_tokenizer(config.tokenizer, config.target or shipped('target'),
+                               config.draft or shipped('draft')))
 
 
-def run(config, results) -> None:
-  """Replay the conversations under every setting; write per-turn and per-setting records."""
-  validate(config)
+def _plan(config, tokenizer) -> dict:
+  """The conversations and the pages they need: convs, slack (tokens past a reply: K + 1, or 1),
+  longest (prompt tokens of the last turn at most), per_request (pages one request can take),
+  pool_pages (the full pool: config.pool_pages, or every conversation's per_request).
+
+  Raises:
+    ValueError: pool_pages, small_pool_pages or host_pages below one request's pages for the
+      settings that use it (named).
+  """
   settings = _settings(config)
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  if not config.k:
-    draft = draft_params = None
   convs = make_conversations(tokenizer, num_conversations=config.num_conversations,
                              num_turns=config.num_turns, prefix_tokens=config.prefix_tokens,
                              tool_tokens=config.tool_tokens, seed=config.seed)
   slack = config.k + 1 if config.k else 1
   longest = (config.prefix_tokens + max(len(r) for c in convs for r in c.tool_results)
              * config.num_turns + config.reply_tokens * (config.num_turns - 1))
-  context = min(m.max_seq_len for m in (target, draft) if m is not None)
-  if longest + config.reply_tokens + slack > context:
-    raise ValueError(
-        f'the last turn can reach {longest} prompt tokens + {config.reply_tokens} reply + {slack} '
-        f'slack > the context of {context}: lower num_turns, tool_tokens or prefix_tokens')
   per_request = pages_needed(longest + config.reply_tokens + slack, config.page_size)
   pool_pages = config.pool_pages or per_request * config.num_conversations
   checks = [('pool_pages', pool_pages, per_request, {'off', 'on'}),
@@ -77,6 +80,25 @@ def run(config, results) -> None:
     if users & set(settings) and value < least:
       raise ValueError(f'{name}={value} is too small for settings {sorted(users & set(settings))}'
                        f': need >= {least} (one request can take {per_request} pages)')
+  return dict(convs=convs, slack=slack, longest=longest, per_request=per_request,
+              pool_pages=pool_pages)
+
+
+def run(config, results) -> None:
+  """Replay the conversations under every setting; write per-turn and per-setting records."""
+  validate(config)
+  settings = _settings(config)
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  if not config.k:
+    draft = draft_params = None
+  plan = _plan(config, tokenizer)
+  convs, slack, longest, pool_pages = (plan[k] for k in ('convs', 'slack', 'longest',
+                                                         'pool_pages'))
+  context = min(m.max_seq_len for m in (target, draft) if m is not None)
+  if longest + config.reply_tokens + slack > context:
+    raise ValueError(
+        f'the last turn can reach {longest} prompt tokens + {config.reply_tokens} reply + {slack} '
+        f'slack > the context of {context}: lower num_turns, tool_tokens or prefix_tokens')
   models = (target, target_params, draft, draft_params)
   gens = {s: _generator(s, config, models, pool_pages) for s in settings}
   stop = tokenizer.eos_ids

@@ -131,6 +131,8 @@ def _smoke(name, **overrides):
     ('benchmark', dict(max_new_tokens=1), 'config.max_new_tokens must be >= 2, got 1'),
     ('speculative', dict(batch_size=4, num_prompts=1),      # the record claimed batch_size=4
      'config.batch_size=4 exceeds config.num_prompts=1'),
+    ('prefix_cache', dict(small_pool_pages=2),
+     r"small_pool_pages=2 is too small for settings \['on_host', 'on_small'\]: need >= "),
 ])
 def test_experiment_fields_are_refused_before_any_model_loads(name, overrides, needle,
                                                               monkeypatch):
