@@ -129,29 +129,19 @@ def _rewrite_tensors(file, edit):
   save_file(tensors, str(file), metadata={'format': 'pt'})
 
 
-def test_missing_tensor_is_named(tmp_path):
-  path = _copy(tmp_path, 'mistral')
-  _rewrite_tensors(path / 'model.safetensors',
-                   lambda t: t.pop('model.layers.1.mlp.up_proj.weight'))
-  with pytest.raises(CheckpointError, match='missing tensor model.layers.1.mlp.up_proj.weight'):
-    load_pretrained(path)
-
-
-def test_wrong_shape_is_named(tmp_path):
-  path = _copy(tmp_path, 'qwen2')
-  _rewrite_tensors(path / 'model.safetensors', lambda t: t.update(
-      {'model.layers.0.self_attn.k_proj.bias': np.zeros(8, np.float32)}))
-  with pytest.raises(CheckpointError, match=r'tensor model.layers.0.self_attn.k_proj.bias has '
-                                            r'shape \(8,\), config.json implies \(16,\)'):
-    load_pretrained(path)
-
-
-def test_unexpected_tensor_is_named(tmp_path):
-  path = _copy(tmp_path, 'mistral')
-  _rewrite_tensors(path / 'model.safetensors', lambda t: t.update(
-      {'model.layers.0.self_attn.o_proj.bias': np.zeros(32, np.float32)}))
-  with pytest.raises(CheckpointError, match=r"unexpected tensors \['model.layers.0.self_attn."
-                                            r"o_proj.bias'\]"):
+@pytest.mark.parametrize('family, edit, match', [
+    ('mistral', lambda t: t.pop('model.layers.1.mlp.up_proj.weight'),
+     'missing tensor model.layers.1.mlp.up_proj.weight'),
+    ('qwen2', lambda t: t.update({'model.layers.0.self_attn.k_proj.bias': np.zeros(8, np.float32)}),
+     r'tensor model.layers.0.self_attn.k_proj.bias has shape \(8,\), config.json implies \(16,\)'),
+    ('mistral', lambda t: t.update({'model.layers.0.self_attn.o_proj.bias': np.zeros(32,
+                                                                                     np.float32)}),
+     r"unexpected tensors \['model.layers.0.self_attn.o_proj.bias'\]"),
+], ids=['missing', 'wrong_shape', 'unexpected'])
+def test_a_missing_misshapen_or_unexpected_tensor_is_named(tmp_path, family, edit, match):
+  path = _copy(tmp_path, family)
+  _rewrite_tensors(path / 'model.safetensors', edit)
+  with pytest.raises(CheckpointError, match=match):
     load_pretrained(path)
 
 
