@@ -281,9 +281,10 @@ def test_mesh_errors_name_the_sizes(worker):
     assert 'mesh.model=8 does not divide num_heads=6, num_kv_heads=2' in worker[key]
   assert 'batch of 1 rows is not a multiple of mesh.data=2' in worker['error_batch']
   assert worker['shipped_model_2'] is None         # the shipped target splits 2 ways
-  assert worker['pool_share_target'] is None       # 1/4 of the target's pool on each device
-  assert ('on one device (draft: 0.0 GiB, 11 pages of 8 tokens, 2 layers), more than the 0.0 '
-          'GiB of memory of' in worker['error_pool_share_draft'])
+  assert worker['pool_share_target'] is None       # 1/4 of the target's pool on each of 8
+  assert ('in the host memory its CPU devices share (draft: 0.0 GiB, 11 pages of 8 tokens, 2 '
+          'layers, 8 shares), more than the 0.0 GiB of memory of' in
+          worker['error_pool_share_draft'])
 
 
 def test_params_not_placed_on_the_mesh_are_refused(worker):

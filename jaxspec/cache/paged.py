@@ -59,28 +59,34 @@ def check_pool_fits(pools, what: str = 'the KV cache', device=None) -> None:
   them (on the CPU, a pool past the machine's memory was killed by the OS without a message).
 
   Args:
-    pools: per pool allocated together (an engine's target and draft), (name, shape, dtype) or
-      (name, shape, dtype, split): the pages' shape [layers, K, P, L, H], their dtype, and the
-      number of devices the pool is split over (1: each device holds it whole; a target cache
-      split over a mesh's 'model' axis: that axis' size).
+    pools: per pool allocated together (an engine's target and draft), (name, shape, dtype),
+      (name, shape, dtype, split) or (name, shape, dtype, split, shares): the pages' shape
+      [layers, K, P, L, H], their dtype, the number of devices the pool is split over (1: each
+      device holds it whole; a target cache split over a mesh's 'model' axis: that axis' size),
+      and how many devices' shares land in `device`'s memory (1; simulated CPU devices all
+      share the host's: the mesh's device count).
     what: the cache's name, for the message.
     device: the device each share lands on (default: the first device).
   Raises:
-    ValueError: one device's share of the pools exceeds `memory_bytes(device)` (each pool and
-      the device named, in GiB).
+    ValueError: the shares of the pools in one memory exceed `memory_bytes(device)` (each pool
+      and the device named, in GiB).
   """
   device = jax.devices()[0] if device is None else device
   parts = []
-  for name, shape, dtype, *split in pools:
-    split = split[0] if split else 1
-    parts.append((name, shape, 2 * math.prod(shape) * jnp.dtype(dtype).itemsize / split, split))
-  need = sum(b for _, _, b, _ in parts)
+  for name, shape, dtype, *rest in pools:
+    split, shares = (list(rest) + [1, 1])[:2]
+    whole = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize
+    parts.append((name, shape, whole / split * shares, split, shares))
+  need = sum(part[2] for part in parts)
   have = memory_bytes(device)
   if have is not None and need > have:
     each = '; '.join(f'{name}: {b / 2 ** 30:.1f} GiB, {shape[2]} pages of {shape[3]} tokens, '
                      f'{shape[0]} layers' + (f', split over {split} devices' if split > 1 else '')
-                     for name, shape, b, split in parts)
-    raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages on one device '
+                     + (f', {shares} shares' if shares > 1 else '')
+                     for name, shape, b, split, shares in parts)
+    where = ('in the host memory its CPU devices share' if any(p[4] > 1 for p in parts)
+             else 'on one device')
+    raise ValueError(f'{what} needs {need / 2 ** 30:.1f} GiB of key/value pages {where} '
                      f'({each}), more than the {have / 2 ** 30:.1f} GiB of memory of {device} '
                      f'({device.platform}): use fewer pages (a smaller batch, pool or context)')
 

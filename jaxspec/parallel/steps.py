@@ -131,7 +131,8 @@ class ShardedSteps:
     Raises:
       ValueError: bad sizes or page table entries outside [0, num_pages); KV heads or batch not
         divisible by the mesh; a device's share of the pool (the target's: 1 / the 'model'
-        axis; the draft's: all of it) past its memory (`check_pool_fits`).
+        axis; the draft's: all of it) past its memory, or on the CPU, whose simulated devices
+        share the host's memory, every device's share together (`check_pool_fits`).
     """
     num_pages = check_int('num_pages', num_pages, 1)
     page_size = check_int('page_size', page_size, 1)
@@ -141,8 +142,10 @@ class ShardedSteps:
       check_model_fits(config, self.mesh.shape[MODEL])
     shape = (config.num_layers, config.num_kv_heads, num_pages, page_size, config.head_dim)
     split = 1 if draft else self.mesh.shape[MODEL]       # the target's pool: KV heads over 'model'
-    check_pool_fits([('draft' if draft else 'target', shape, config.dtype, split)],
-                    'the sharded KV cache', device=self.mesh.devices.flat[0])
+    first = self.mesh.devices.flat[0]
+    shares = self.mesh.devices.size if first.platform == 'cpu' else 1   # one host memory
+    check_pool_fits([('draft' if draft else 'target', shape, config.dtype, split, shares)],
+                    'the sharded KV cache', device=first)
     return self._empty_cache(shape, jnp.dtype(config.dtype), draft)(
         self.put_batch(table.astype(np.int32)))
 
