@@ -295,7 +295,7 @@ def _decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target
     eviction = after_tokens(eviction, history, kept)
     last = jnp.take_along_axis(window, jnp.maximum(emitted - 1, 0)[:, None], axis=1)[:, 0]
     pending = jnp.where(emitted > 0, last, pending)
-    stats = stats.after_round(active, n, emitted, k)
+    stats = stats.after_round(active, n, emitted, k, jnp.any(xs == INVALID_TOKEN, axis=1))
     return target_cache, eviction, draft_cache, out, stats, pending, rng
 
   state = (target_cache, eviction, draft_cache, out, SpecStats.zeros(b), first_token, rng)
