@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 
 from jaxspec.models.config import ModelConfig
 from jaxspec.models.llama import Transformer
-from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, check_config, verify_checksums,
+from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_config, verify_checksums,
                                       write_checksums)
 
 
@@ -142,7 +142,7 @@ def read_config(path: pathlib.Path) -> ModelConfig:
 
   Raises:
     CheckpointError: config.json missing, not a valid ModelConfig or not the config the
-      tensors were saved with (`checksums.check_config`), or params/ missing (named).
+      tensors were saved with (`check_saved_config`), or params/ missing (named).
   """
   fields = None
   try:
@@ -154,10 +154,46 @@ def read_config(path: pathlib.Path) -> ModelConfig:
     hint = (" (a Hugging Face config.json? it names no 'architectures' or 'model_type')"
             if isinstance(fields, dict) and 'hidden_size' in fields else '')
     raise CheckpointError(f'{path / "config.json"} is not a valid ModelConfig: {e}{hint}') from e
-  check_config(path / CHECKSUMS, fields)
+  check_saved_config(path, config)
   if not (path / 'params').is_dir():
     raise CheckpointError(f'{path / "params"} is missing')
   return config
+
+
+# Numerics, not properties of the weights: config.json may change them after a save (as may a
+# smaller max_seq_len, which only bounds the positions used).
+FREE_FIELDS = ('dtype', 'exact_verify')
+
+
+def check_saved_config(path: pathlib.Path, config: ModelConfig) -> None:
+  """Compare the ModelConfig read from `path`/config.json with the one its save listed in
+  checksums.json (`checksums.listed_config`): the tensors' checksums cannot see a config edited
+  or damaged beside them (num_heads 4 -> 2 with num_kv_heads halved and head_dim doubled keeps
+  every shape and changes every token). Compared as ModelConfigs (defaults and rope_scaling
+  spellings normalised), except FREE_FIELDS and a max_seq_len lowered. Nothing to compare for a
+  directory saved before configs were listed.
+
+  Raises:
+    CheckpointError: fields that differ (each named, saved -> found); a listed config that is
+      not a ModelConfig.
+  """
+  listed = listed_config(path / CHECKSUMS)
+  if listed is None:
+    return
+  try:
+    saved = dataclasses.asdict(ModelConfig(**listed))
+  except (TypeError, ValueError) as e:
+    raise CheckpointError(f'{path / CHECKSUMS} lists a config that is not a ModelConfig: '
+                          f'{e}') from e
+  found = dataclasses.asdict(config)
+  differ = [k for k in saved if k not in FREE_FIELDS and saved[k] != found[k] and not (
+      k == 'max_seq_len' and found[k] < saved[k])]
+  if differ:
+    changes = ', '.join(f'{k}: {saved[k]!r} -> {found[k]!r}' for k in differ)
+    raise CheckpointError(f'{path / "config.json"} differs from the config its tensors were '
+                          f'saved with ({changes}): the directory was edited or damaged; save the '
+                          f'model again with the config it should have (only '
+                          f'{", ".join(FREE_FIELDS)} and a lower max_seq_len may change)')
 
 
 def check_fits(name: str, x, dtype, fix: Optional[str] = None) -> None:

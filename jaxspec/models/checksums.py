@@ -52,7 +52,8 @@ def write_checksums(file, tree, config: Optional[dict] = None) -> None:
   """Write `tensor_checksums(tree)`, each leaf's dtype and its split-independent sum
   (`shard_sums.tensor_sums`, float leaves) to `file` as JSON (through a temporary file and a
   rename, so the file is whole or absent); with `config` (a model directory's config.json
-  fields, JSON-serialisable) that too, which `check_config` compares config.json against."""
+  fields, JSON-serialisable) that too, which `checkpoint.check_saved_config` compares
+  config.json against."""
   file = pathlib.Path(file)
   leaves = _leaves(tree)
   dtypes = {name: array.dtype.name for name, array in leaves.items()}
@@ -111,34 +112,24 @@ def _compare(file, what: str, want: dict, got: dict, dtypes: dict, restored: dic
                           f'is damaged; write it again (or restore it from a copy)')
 
 
-def check_config(file, fields: dict) -> None:
-  """Compare a model directory's config.json `fields` (as parsed) with the config its save
-  listed in `file` (`write_checksums`): the tensors' checksums cannot see a config edited or
-  damaged beside them (num_heads 6 -> 4 with head_dim doubled keeps every shape, and changes
-  every token). Nothing to compare when `file` is missing or lists no config (written before
-  configs were listed).
+def listed_config(file) -> Optional[dict]:
+  """The config fields a model directory's save listed in `file` (`write_checksums`), or None
+  when `file` is missing or lists none (written before configs were listed); the checkpoint
+  loaders compare config.json with it (`checkpoint.read_config`).
 
   Raises:
-    CheckpointError: `file` unreadable or malformed, or fields that differ (each named, saved ->
-      found).
+    CheckpointError: `file` unreadable or malformed.
   """
   file = pathlib.Path(file)
   if not file.exists():
-    return
+    return None
   try:
-    want = json.loads(file.read_text()).get('config')
-    if want is not None and not isinstance(want, dict):
+    listed = json.loads(file.read_text()).get('config')
+    if listed is not None and not isinstance(listed, dict):
       raise ValueError("'config' must be an object")
   except (OSError, ValueError, AttributeError) as e:   # JSONDecodeError, UnicodeDecodeError
     raise CheckpointError(f'{file} is unreadable or malformed: {e!r}') from e
-  if want is None:
-    return
-  differ = sorted(k for k in set(want) | set(fields) if want.get(k, None) != fields.get(k, None))
-  if differ:
-    changes = ', '.join(f'{k}: {want.get(k)!r} -> {fields.get(k)!r}' for k in differ)
-    raise CheckpointError(f'{file.parent / "config.json"} differs from the config its tensors '
-                          f'were saved with ({changes}): the directory was edited or damaged; '
-                          f'save the model again with the config it should have')
+  return listed
 
 
 def listed_sums(file) -> tuple:
