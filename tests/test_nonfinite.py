@@ -14,7 +14,7 @@ from jaxspec.decoding import (INVALID_TOKEN, NonFiniteLogitsError, PrefixCachedG
                               RowSampling, SamplingParams, cut_lengths, generate, probabilities,
                               rejection_sample, sample)
 import jaxspec.engine as engine_module
-from jaxspec.engine import Engine, check_outputs
+from jaxspec.engine import Engine, KPolicy, ModelDrafter, check_outputs
 
 V = 8
 SETTINGS = [SamplingParams(), SamplingParams(temperature=0.7, top_k=3, top_p=0.9),
@@ -121,6 +121,34 @@ def test_the_engine_counts_rounds_whose_draft_failed_and_check_outputs_refuses_t
                                                  r'\(requests 1\)'):
     check_outputs(outs)
   assert check_outputs([outs[ids[0]]]) == [outs[ids[0]]]
+
+
+class AlwaysK0(KPolicy):
+  """K = 0 every round (candidates 0..K_max, so the draft is kept and probed)."""
+
+  def choose(self, request_ids):
+    return 0, [0] * len(request_ids)
+
+
+@pytest.mark.parametrize('lazy', [True, False], ids=['lazy_probes', 'eager_k0_rounds'])
+def test_a_failed_draft_is_counted_in_k0_rounds_and_probes_too(tiny, tiny_draft, lazy):
+  # A lazy draft's catch-ups and an eager draft's K = 0 rounds scored a NaN draft as alpha = 0
+  # without a count: a goodput run at K = 0 throughout passed check_outputs.
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  broken = {'params': {**draft_params['params'], 'final_norm': jax.tree.map(
+      lambda x: x * jnp.nan, draft_params['params']['final_norm'])}}
+  engine = Engine(config, params, num_slots=2, num_pages=24, page_size=8, chunk_size=8,
+                  draft=draft, draft_params=broken, k=3, k_policy=AlwaysK0(),
+                  drafter=ModelDrafter(lazy=lazy, probe_every=2, probe_budget=None))
+  ids = [engine.add_request(p, max_tokens=MAX_NEW) for p in PROMPTS]
+  outs = engine.run()
+  want = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens
+  assert [outs[i].tokens for i in ids] == want and set(engine.k_rounds) == {0}
+  failed = [outs[i].metrics.draft_failed for i in ids]      # probes catch up some requests
+  assert (any if lazy else all)(n > 0 for n in failed)
+  with pytest.raises(NonFiniteLogitsError, match="the draft's logits were not finite"):
+    check_outputs(outs)
 
 
 @pytest.mark.parametrize('k', [0, 3])

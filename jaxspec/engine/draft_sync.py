@@ -223,12 +223,13 @@ class DraftSync:
           prob[row, j] = request.token_p[position]
     sampling = rows_lib.sampling(list(enumerate(group)), rows)
     bound = device.bind([engine.caches[1]], table, lengths)[0]
-    successes, trials, engine.caches[1] = spec_steps.draft_catch_up(
+    successes, trials, failed, engine.caches[1] = spec_steps.draft_catch_up(
         engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
-    successes, trials = np.asarray(successes), np.asarray(trials)
+    successes, trials, failed = np.asarray(successes), np.asarray(trials), np.asarray(failed)
     self.num_calls += 1
     for row, request in enumerate(group):
       request.draft_computed += int(counts[row])
+      request.metrics.draft_failed += int(failed[row])       # a probe of a broken draft
       if trials[row] > 0 and engine.policy is not None:
         engine.policy.observe(request.id, 0, 0, float(successes[row]), float(trials[row]))
 
@@ -246,7 +247,7 @@ class DraftSync:
             engine.draft, engine.draft_params, bound,
             np.zeros((rows, engine.chunk_size), np.int32), np.zeros((rows,), np.int32), zeros,
             zeros, np.zeros((rows, m), np.float32), rows_lib.sampling([], rows))
-        engine.caches[1] = out[2]
+        engine.caches[1] = out[3]
         np.asarray(out[0])
       return call
 

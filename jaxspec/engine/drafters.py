@@ -37,8 +37,8 @@ class Round:
     successes, trials: [B] float64, the round's acceptance observation per row for the K policy
       (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
     token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
-    draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal (None:
-      no draft model drafted this round).
+    draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal, or in a
+      K = 0 round at the position it scores (None: no draft model ran this round).
   """
 
   window: np.ndarray
@@ -147,14 +147,15 @@ class ModelDrafter(Drafter):
     if k == 0 and engine.draft_sync is not None:
       return plain_round(engine, caches, pending, room, stop, rng, sampling)
     if k == 0:
-      window, emitted, beta, target_cache, draft_cache = spec_steps.model_sync_step(
+      window, emitted, beta, failed, target_cache, draft_cache = spec_steps.model_sync_step(
           engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
           caches[1], pending, room, stop, rng, sampling)
       b = pending.shape[0]
       zeros = np.zeros((b,), np.int32)
       beta = np.where(busy, np.asarray(beta, np.float64), 0.0)
       return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, beta,
-                   busy.astype(np.float64)), [target_cache, draft_cache]
+                   busy.astype(np.float64), draft_failed=np.asarray(failed) & busy), [
+                       target_cache, draft_cache]
     window, n, emitted, failed, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
         caches[1], pending, room, stop, caps, rng, sampling, k=k)

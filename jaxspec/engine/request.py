@@ -40,9 +40,9 @@ class RequestMetrics:
       emitted.
     accepted_lengths: per target pass of a decode round, tokens it emitted (accepted + 1, after
       stop-token and max_tokens cuts): the per-round τ; its mean is `mean_accepted_length`.
-    draft_failed: its speculative rounds in which the draft model's logits were NaN or +inf
-      (those proposals were rejected: its tokens are the target's, but its α measures a broken
-      draft; `check_outputs` refuses it for measurement).
+    draft_failed: its rounds (and lazy-draft catch-ups) in which the draft model's logits were
+      NaN or +inf (those proposals were rejected: its tokens are the target's, but its α
+      measures a broken draft; `check_outputs` refuses it for measurement).
   """
 
   arrival_s: float
@@ -89,7 +89,7 @@ class RequestMetrics:
                         ('ttft_s', 'tpot_s', 'acceptance_rate', 'mean_accepted_length'))
     counts = ', '.join(f'{name}={getattr(self, name)}' for name in
                        ('num_tokens', 'prompt_tokens', 'prefill_tokens', 'cached_tokens',
-                        'preemptions', 'proposed', 'accepted'))
+                        'preemptions', 'proposed', 'accepted', 'draft_failed'))
     return f'RequestMetrics({derived}, {counts})'
 
 

@@ -97,16 +97,18 @@ def model_sync_step(target: ModelConfig, draft: ModelConfig, target_params, draf
     as `model_step` without caps and K.
   Returns:
     (window [B, 1] int32 the token drawn from p, emitted [B] int32 0 or 1, beta [B] float32 in
-    [0, 1], target_cache, draft_cache), both caches with pending written.
+    [0, 1], draft_failed [B] bool: the draft had no distribution (NaN or +inf logits),
+    target_cache, draft_cache), both caches with pending written.
   """
   logits, target_cache = decode_step(target, target_params, target_cache, pending)
   p = probabilities(logits, sampling)
   draft_logits, draft_cache = decode_step(draft, draft_params, draft_cache, pending)
-  beta = jnp.minimum(p, probabilities(draft_logits, sampling)).sum(axis=-1)
+  q = probabilities(draft_logits, sampling)
+  beta = jnp.minimum(p, q).sum(axis=-1)
   beta = jnp.where(jnp.isnan(beta), 0.0, beta)     # a draft (or target) with no distribution
   window = sample(rng, p)[:, None]
   emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
-  return window, emitted, beta, target_cache, draft_cache
+  return window, emitted, beta, jnp.isnan(q).any(axis=-1), target_cache, draft_cache
 
 
 @functools.partial(jax.jit, static_argnames=('target',), donate_argnames=('target_cache',))
@@ -151,14 +153,16 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
       its probability under the target's p, 0 where nothing is observed.
     sampling: [R] per-row parameters, the rows' requests' (q is processed as p was).
   Returns:
-    (successes [R] float32 Σ s, trials [R] float32 scored tokens, draft_cache).
+    (successes [R] float32 Σ s, trials [R] float32 scored tokens, draft_failed [R] bool: the
+    draft had no distribution (NaN or +inf logits) at a scored token, draft_cache).
   """
   logits, draft_cache = chunk_logits(draft, draft_params, draft_cache, tokens, counts, observe_at)
   q = jnp.take_along_axis(probabilities(logits, sampling), observe_next[..., None], axis=-1)
   seen = observe_p > 0
   beta = jnp.where(seen, jnp.minimum(1.0, q[..., 0] / jnp.where(seen, observe_p, 1.0)), 0.0)
+  failed = jnp.any(seen & jnp.isnan(beta), axis=1)
   beta = jnp.where(jnp.isnan(beta), 0.0, beta)     # a draft with no distribution accepts nothing
-  return beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), draft_cache
+  return beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), failed, draft_cache
 
 
 STEPS = (model_step, model_sync_step, lookup_step, draft_catch_up)
