@@ -90,11 +90,12 @@ def save_model(path, config: ModelConfig, params, *, dtype: str = 'bfloat16',
   Raises:
     ValueError: a dtype that is not a floating-point dtype (an integer one would truncate every
       weight), a weight that is NaN or infinite, or outside the dtype's range (float16:
-      |x| > 65504 would be stored as inf; named), info that is not JSON (NaN included); CheckpointError: params that are not
-      `config`'s (a tensor missing, extra, of the wrong shape or not of a float dtype: an int
-      tensor would be cast and saved as weights). Both before anything is written. A save cut
-      short (killed, disk full) leaves a SAVE_INCOMPLETE marker that the loaders refuse. A
-      ValueError too for a directory that holds something else (`check_model_destination`).
+      |x| > 65504 would be stored as inf; named), info that is not JSON (NaN included);
+      CheckpointError: params that are not `config`'s (a tensor missing, extra, of the wrong
+      shape or not of a float dtype: an int tensor would be cast and saved as weights). Both
+      before anything is written. A save cut short (killed, disk full) leaves a SAVE_INCOMPLETE
+      marker that the loaders refuse. A ValueError too for a directory that holds something
+      else (`check_model_destination`).
   """
   dtype = floating_dtype(dtype)
   check_model_destination(path)
@@ -211,7 +212,7 @@ def check_fits(name: str, x, dtype, fix: Optional[str] = None) -> None:
   if jnp.issubdtype(source, jnp.floating) and np.size(x):
     xp = jnp if isinstance(x, jax.Array) else np
     if not bool(xp.isfinite(x).all()):
-      count = int(np.size(x) - int(xp.isfinite(x).sum()))
+      count = int(np.size(x) - np.count_nonzero(np.isfinite(np.asarray(x))))   # int64
       raise ValueError(f'tensor {name} holds {count} NaN or infinite values (a diverged or '
                        f'damaged model)')
   target = jnp.dtype(dtype)
@@ -301,9 +302,9 @@ def load_model(path, dtype: str = 'float32'):
 
 
 def _check_all_fit(tree, dtype, where: str) -> None:
-  """CheckpointError naming `where` and the tensor if loading `tree` in `dtype` (float16)
-  would turn finite weights into inf. A jax.Array spread over processes is checked in the shards
-  this process holds."""
+  """CheckpointError naming `where` and the tensor if `tree` holds NaN or infinite weights, or
+  loading it in `dtype` (float16) would turn finite weights into inf (`check_fits`). A jax.Array
+  spread over processes is checked in the shards this process holds."""
   for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
     whole = not isinstance(leaf, jax.Array) or leaf.is_fully_addressable
     for part in [leaf] if whole else [shard.data for shard in leaf.addressable_shards]:

@@ -134,7 +134,8 @@ def load_pretrained(path, dtype: str = 'float32', *, max_seq_len: Optional[int] 
   Raises:
     ValueError: a dtype not in the list above, max_seq_len not None or an int >= 1.
     CheckpointError: no directory / config.json / weights, unsupported architecture or feature,
-      a missing config key, or a tensor missing, of the wrong shape or unexpected (each named).
+      a missing config key, or a tensor missing, of the wrong shape, unexpected, or holding NaN
+      or infinite values (or values past float16's range when loading in float16; each named).
   """
   dtype = _dtype_name(dtype)
   if max_seq_len is not None:
@@ -227,8 +228,9 @@ def save_pretrained(path, config: ModelConfig, params, tokenizer=None, *,
       model.safetensors.index.json (a single tensor larger than this gets a shard of its own).
   Raises:
     ValueError: unknown dtype or architecture, max_shard_bytes < 1, params that do not match
-      `config`: a tensor missing, of another shape, or extra (named), or a tensor with values
-      outside the dtype's range (float16's 65504: they would be stored as inf; named).
+      `config`: a tensor missing, of another shape, or extra (named), or a tensor with NaN or
+      infinite values or values outside the dtype's range (float16's 65504: they would be
+      stored as inf; named).
   """
   dtype = _dtype_name(dtype)
   if not is_int_in(max_shard_bytes, 1, math.inf):

@@ -41,8 +41,9 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     (ModelConfig, params) with params global jax.Arrays on the mesh.
   Raises:
     CheckpointError: missing or unreadable directory, config or tensors; a save into the
-      directory that did not finish; weights outside float16's range when loading in float16
-      (named, checked in the shards a process holds); a Hugging Face
+      directory that did not finish; NaN or infinite weights, or weights outside float16's
+      range when loading in float16 (named, checked in the shards a process holds); a config.json
+      that differs from the config the tensors were saved with; a Hugging Face
       directory (named, with the way to shard one); a tensor whose shape
       differs from what the config implies, or whose bytes differ from checksums.json (named):
       its SHA-256 in one process, where every tensor is whole here; across processes, where no
