@@ -372,6 +372,9 @@ class PrefixCache:
     caches = list(caches)
     if self.host is not None:                   # checked while the plan is still pending
       check_caches(self.host, plan.demote, plan.promote, caches)
+      # A reserved key may hold data already (`HostTier.reserve` keeps it): only a key that
+      # gains data here counts as demoted if the move fails.
+      had = {key for _, key in plan.demote if self.host.has_data(key)}
     try:
       if not plan or self.host is None:
         return caches
@@ -384,7 +387,8 @@ class PrefixCache:
       # plan is no longer pending, so the cache keeps serving. Pages whose copy did arrive (the
       # demotes run first) stay in the tier and are counted.
       if self.host is not None:
-        self.stats['demoted_pages'] += sum(self.host.has_data(key) for _, key in plan.demote)
+        self.stats['demoted_pages'] += sum(self.host.has_data(key) and key not in had
+                                           for _, key in plan.demote)
       for _, page in plan.promote:
         if page in self._key_of_page:
           self._unregister(page)

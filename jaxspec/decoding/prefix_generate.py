@@ -166,7 +166,8 @@ class PrefixCachedGenerator:
                      for c in self.caches]
       new = prompt[request.num_cached:]
       width = -(-len(new) // self.prompt_bucket) * self.prompt_bucket
-      width = min(width, self.target.max_seq_len - request.num_cached)   # padding within context
+      context = min(m.max_seq_len for m in (self.target, self.draft) if m is not None)
+      width = min(width, context - request.num_cached)       # the padding stays in the context
       tokens = np.zeros((1, width), np.int32)
       tokens[0, :len(new)] = new
       tokens, lengths = put(tokens), put(np.full((1,), len(new), np.int32))

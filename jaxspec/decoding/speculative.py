@@ -51,15 +51,15 @@ class SpecStats:
   Fields (all [B] int32):
     proposed: draft tokens proposed (K per round the row was active, fewer in a round cut
       before its first rejection: `proposals_in_reach`).
-    draft_failed: rounds of an active row in which the draft had no distribution at some
-      position (its logits NaN or +inf): those proposals are INVALID_TOKEN, always rejected, so
-      the output is still the target's but α measures a broken draft.
     accepted: proposed tokens accepted *and emitted* (a stop token or max_new_tokens cuts them).
     emitted: tokens emitted by the rounds (accepted + correction/bonus, after cuts).
     target_calls: target forward passes (rounds the row was active).
     rejected: rounds in which a draft token was rejected (n < K) and the rejection was reached
       (no stop token or max_new_tokens cut the round before it). accepted / (accepted +
       rejected) estimates the per-position acceptance probability of Leviathan et al.'s analysis.
+    draft_failed: rounds of an active row in which the draft had no distribution at some
+      position (its logits NaN or +inf): those proposals are INVALID_TOKEN, always rejected, so
+      the output is still the target's but α measures a broken draft.
   """
 
   proposed: jax.Array
