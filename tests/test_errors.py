@@ -272,7 +272,7 @@ def test_the_loops_under_eviction_name_bad_arguments(tiny):
                          ([3, 3], 'tokens must be .B, P. and prompt_lengths .B.')):
     with pytest.raises(ValueError, match=match):
       prefill_evicting(config, params, *fresh(), tokens, jnp.array(lengths), rng, sampling=greedy)
-  with pytest.raises(ValueError, match=f'tokens holds token id 999 outside the vocabulary'):
+  with pytest.raises(ValueError, match='tokens holds token id 999 outside the vocabulary'):
     prefill_evicting(config, params, *fresh(), tokens.at[0, 1].set(999), jnp.array([3]), rng,
                      sampling=greedy)
   first, cache, eviction = prefill_evicting(config, params, *fresh(), tokens.at[0, 3].set(999),
