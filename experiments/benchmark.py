@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import check_fields, comma_list
+from experiments.common import check_fields, comma_list, draft_label
 from experiments.speculative import load_pair, ratio
 from jaxspec.data import make_prompts
 from jaxspec.decoding import MAX_K, SamplingParams, generate
@@ -79,9 +79,9 @@ def run(config, results) -> None:
   decoders = {'target': lambda p: generate(target, tparams, [p], **common),
               'draft': lambda p: generate(draft, dparams, [p], **common)}
   for k in ks:
-    decoders[k] = (lambda k: lambda p: generate(target, tparams, [p], draft=draft,
-                                                draft_params=dparams, k=k, **common).check_draft(
-                                                    f'the draft ({config.draft or "shipped"})'))(k)
+    decoders[k] = (lambda k: lambda p: generate(
+        target, tparams, [p], draft=draft, draft_params=dparams, k=k,
+        **common).check_draft(draft_label(config)))(k)
   for decode in decoders.values():                     # compile every loop before timing
     decode(prompts[0])
   runs = {name: [] for name in decoders}

@@ -419,6 +419,11 @@ def parse_workloads(config) -> list[str]:
   return comma_list(config, 'workloads', WORKLOADS, what='workload')
 
 
+def draft_label(config) -> str:
+  """How errors name the run's draft: 'the draft (PATH)', or '(shipped)' for the default."""
+  return f'the draft ({config.draft or "shipped"})'
+
+
 def load_at_dtype(path, config, mesh=None, *, replicate: bool = False) -> tuple:
   """(ModelConfig, params) of the model directory `path` at `config.dtype` (float32 when the
   config has no dtype field): params cast and the ModelConfig's activations dtype set to match.

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from experiments.common import check_fields, comma_list
+from experiments.common import check_fields, comma_list, draft_label
 from experiments.speculative import load_pair, ratio
 from jaxspec.data.tool_calls import tool_episodes
 from jaxspec.decoding import SamplingParams
@@ -206,7 +206,7 @@ def _alpha(config, target, target_params, draft, draft_params, tokenizer, extrac
   decode(0, calls[0])
   out_lengths, timing = [], dict(spec_s=0.0, spec_tokens=0, ar_s=0.0, ar_tokens=0)
   for i, call in enumerate(calls):
-    out = decode(i, call, **spec).check_draft(f'the draft ({config.draft or "shipped"})')
+    out = decode(i, call, **spec).check_draft(draft_label(config))
     ar = decode(i, call)
     for key in ('proposed', 'accepted', 'rejected'):
       stats[key] += getattr(out, key)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from experiments import report
-from experiments.common import check_fields, comma_list, load_tokenizer
+from experiments.common import check_fields, comma_list, draft_label, load_tokenizer
 from experiments.speculative import load_pair, ratio
 from jaxspec.cache import pages_needed
 from jaxspec.data import make_conversations, turn_prompt
@@ -46,13 +46,17 @@ def validate(config) -> None:
     ValueError: an unknown or repeated setting, K out of [0, MAX_K], a size < 1, a pool or host
       tier too small for one request of the longest turn (`_plan`).
   """
+  _check_fields(config)
+  _plan(config, load_tokenizer(config.tokenizer, config.target or shipped('target'),
+                               config.draft or shipped('draft')))
+
+
+def _check_fields(config) -> None:
   _settings(config)
   if not 0 <= config.k <= MAX_K:
     raise ValueError(f'speculation length K must be an int in [0, {MAX_K}] (0 = off), got '
                      f'{config.k}')
   check_fields(config, ('reply_tokens', 'num_conversations', 'num_turns', 'page_size'))
-  _plan(config, load_tokenizer(config.tokenizer, config.target or shipped('target'),
-                               config.draft or shipped('draft')))
 
 
 def _plan(config, tokenizer) -> dict:
@@ -86,7 +90,7 @@ def _plan(config, tokenizer) -> dict:
 
 def run(config, results) -> None:
   """Replay the conversations under every setting; write per-turn and per-setting records."""
-  validate(config)
+  _check_fields(config)              # `_plan` (the rest of `validate`) needs the tokenizer
   settings = _settings(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:
@@ -115,8 +119,7 @@ def run(config, results) -> None:
         gen = gens[setting]
         prompt = turn_prompt(conv, turn, replies[setting][c])
         out = gen.generate(prompt, max_new_tokens=config.reply_tokens, stop_tokens=stop,
-                           seed=config.seed + turn).check_draft(
-                               f'the draft ({config.draft or "shipped"})')
+                           seed=config.seed + turn).check_draft(draft_label(config))
         replies[setting][c].append(out.tokens[0])
         peak_host[setting] = max(peak_host[setting], gen.host_pages_used)
         record = dict(

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from experiments.common import load_at_dtype, load_tokenizer, parse_workloads
+from experiments.common import draft_label, load_at_dtype, load_tokenizer, parse_workloads
 from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams, generate
@@ -113,7 +113,7 @@ def run(config, results) -> None:
     for i, batch in enumerate(batches):
       ar_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common))
       sp_runs.append(generate(target, target_params, batch, seed=config.seed + i, **common,
-                              **spec).check_draft(f'the draft ({config.draft or "shipped"})'))
+                              **spec).check_draft(draft_label(config)))
     results.write(summarize(workload, config, ar_runs, sp_runs, sampling))
 
 
