@@ -47,8 +47,12 @@ def validate(config) -> None:
       tier too small for one request of the longest turn (`_plan`).
   """
   _check_fields(config)
-  _plan(config, load_tokenizer(config.tokenizer, config.target or shipped('target'),
-                               config.draft or shipped('draft')))
+  _plan(config, _tokenizer(config))
+
+
+def _tokenizer(config):
+  return load_tokenizer(config.tokenizer, config.target or shipped('target'),
+                        config.draft or shipped('draft'))
 
 
 def _check_fields(config) -> None:
@@ -90,12 +94,12 @@ def _plan(config, tokenizer) -> dict:
 
 def run(config, results) -> None:
   """Replay the conversations under every setting; write per-turn and per-setting records."""
-  _check_fields(config)              # `_plan` (the rest of `validate`) needs the tokenizer
+  _check_fields(config)              # and `_plan`, once: `validate` without a second plan
+  plan = _plan(config, _tokenizer(config))                    # before any model loads
   settings = _settings(config)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
   if not config.k:
     draft = draft_params = None
-  plan = _plan(config, tokenizer)
   convs, slack, longest, pool_pages = (plan[k] for k in ('convs', 'slack', 'longest',
                                                          'pool_pages'))
   context = min(m.max_seq_len for m in (target, draft) if m is not None)
