@@ -39,119 +39,25 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       benchmark
 The α-threshold analysis over these records is `experiments.batching_report`.
 
-Settings are data (`parse_settings`): 'name=key:value,key:value;name2=...', each key an `Engine`
-keyword argument, so a new Engine option needs no change here.
+Settings are data (`experiments.batching_settings`): 'name=key:value,key:value;name2=...', each
+key an `Engine` keyword argument, so a new Engine option needs no change here.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import random
-import re
 import statistics
 import time
 
-from jaxspec.cache import pages_needed
-from jaxspec.checks import check_int
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
-from jaxspec.engine import Engine, admission, check_outputs
+from jaxspec.engine import Engine, check_outputs
+from experiments.batching_settings import (check_engines, describe, engine_shape, make_engines,
+                                          parse_settings, uses_draft_model)
 from experiments.common import check_fields, parse_workloads
 from experiments.speculative import load_pair
-
-# Engine arguments the experiment sets itself; a setting may not name them.
-RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
-# Engine arguments set from other config fields (a setting string cannot spell their values).
-FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.temperature / top_k / '
-               'top_p', 'page_size': '--config.page_size (the pool is sized in its pages)',
-               'num_pages': '--config.pool_pages (one pool for every setting)',
-               'max_seq_len': '--config.prompt_len / max_tokens (it is sized from them)'}
-
-
-def _value(text: str):
-  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) and '8/' -> (8,) (a
-  sequence of ints, e.g. decode_buckets), anything else the string itself."""
-  if re.fullmatch(r'\s*-?\d+\s*(/\s*-?\d+\s*)*/\s*(-?\d+\s*)?', text):   # a/b/c or a/
-    return tuple(int(p) for p in text.split('/') if p.strip())
-  low = text.lower()
-  if low in ('true', 'false'):
-    return low == 'true'
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return text
-
-
-def parse_settings(text: str) -> dict[str, dict]:
-  """Parse settings 'name=key:value,key:value;name2=key:value' into {name: Engine kwargs}.
-
-  Example: 'k0=k:0;k4=k:4;goodput=k:8,k_policy:goodput' ->
-  {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
-  floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`; one element: `8/`)
-  or strings. A setting with k >= 1 gets the draft model unless it names another drafter
-  (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the Engine refuses
-  (a bad policy name, ...) are reported by `build_engines`, naming the setting.
-
-  Raises:
-    ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
-      name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
-      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...), a
-      k that is not an int >= 0, no K = 0 setting (the baseline).
-  """
-  params = inspect.signature(Engine.__init__).parameters
-  allowed = sorted(n for n in params if n not in RESERVED and n not in FROM_CONFIG)
-  settings: dict[str, dict] = {}
-  for part in str(text).split(';'):
-    part = part.strip()
-    if not part:
-      continue
-    name, eq, body = part.partition('=')
-    name = name.strip()
-    if not eq or not name:
-      raise ValueError(f'setting {part!r} is not name=key:value,...')
-    if name in settings:
-      raise ValueError(f'setting {name!r} appears twice in {text!r}')
-    kwargs = {}
-    for pair in body.split(','):
-      key, colon, value = (s.strip() for s in pair.partition(':'))
-      if not colon or not key or not value:
-        raise ValueError(f'setting {name!r}: {pair.strip()!r} is not key:value')
-      if key in kwargs:
-        raise ValueError(f'setting {name!r}: key {key!r} appears twice')
-      if key in FROM_CONFIG:
-        raise ValueError(f'setting {name!r}: {key!r} is set by the experiment for every setting '
-                         f'(use {FROM_CONFIG[key]})')
-      if key not in allowed:
-        raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
-                         f'set (known: {", ".join(allowed)})')
-      kwargs[key] = _value(value)
-    k = kwargs.setdefault('k', 0)
-    check_int(f'setting {name!r}: k', k, 0)
-    settings[name] = kwargs
-  if not settings:
-    raise ValueError(f'no settings in {text!r}')
-  if not any(kw['k'] == 0 for kw in settings.values()):
-    raise ValueError(f'settings {text!r} have no K = 0 baseline (every ratio is taken against '
-                     f'it): add one, e.g. k0=k:0')
-  return settings
-
-
-def describe(kwargs: dict) -> dict:
-  """The record fields naming a setting: k, drafter ('none' at K = 0, else the setting's
-  drafter, default 'model') and k_policy (default 'fixed')."""
-  k = int(kwargs.get('k', 0))
-  return dict(k=k, drafter=str(kwargs.get('drafter', 'model')) if k else 'none',
-              k_policy=str(kwargs.get('k_policy', 'fixed')))
-
-
-def uses_draft_model(kwargs: dict) -> bool:
-  """Whether a setting needs the draft model (K >= 1 with the default or 'model' drafter)."""
-  return int(kwargs.get('k', 0)) > 0 and kwargs.get('drafter', 'model') == 'model'
-
 
 class StepKinds:
   """Records what each `Engine.step` scheduled, by wrapping its scheduler's public `schedule`
@@ -286,9 +192,7 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
       request of the run (prompt_len + max_tokens + K + 1 tokens) would not fit its max_seq_len
       or the pool (checked before any engine is warmed up).
   """
-  b = int(config.batch_size)
   k_max = max(int(s.get('k', 0)) for s in settings.values())
-  page = int(config.page_size)
   need = config.prompt_len + config.max_tokens + k_max + 1
   drafting = any(uses_draft_model(kwargs) for kwargs in settings.values())
   context = min(m.max_seq_len for m in (target, draft if drafting else None) if m is not None)
@@ -297,32 +201,17 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
                      f'{config.max_tokens} + K + 1 = {need} tokens (K = {k_max}, the largest of '
                      f'any setting) exceeds the models\' context of {context}: lower prompt_len '
                      f'or max_tokens')
-  max_seq_len = min(pages_needed(need, page) * page, context)
-  pool = int(config.pool_pages) or b * pages_needed(max_seq_len, page) + 1
-  sampling = SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
-                            top_p=float(config.top_p))
-  engines = {}
-  for name, kwargs in settings.items():
-    spec = dict(draft=draft, draft_params=draft_params) if uses_draft_model(kwargs) else {}
-    args = dict(num_slots=b, num_pages=pool, page_size=page, chunk_size=int(config.chunk_size),
-                max_seq_len=max_seq_len, sampling=sampling, seed=int(config.seed))
-    args.update(kwargs)
-    try:
-      engine = Engine(target, target_params, **args, **spec)
-    except (TypeError, ValueError) as err:
-      raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
-    # The run's requests must fit before the warm-ups (minutes at the default settings) run:
-    # the engine's own admission check, on a prompt of the run's length.
-    try:
-      admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'', None)
-    except ValueError as err:
-      hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
-              if 'pages' in str(err) else '')
-      raise ValueError(f'setting {name!r}: a request of the run: {err}{hint}') from err
-    engines[name] = engine
+  max_seq_len, pool = engine_shape(config, settings, context)
+  engines = make_engines(config, settings, target, target_params, draft, draft_params,
+                         sampling=_sampling(config), max_seq_len=max_seq_len, num_pages=pool)
   for engine in engines.values():                  # every setting checked first, then compiled
     engine.warm_up()
   return {name: (engine, StepKinds(engine)) for name, engine in engines.items()}
+
+
+def _sampling(config) -> SamplingParams:
+  return SamplingParams(temperature=float(config.temperature), top_k=int(config.top_k),
+                        top_p=float(config.top_p))
 
 
 def validate(config) -> None:
@@ -331,10 +220,11 @@ def validate(config) -> None:
   Raises:
     ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
       max_tokens, repeats, prompt_len (also: too short for retrieval), interleave, cost_rounds,
-      or a temperature, top_k or top_p out of `SamplingParams`' range (each on its own; their
-      combinations are checked in `build_engines`).
+      or a temperature, top_k or top_p out of `SamplingParams`' range; a setting the Engine
+      refuses, or whose engine could not hold a request of the run (`check_engines`: on a
+      stand-in model; the real models' context is checked by `build_engines`).
   """
-  parse_settings(config.settings)
+  settings = parse_settings(config.settings)
   for field in ('temperature', 'top_k', 'top_p'):       # SamplingParams' ranges, named
     try:
       SamplingParams(**{field: config[field]})
@@ -347,6 +237,7 @@ def validate(config) -> None:
   if 'retrieval' in parse_workloads(config) and config.prompt_len < MIN_RETRIEVAL_PROMPT:
     raise ValueError(f'config.prompt_len must be >= {MIN_RETRIEVAL_PROMPT} for the retrieval '
                      f'workload, got {config.prompt_len}')
+  check_engines(config, settings, _sampling(config))
 
 
 def load_study(config) -> tuple:

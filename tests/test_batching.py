@@ -356,3 +356,22 @@ def test_an_engine_refusing_a_setting_names_the_setting(tiny, tiny_draft):
   settings = batching.parse_settings('odd=k:2,k_policy:bogus;k0=k:0')   # fails before compiling
   with pytest.raises(ValueError, match="setting 'odd'.*bogus"):
     batching.build_engines(config, settings, *tiny, *tiny_draft)
+
+
+@pytest.mark.parametrize('settings, pool_pages, match', [
+    ('k0=k:0;c=k:0,chunk_size:0', 0, r"setting 'c' .*: chunk_size must be an int >= 1, got 0"),
+    ('k0=k:0;b=k:2,decode_buckets:3/', 0, r"setting 'b'.*decode_buckets=\(3,\)"),
+    ('k0=k:0', 3, r"setting 'k0': a request of the run: .*pool has 2 \(--config.pool_pages=3;"),
+])
+def test_validate_refuses_what_the_engine_would_before_any_model_loads(monkeypatch, settings,
+                                                                       pool_pages, match):
+  """A setting the Engine refuses (or a pool that cannot hold a request of the run) fails the
+  config check, before a sweep's first case loads and compiles anything."""
+  from configs import batching as batching_config
+  config = batching_config.get_config('smoke')
+  config.settings, config.pool_pages = settings, pool_pages
+  monkeypatch.setattr(batching, 'load_pair', lambda c: pytest.fail('loaded a model'))
+  with pytest.raises(ValueError, match=match):
+    batching.validate(config)
+  config.settings, config.pool_pages = 'k0=k:0;k2=k:2', 0
+  batching.validate(config)                      # the smoke config's own settings pass

@@ -9,6 +9,7 @@ import pytest
 
 from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, generate
+from jaxspec.decoding.steps import LocalSteps
 from jaxspec.models import ModelConfig
 
 
@@ -161,13 +162,29 @@ def test_a_prompt_bucket_past_the_context_pads_only_to_it(tiny, tiny_draft):
   # prompt_bucket=100000 sized the pool for 100000 tokens: RESOURCE_EXHAUSTED (320 GB).
   config, params = tiny
   draft, draft_params = tiny_draft
-  prompts = [[1, 5, 9], [2, 7]]
-  spec = dict(draft=draft, draft_params=draft_params, k=3)   # the width bound is both contexts'
-  want = generate(config, params, prompts, max_new_tokens=5, **spec)
-  got = generate(config, params, prompts, max_new_tokens=5, prompt_bucket=10 ** 9, **spec)
-  assert got.tokens == want.tokens
+  draft = dataclasses.replace(draft, max_seq_len=config.max_seq_len - 8)  # the smaller context
+
+  class Seen(Exception):
+    pass
+
+  class Recording(LocalSteps):
+    """Records the width of the first prefill and stops there (nothing compiles)."""
+
+    @staticmethod
+    def prefill(model, model_params, cache, tokens, *args, **kwargs):
+      del model, model_params, cache, args, kwargs
+      raise Seen(tokens.shape[1])
+
+  spec = dict(draft=draft, draft_params=draft_params, k=3, steps=Recording())
+  with pytest.raises(Seen) as seen:
+    generate(config, params, [[1, 5, 9], [2, 7]], max_new_tokens=5, prompt_bucket=10 ** 9,
+             **spec)
+  # Padded to the smaller context less max_new_tokens and K + 1 slack.
+  assert seen.value.args == (draft.max_seq_len - 5 - 4,)
   gen = PrefixCachedGenerator(config, params, num_pages=64, prompt_bucket=10 ** 9, **spec)
-  assert gen.generate(prompts[0], max_new_tokens=5).tokens == want.tokens[:1]
+  with pytest.raises(Seen) as seen:
+    gen.generate([1, 5, 9], max_new_tokens=5)
+  assert seen.value.args == (draft.max_seq_len,)
 
 
 @pytest.mark.parametrize('kwargs, match', [

@@ -1,0 +1,169 @@
+"""The batching study's settings: the strings that name each setting's `Engine` arguments
+('name=key:value,...;...'), parsed, described for the records, and tried on a stand-in model
+before any real one loads (so a setting the Engine refuses fails a sweep before its first case).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import numpy as np
+import jax
+
+from jaxspec.cache import pages_needed
+from jaxspec.checks import check_int
+from jaxspec.engine import Engine, admission
+from jaxspec.models import ModelConfig, param_shapes
+
+# Engine arguments the experiment sets itself; a setting may not name them.
+RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
+# Engine arguments set from other config fields (a setting string cannot spell their values).
+FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.temperature / top_k / '
+               'top_p', 'page_size': '--config.page_size (the pool is sized in its pages)',
+               'num_pages': '--config.pool_pages (one pool for every setting)',
+               'max_seq_len': '--config.prompt_len / max_tokens (it is sized from them)'}
+
+
+def _value(text: str):
+  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) and '8/' -> (8,) (a
+  sequence of ints, e.g. decode_buckets), anything else the string itself."""
+  if re.fullmatch(r'\s*-?\d+\s*(/\s*-?\d+\s*)*/\s*(-?\d+\s*)?', text):   # a/b/c or a/
+    return tuple(int(p) for p in text.split('/') if p.strip())
+  low = text.lower()
+  if low in ('true', 'false'):
+    return low == 'true'
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return text
+
+
+def parse_settings(text: str) -> dict[str, dict]:
+  """Parse settings 'name=key:value,key:value;name2=key:value' into {name: Engine kwargs}.
+
+  Example: 'k0=k:0;k4=k:4;goodput=k:8,k_policy:goodput' ->
+  {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
+  floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`; one element: `8/`)
+  or strings. A setting with k >= 1 gets the draft model unless it names another drafter
+  (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the Engine refuses
+  (a bad policy name, ...) are reported by `make_engines`, naming the setting.
+
+  Raises:
+    ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
+      name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
+      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...), a
+      k that is not an int >= 0, no K = 0 setting (the baseline).
+  """
+  params = inspect.signature(Engine.__init__).parameters
+  allowed = sorted(n for n in params if n not in RESERVED and n not in FROM_CONFIG)
+  settings: dict[str, dict] = {}
+  for part in str(text).split(';'):
+    part = part.strip()
+    if not part:
+      continue
+    name, eq, body = part.partition('=')
+    name = name.strip()
+    if not eq or not name:
+      raise ValueError(f'setting {part!r} is not name=key:value,...')
+    if name in settings:
+      raise ValueError(f'setting {name!r} appears twice in {text!r}')
+    kwargs = {}
+    for pair in body.split(','):
+      key, colon, value = (s.strip() for s in pair.partition(':'))
+      if not colon or not key or not value:
+        raise ValueError(f'setting {name!r}: {pair.strip()!r} is not key:value')
+      if key in kwargs:
+        raise ValueError(f'setting {name!r}: key {key!r} appears twice')
+      if key in FROM_CONFIG:
+        raise ValueError(f'setting {name!r}: {key!r} is set by the experiment for every setting '
+                         f'(use {FROM_CONFIG[key]})')
+      if key not in allowed:
+        raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
+                         f'set (known: {", ".join(allowed)})')
+      kwargs[key] = _value(value)
+    k = kwargs.setdefault('k', 0)
+    check_int(f'setting {name!r}: k', k, 0)
+    settings[name] = kwargs
+  if not settings:
+    raise ValueError(f'no settings in {text!r}')
+  if not any(kw['k'] == 0 for kw in settings.values()):
+    raise ValueError(f'settings {text!r} have no K = 0 baseline (every ratio is taken against '
+                     f'it): add one, e.g. k0=k:0')
+  return settings
+
+
+def describe(kwargs: dict) -> dict:
+  """The record fields naming a setting: k, drafter ('none' at K = 0, else the setting's
+  drafter, default 'model') and k_policy (default 'fixed')."""
+  k = int(kwargs.get('k', 0))
+  return dict(k=k, drafter=str(kwargs.get('drafter', 'model')) if k else 'none',
+              k_policy=str(kwargs.get('k_policy', 'fixed')))
+
+
+def uses_draft_model(kwargs: dict) -> bool:
+  """Whether a setting needs the draft model (K >= 1 with the default or 'model' drafter)."""
+  return int(kwargs.get('k', 0)) > 0 and kwargs.get('drafter', 'model') == 'model'
+
+
+def engine_shape(config, settings: dict, context: int) -> tuple[int, int]:
+  """(max_seq_len, num_pages) every setting's engine gets: room for prompt_len + max_tokens +
+  K + 1 tokens (K the largest of any setting) in whole pages, at most `context` (tokens), and
+  `config.pool_pages` pages (0: a full context for each of the batch_size slots, plus the null
+  page)."""
+  page = int(config.page_size)
+  k_max = max(int(s.get('k', 0)) for s in settings.values())
+  need = config.prompt_len + config.max_tokens + k_max + 1
+  max_seq_len = min(pages_needed(need, page) * page, context)
+  pool = int(config.pool_pages) or int(config.batch_size) * pages_needed(max_seq_len, page) + 1
+  return max_seq_len, pool
+
+
+def make_engines(config, settings: dict, target, target_params, draft, draft_params, *,
+                 sampling, max_seq_len: int, num_pages: int) -> dict:
+  """{name: Engine} (not warmed up), one per setting, each checked to admit a request of the run
+  (a prompt of prompt_len tokens and max_tokens) before any is compiled.
+
+  Raises:
+    ValueError: naming the setting whose Engine arguments the Engine refuses, or whose engine
+      cannot hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
+  """
+  engines = {}
+  for name, kwargs in settings.items():
+    spec = dict(draft=draft, draft_params=draft_params) if uses_draft_model(kwargs) else {}
+    args = dict(num_slots=int(config.batch_size), num_pages=num_pages,
+                page_size=int(config.page_size), chunk_size=int(config.chunk_size),
+                max_seq_len=max_seq_len, sampling=sampling, seed=int(config.seed))
+    args.update(kwargs)
+    try:
+      engine = Engine(target, target_params, **args, **spec)
+    except (TypeError, ValueError) as err:
+      raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
+    try:                                             # the engine's own admission check
+      admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'', None)
+    except ValueError as err:
+      hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
+              if 'pages' in str(err) else '')
+      raise ValueError(f'setting {name!r}: a request of the run: {err}{hint}') from err
+    engines[name] = engine
+  return engines
+
+
+def check_engines(config, settings: dict, sampling) -> None:
+  """Build every setting's engine around a stand-in model (the test-tiny shapes, zero weights,
+  a context that fits the run) and drop them: the Engine's own checks of the setting's
+  arguments and of the pool run before the real pair loads (seconds, not the minutes of a
+  load and warm-up). What depends on the real models (their context) is checked again by
+  `make_engines` then.
+
+  Raises:
+    ValueError: as `make_engines`.
+  """
+  context, _ = engine_shape(config, settings, 1 << 30)
+  stand_in = ModelConfig.from_name('test-tiny', max_seq_len=context)
+  params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(stand_in))
+  max_seq_len, pool = engine_shape(config, settings, context)
+  make_engines(config, settings, stand_in, params, stand_in, params, sampling=sampling,
+               max_seq_len=max_seq_len, num_pages=pool)
