@@ -275,6 +275,17 @@ def test_numpy_integer_arguments_act_as_ints(tiny, tiny_draft, alone):
   assert engine.outputs[rid].metrics.num_tokens == 10
 
 
+def test_a_chunk_past_the_context_is_taken_as_the_context(tiny, alone):
+  # chunk_size=2**20 padded every prefill call to 2**20 tokens a row: 8.9 GB at this context.
+  config, params = tiny
+  engine = Engine(config, params, num_slots=1, num_pages=BIG, page_size=L,
+                  chunk_size=2 ** 20, max_seq_len=48)
+  assert engine.chunk_size == 48 and engine.scheduler.chunk_size == 48
+  prompt = _prompts([9], seed=6)[0]
+  rid = engine.add_request(prompt, max_tokens=6)
+  assert engine.run()[rid].tokens == alone(prompt, 6)
+
+
 @pytest.mark.parametrize('k,prefill_rows', [(0, 1), (K, None)])
 def test_device_steps_compile_once_per_shape(tiny, tiny_draft, alone, k, prefill_rows):
   engine = _engine(tiny, tiny_draft, k, BIG, prefill_rows=prefill_rows, host_pages=4)

@@ -62,3 +62,25 @@ def test_sampling_must_be_sampling_params(tiny):
   with pytest.raises(ValueError, match="request 0: sampling must be a SamplingParams, got 0.7"):
     engine.add_request(PROMPT, max_tokens=2, sampling=0.7)
   assert not engine.has_unfinished()
+
+
+def test_timing_calls_leave_the_sampled_outputs_of_a_seed_as_they_were(tiny):
+  """`warm_up` and `measure_costs` time device calls that draw PRNG keys too; the requests' key
+  stream is put back, so a seed samples the same tokens with or without them, whenever run."""
+  config, params = tiny
+  hot = SamplingParams(temperature=1.0)
+
+  def sampled(timed: str):
+    engine = Engine(config, params, num_slots=1, num_pages=12, page_size=8, chunk_size=8, seed=7)
+    if timed == 'warm_up':
+      engine.warm_up(1)
+    rid = engine.add_request(PROMPT, max_tokens=8, sampling=hot)
+    engine.step()
+    engine.step()
+    if timed == 'between':
+      engine.measure_costs(1)
+    return engine.run()[rid].tokens
+
+  plain = sampled('none')
+  assert sampled('warm_up') == plain and sampled('between') == plain
+  assert len(set(plain)) > 2                     # really sampled (a flat tiny model at T = 1)

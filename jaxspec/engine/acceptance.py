@@ -101,20 +101,26 @@ class AlphaTracker:
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
               later_trials: float = 0.0, later_weight: Optional[float] = None) -> None:
     """Add one round's first-proposal (successes, trials) of a request and its later-proposal
-    ones; nothing when both trial counts are <= 0. Decays the request's sums by `decay` and the
+    ones; nothing when both trial counts are 0. Decays the request's sums by `decay` and the
     global ones by decay^(1/max(n, global_span)) first (n requests tracked): the first
     proposal's when observed, the later ones' always. `later_weight`: the sum of `profile`'s
     values at the positions of the later trials (None: 1 each), kept alike for `shape`.
 
     Raises:
       ValueError: a count that is not a finite number (one NaN would stay in the global sums
-        every request's estimate shares)."""
+        every request's estimate shares), or successes outside [0, trials] (an α above 1 or
+        below 0 would be shared the same way)."""
     counts = (successes, trials, later_successes, later_trials)
     if not all(math.isfinite(x) for x in counts) or (
         later_weight is not None and not math.isfinite(later_weight)):
       raise ValueError(f'acceptance counts must be finite numbers, got successes={successes}, '
                        f'trials={trials}, later_successes={later_successes}, '
                        f'later_trials={later_trials}, later_weight={later_weight}')
+    for wins, tries, name in ((successes, trials, ''), (later_successes, later_trials, 'later_')):
+      # Σ min(p, q) of a K = 0 round may round a hair past its one trial.
+      if wins < 0 or tries < 0 or wins > tries * (1 + 1e-6) + 1e-9:
+        raise ValueError(f'acceptance counts must satisfy 0 <= {name}successes <= '
+                         f'{name}trials, got {name}successes={wins}, {name}trials={tries}')
     if trials <= 0 and later_trials <= 0:
       return
     old = self._sums.get(request_id, [0.0, 0.0, 0.0, 0.0])

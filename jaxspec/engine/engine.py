@@ -57,7 +57,8 @@ class Engine:
     num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page); the
       draft, when given, has a pool of the same size under the same page tables.
     page_size: L tokens per page.
-    chunk_size: C, prefill tokens per request per step (chunked prefill).
+    chunk_size: C, prefill tokens per request per step (chunked prefill); at most max_seq_len
+      (a larger C is taken as max_seq_len: no prompt has more tokens).
     prefill_rows: requests prefilled per step at most (default: num_slots). A step's prefill
       call has the smallest row count in `prefill_buckets` (powers of two below prefill_rows,
       and prefill_rows) that holds its prefilling requests, each compiled once.
@@ -164,6 +165,9 @@ class Engine:
       if self.max_seq_len < 2 + self.window:      # a 1-token prompt, 1 token, the round's slack
         raise ValueError(f'max_seq_len={self.max_seq_len} admits no request: the shortest spans '
                          f'1 prompt token + max_tokens=1 + K + 1 = {2 + self.window} tokens')
+      # No prompt fills a chunk past the context: a larger one only pads every prefill call
+      # (chunk_size=2**20 asked for 8.9 GB at a 256-token context).
+      self.chunk_size = chunk_size = min(chunk_size, self.max_seq_len)
       self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
       self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
       table, _ = device.idle_rows(1, self.pages_per_seq)
@@ -302,12 +306,18 @@ class Engine:
     prefill per row bucket, the decode round at every K the policy may choose and every decode
     row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
     compile; then measure `row_costs` (and `prefill_costs` for a policy that needs costs).
+    The requests' PRNG key stream is left as it was: sampled outputs of a seed are the same
+    with or without a warm-up (or `measure_costs`), whenever it runs.
 
     Args:
       cost_repeats: rounds of timed calls per (rows, K) and per prefill bucket (>= 1;
         `timing.fastest`).
     """
-    timing.warm_up(self, cost_repeats)
+    rng = self._rng                  # the timed calls draw keys: put the requests' stream back,
+    try:                             # so sampled outputs do not depend on when costs were timed
+      timing.warm_up(self, cost_repeats)
+    finally:
+      self._rng = rng
 
   @property
   def step_costs(self) -> dict:
@@ -329,7 +339,11 @@ class Engine:
     Raises:
       ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
     """
-    return timing.measure_costs(self, repeats, widths)
+    rng = self._rng                  # as `warm_up`: the requests' key stream is left as it was
+    try:
+      return timing.measure_costs(self, repeats, widths)
+    finally:
+      self._rng = rng
 
   # ---------------------------------------------------------------- internals
 

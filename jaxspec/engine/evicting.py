@@ -193,8 +193,8 @@ class EvictingEngine(Engine):
         prefill_group = next(g for g in range(min(self.chunk_size, 4), 0, -1)
                              if self.chunk_size % g == 0)
       if not is_int_in(prefill_group, 1, self.chunk_size) or self.chunk_size % prefill_group:
-        raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
-                         f'got {prefill_group!r}')
+        raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size='
+                         f'{self.chunk_size}, got {prefill_group!r}')
       self.prefill_group = int(prefill_group)
       self.eviction_policy = policy
       self.request_pages = pages_needed(policy.slots, page_size)
