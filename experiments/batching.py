@@ -51,7 +51,6 @@ import statistics
 import time
 
 from jaxspec.data import make_prompts
-from jaxspec.data.workloads import MIN_RETRIEVAL_PROMPT
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine, check_outputs
 from experiments.batching_settings import (check_engines, describe, engine_shape, make_engines,
@@ -234,9 +233,7 @@ def validate(config) -> None:
   if config.interleave not in ('steps', 'runs'):
     raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
   check_fields(config, ('cost_rounds', 'min_requests'), minimum=0)
-  if 'retrieval' in parse_workloads(config) and config.prompt_len < MIN_RETRIEVAL_PROMPT:
-    raise ValueError(f'config.prompt_len must be >= {MIN_RETRIEVAL_PROMPT} for the retrieval '
-                     f'workload, got {config.prompt_len}')
+  parse_workloads(config)                         # and prompt_len for each
   check_engines(config, settings, _sampling(config))
 
 

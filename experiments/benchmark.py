@@ -14,7 +14,8 @@ import numpy as np
 
 from experiments.common import check_fields, comma_list, draft_label
 from experiments.speculative import load_pair, ratio
-from jaxspec.data import make_prompts
+from jaxspec.data import WORKLOADS, make_prompts
+from jaxspec.data.workloads import check_prompt_len
 from jaxspec.decoding import MAX_K, SamplingParams, generate
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.models import Transformer, cache_for
@@ -57,8 +58,13 @@ def validate(config) -> None:
   """Check a benchmark config before any model loads (`experiments.common.validate`).
 
   Raises:
-    ValueError: a K out of [1, MAX_K] in ks, repeats or num_prompts < 1, max_new_tokens < 2.
+    ValueError: a K out of [1, MAX_K] in ks, repeats or num_prompts < 1, max_new_tokens < 2,
+      an unknown workload or a prompt_len too short for it.
   """
+  if config.workload not in WORKLOADS:
+    raise ValueError(f'config.workload={config.workload!r} names no workload; known: '
+                     f'{", ".join(WORKLOADS)}')
+  check_prompt_len(config.workload, config.prompt_len, 'config.prompt_len')
   bad = [k for k in comma_list(config, 'ks', convert=int, what='K') if not 1 <= k <= MAX_K]
   if bad:
     raise ValueError(f'config.ks: speculation length K must be in [1, {MAX_K}], got {bad[0]}')

@@ -27,6 +27,7 @@ import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
 from jaxspec.data import WORKLOADS, Tokenizer
+from jaxspec.data.workloads import check_prompt_len
 from jaxspec.models import cache_for, is_pretrained, load_model, shipped
 from jaxspec.models.checkpoint import ASSETS, CheckpointError
 from jaxspec.parallel import load_sharded
@@ -147,15 +148,17 @@ def read_results(path) -> list[dict]:
     text = pathlib.Path(path).read_text()
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
-  records = []
-  for line in text.splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if isinstance(record, dict):
-      records.append(record)
-  return records
+  return [r for r in map(json_object, text.splitlines()) if r is not None]
+
+
+def json_object(line: str) -> dict | None:
+  """The JSON object a results line holds, or None for a line that is not one (torn by a
+  kill, another JSON value, or nested too deep for the parser: a RecursionError)."""
+  try:
+    record = json.loads(line)
+  except (json.JSONDecodeError, RecursionError):
+    return None
+  return record if isinstance(record, dict) else None
 
 
 def parse_flags(argv):
@@ -414,9 +417,15 @@ def parse_workloads(config) -> list[str]:
 
   Raises:
     ValueError: the string names no workload, names one not in WORKLOADS (the message names
-      the bad value and the known workloads), or names one twice (its records would repeat).
+      the bad value and the known workloads), or names one twice (its records would repeat);
+      a config.prompt_len (where the config has one) too short for one of them
+      (`jaxspec.data.workloads.check_prompt_len`).
   """
-  return comma_list(config, 'workloads', WORKLOADS, what='workload')
+  workloads = comma_list(config, 'workloads', WORKLOADS, what='workload')
+  if 'prompt_len' in config:
+    for workload in workloads:
+      check_prompt_len(workload, config.prompt_len, 'config.prompt_len')
+  return workloads
 
 
 def draft_label(config) -> str:

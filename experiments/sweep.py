@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from experiments import report, sweeps
 from experiments.common import (DEFAULT_CONFIG, Results, exit_config_error, exit_unknown_field,
-                                format_record, import_experiment, parse_flags, read_results,
-                                validate)
+                                format_record, import_experiment, json_object, parse_flags,
+                                read_results, validate)
 from jaxspec.parallel import distributed
 
 
@@ -104,11 +104,8 @@ def _drop_lines(path: pathlib.Path, cid: Optional[str]) -> None:
   lines = path.read_text().splitlines(keepends=True)
   kept = []
   for line in lines:
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      continue
-    if isinstance(record, dict) and (cid is None or record.get('case_id') != cid):
+    record = json_object(line)
+    if record is not None and (cid is None or record.get('case_id') != cid):
       kept.append(line if line.endswith('\n') else line + '\n')
   if kept != lines:
     _write_atomic(path, ''.join(kept))

@@ -131,6 +131,11 @@ def _smoke(name, **overrides):
     ('benchmark', dict(max_new_tokens=1), 'config.max_new_tokens must be >= 2, got 1'),
     ('speculative', dict(batch_size=4, num_prompts=1),      # the record claimed batch_size=4
      'config.batch_size=4 exceeds config.num_prompts=1'),
+    ('benchmark', dict(workload='nope'), "config.workload='nope' names no workload"),
+    ('benchmark', dict(prompt_len=0), "config.prompt_len must be an int >= 1 for 'json', got 0"),
+    # It measured and wrote json and code, then failed on retrieval with a partial results file.
+    ('speculative', dict(prompt_len=40),
+     "config.prompt_len must be an int >= 48 for 'retrieval', got 40"),
     ('prefix_cache', dict(small_pool_pages=2),
      r"small_pool_pages=2 is too small for settings \['on_host', 'on_small'\]: need >= "),
 ])
@@ -145,8 +150,12 @@ def test_experiment_fields_are_refused_before_any_model_loads(name, overrides, n
 def test_batching_refuses_a_short_retrieval_prompt_and_a_page_size_per_setting(monkeypatch):
   from experiments import batching  # pylint: disable=import-outside-toplevel
   monkeypatch.setattr(batching, 'load_pair', lambda config: pytest.fail('loaded a model'))
-  with pytest.raises(ValueError, match='prompt_len must be >= 48 for the retrieval workload'):
+  with pytest.raises(ValueError, match="prompt_len must be an int >= 48 for 'retrieval', got 10"):
     batching.load_study(_smoke('batching', workloads='retrieval', prompt_len=10))
+  eviction_batching = import_experiment('eviction_batching')
+  monkeypatch.setattr(eviction_batching, 'load_at_dtype', lambda *a: pytest.fail('loaded'))
+  with pytest.raises(ValueError, match="prompt_len must be an int >= 48 for 'retrieval', got 32"):
+    eviction_batching.run(_smoke('eviction_batching', workloads='retrieval', prompt_len=32), None)
   with pytest.raises(ValueError, match="'page_size' is set by the experiment for every setting"):
     batching.parse_settings('k0=k:0;k2=k:2,page_size:5')   # a bigger pool for one setting
 

@@ -297,7 +297,9 @@ def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):
   path = sweep_dir / 'results.jsonl'
   full = read_results(path)
   lines = path.read_text().splitlines(keepends=True)
-  path.write_text(''.join(lines[:5]) + '[1, 2]\n"foreign"\n')    # lost lines, foreign ones
+  deep = '[' * 100000 + '\n'                        # a RecursionError in json.loads
+  path.write_text(''.join(lines[:5]) + '[1, 2]\n"foreign"\n' + deep)   # lost lines, foreign ones
+  assert len(read_results(path)) == 5
   (sweep_dir / 'cases' / ALL_CASES[-1] / 'results.jsonl').write_text('')   # lost there too
   again = _sweep(tmp_path)
   assert again.ran == ALL_CASES[-1:] and _runs(tmp_path)[ALL_CASES[-1]] == 2

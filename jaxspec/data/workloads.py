@@ -107,6 +107,19 @@ def _count(seq: list[int], sub: list[int]) -> int:
   return sum(seq[i:i + n] == sub for i in range(len(seq) - n + 1))
 
 
+def check_prompt_len(workload: str, prompt_len, name: str = 'prompt_len') -> int:
+  """`prompt_len` (tokens) as an int, checked for `workload`: >= 1, and >= MIN_RETRIEVAL_PROMPT
+  for retrieval (its instruction and quote take 25-45 tokens).
+
+  Raises:
+    ValueError: naming `name`, the value and the workload.
+  """
+  least = MIN_RETRIEVAL_PROMPT if workload == 'retrieval' else 1
+  if not is_int_in(prompt_len, least, 2 ** 63):
+    raise ValueError(f'{name} must be an int >= {least} for {workload!r}, got {prompt_len!r}')
+  return int(prompt_len)
+
+
 def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_len: int,
                  split: str = 'test', seed: int = 0) -> list[Prompt]:
   """``num_prompts`` held-out prompts of ``workload`` ('json' | 'code' | 'retrieval').
@@ -124,11 +137,7 @@ def make_prompts(workload: str, tokenizer: Tokenizer, num_prompts: int, prompt_l
   if workload not in WORKLOADS:
     raise ValueError(f'unknown workload {workload!r}; expected one of {WORKLOADS}')
   num_prompts = check_int('num_prompts', num_prompts, 1)
-  min_len = MIN_RETRIEVAL_PROMPT if workload == 'retrieval' else 1
-  if not is_int_in(prompt_len, min_len, 2 ** 63):
-    raise ValueError(f'prompt_len must be an int >= {min_len} for {workload!r}, got '
-                     f'{prompt_len!r}')
-  prompt_len = int(prompt_len)
+  prompt_len = check_prompt_len(workload, prompt_len)
   seed = check_seed(seed)     # a Python int: the hashed repr of np.int64(0) is not that of 0
   kinds = corpus.KINDS if workload == 'retrieval' else (workload,)
   docs = _ordered_docs(kinds, split, seed, workload)
