@@ -180,7 +180,7 @@ def parse_only(items: Iterable[str]) -> dict[str, list[str]]:
   """
   only: dict[str, list[str]] = {}
   for item in items or ():
-    for part in re.split(r',(?=[A-Za-z_][\w.]*=)', item):
+    for part in re.split(r',(?=[A-Za-z_][\w.]*=|\s*=)', item):     # ',=3': a filter, no field
       field, sep, value = part.partition('=')
       if not sep or not field.strip():
         raise ValueError(f'--only takes field=value, got {part!r}')

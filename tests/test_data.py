@@ -1,5 +1,6 @@
 """Tests for jaxspec.data: corpus splits, tokenizer, workloads, batches."""
 
+import json
 import pathlib
 
 import numpy as np
@@ -126,6 +127,12 @@ def test_encode_batch_checks_its_texts_and_a_config_that_is_not_an_object(tok, t
   (tmp_path / 'config.json').write_text('[1, 2]')       # was an AttributeError
   with pytest.raises(ValueError, match='config.json must hold a JSON object, got a list'):
     Tokenizer.load(tmp_path)
+  (tmp_path / 'config.json').unlink()
+  for eos in ({'foo': 1}, {'content': 5}):             # was "TypeError: 'None' is not ... 'str'"
+    (tmp_path / 'tokenizer_config.json').write_text(json.dumps({'eos_token': eos}))
+    with pytest.raises(ValueError, match=r'tokenizer_config.json: eos_token must be a string or '
+                                         r'an object with a string "content", got \{'):
+      Tokenizer.load(tmp_path)
 
 
 def test_tokenizer_train_rejects_tiny_vocab():
@@ -133,6 +140,11 @@ def test_tokenizer_train_rejects_tiny_vocab():
     Tokenizer.train(['abc'], vocab_size=100)
   with pytest.raises(ValueError, match='vocab_size must be an int >= 259, got 300.5'):
     Tokenizer.train(['abc'], vocab_size=300.5)        # was a TypeError inside tokenizers
+  with pytest.raises(ValueError, match=rf'vocab_size must be <= 16777216 \(2\*\*24\), got '
+                                       rf'{2 ** 40}'):
+    Tokenizer.train(['abc'], vocab_size=2 ** 40)     # the trainer aborted the process (72 TB)
+  with pytest.raises(ValueError, match='train takes an iterable of str texts, got a str'):
+    Tokenizer.train('abc', vocab_size=300)            # trained on 'a', 'b', 'c'
 
 
 def test_tokenizer_save_to_a_directory_names_it(tok, tmp_path):
@@ -333,7 +345,9 @@ def test_a_numpy_seed_draws_what_the_same_python_seed_draws_and_floats_are_refus
 def test_decode_refuses_ids_outside_the_vocabulary(tok):
   assert tok.decode(np.array([100, 200])) == tok.decode([100, 200])
   for ids, match in (([tok.vocab_size], 'outside the vocabulary'), ([-1], 'token id -1'),
-                     ([1.7], 'got 1.7 at position 0')):       # was '', OverflowError, '<|bos|>'
+                     ([1.7], 'got 1.7 at position 0'),        # was '', OverflowError, '<|bos|>'
+                     (5, 'ids must be a sequence of int token ids, got 5'),   # was a TypeError
+                     (np.array(5), 'ids must be a sequence of int token ids')):
     with pytest.raises(ValueError, match=match):
       tok.decode(ids)
 

@@ -359,3 +359,12 @@ def test_generator_words_errors_for_its_one_prompt(tiny):
                      (300, 'exceeds the context of 256')):   # was after the shorter ones
     with pytest.raises(ValueError, match=match):
       gen.warm_up(bad, 2)
+
+
+def test_finish_refuses_a_keep_that_is_not_a_bool():
+  cache = PrefixCache(num_pages=8, page_size=4)
+  request, plan = cache.admit([1, 2, 3, 4, 5], reserve=8)
+  cache.apply(plan, [])
+  with pytest.raises(ValueError, match="keep must be True or False, got 'no'"):
+    cache.finish(request, keep='no')                  # 'no' is truthy: the pages stayed cached
+  cache.finish(request, keep=False)

@@ -76,6 +76,9 @@ def test_only_and_shard_parsing():
   assert sweeps.parse_only(['k=4,temperature=0.0', 'k=8', 'workloads=json,code']) == {
       'k': ['4', '8'], 'temperature': ['0.0'], 'workloads': ['json,code']}
   assert sweeps.matches({'k': 4, 'temperature': 0.0}, {'k': ['4'], 'temperature': ['0']})
+  for bad in ('k=4,=3', 'k=4, =3', '=3', 'k'):       # 'k=4,=3' matched no case, unexplained
+    with pytest.raises(ValueError, match="--only takes field=value, got '"):
+      sweeps.parse_only([bad])
   assert not sweeps.matches({'k': 4, 'temperature': 1.0}, {'k': ['4'], 'temperature': ['0']})
   assert sweeps.parse_shard('1/3') == (1, 3)
   for bad in ('3/3', '1', 'a/b'):

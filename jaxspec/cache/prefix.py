@@ -302,7 +302,12 @@ class PrefixCache:
     every registered page that no other request holds, so none is served from the cache (a
     page it computed may hold NaN keys/values even for healthy tokens; one it hit is only
     recomputed later).
+
+    Raises:
+      ValueError: keep not a bool ('no' kept the pages cached); a request not live here.
     """
+    if not isinstance(keep, (bool, np.bool_)):
+      raise ValueError(f'keep must be True or False, got {keep!r}')
     self._check_live(request)
     request.finished = True
     del self._requests[request.id]

@@ -23,6 +23,7 @@ from jaxspec.checks import check_int, is_int_in, nearest_existing, token_ids
 
 PAD, BOS, EOS = '<|pad|>', '<|bos|>', '<|eos|>'
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2 in this order.
+MAX_VOCAB = 2 ** 24               # ids `train` learns at most (well past any model's vocabulary)
 
 
 def check_save_path(path: str | os.PathLike[str]) -> pathlib.Path:
@@ -66,11 +67,17 @@ class Tokenizer:
   def train(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Learns BPE merges over ``texts`` (any iterable of str, consumed once).
 
-    vocab_size: total size including the 3 specials and the 256 byte tokens; the result can be
-    smaller when the texts hold too few distinct merges. Raises ValueError if vocab_size is not an
-    int >= 259.
+    vocab_size: total size including the 3 specials and the 256 byte tokens, at most MAX_VOCAB;
+    the result can be smaller when the texts hold too few distinct merges. Raises ValueError if
+    vocab_size is not an int in [259, MAX_VOCAB] (the trainer reserves ~66 bytes per id up front:
+    2**31 asked for 141 GB and aborted the process), or if texts is a str or bytes (it would
+    train on its single characters).
     """
     vocab_size = check_int('vocab_size', vocab_size, 256 + len(SPECIAL_TOKENS))
+    if vocab_size > MAX_VOCAB:
+      raise ValueError(f'vocab_size must be <= {MAX_VOCAB} (2**24), got {vocab_size}')
+    if isinstance(texts, (str, bytes)):
+      raise ValueError(f'train takes an iterable of str texts, got a {type(texts).__name__}')
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -178,8 +185,11 @@ class Tokenizer:
     Raises ValueError naming the first id that is not an int in [0, vocab_size) (it decoded to
     '' or, for 1.7, to id 1).
     """
-    if not isinstance(ids, (list, tuple, range)) and getattr(ids, 'ndim', None) != 1:
-      ids = list(ids)                    # a generator, a set of one id...: read once, in order
+    if not isinstance(ids, (list, tuple, range, str, bytes)) and getattr(ids, 'ndim', None) != 1:
+      try:
+        ids = list(ids)                  # a generator, a set of one id...: read once, in order
+      except TypeError:                  # one id (5, np.array(5)) is not a sequence of them
+        raise ValueError(f'ids must be a sequence of int token ids, got {ids!r}') from None
     return self._tok.decode(token_ids(ids, 'ids', self.vocab_size), skip_special_tokens=False)
 
   @property
@@ -250,6 +260,9 @@ def hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
       if value is None and isinstance(fields.get(f'{key}_token'), (str, dict)):
         token = fields[f'{key}_token']
         token = token.get('content') if isinstance(token, dict) else token
+        if not isinstance(token, str):        # {"foo": 1} or {"content": 5}: token_to_id's TypeError
+          raise ValueError(f'{file}: {key}_token must be a string or an object with a string '
+                           f'"content", got {fields[f"{key}_token"]!r}')
         value = tok.token_to_id(token)
         if value is None:
           raise ValueError(f'{file}: {key}_token {token!r} is not in the tokenizer')
