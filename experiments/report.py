@@ -51,7 +51,9 @@ def summarize(records: list[dict], path_md, path_csv) -> None:
 
   Args:
     records: result dicts; fields missing from a record are left empty.
-    path_md: markdown file (floats rounded to 4 significant digits, for reading).
+    path_md: markdown file (floats rounded to 4 significant digits, for reading); records of
+      several kinds (a `kind` field, e.g. hydration's turn / summary / alpha) get one table per
+      kind, each with the columns of its own records.
     path_csv: CSV file (full precision, None as empty, for other tools).
   """
   cols = columns(records)
@@ -61,10 +63,16 @@ def summarize(records: list[dict], path_md, path_csv) -> None:
     for record in records:
       writer.writerow(['' if record.get(c) is None else record[c] for c in cols])
   lines = [f'{len(records)} records', '']
-  if records:
+  kinds = collections.defaultdict(list)
+  for r in records:
+    kinds[r.get('kind')].append(r)
+  for kind, group in kinds.items():
+    if len(kinds) > 1:
+      lines += [f'## kind = {kind} ({len(group)} record{"s" * (len(group) != 1)})', '']
+    cols = columns(group)
     lines += ['| ' + ' | '.join(cols) + ' |', '|' + '---|' * len(cols)]
-    lines += ['| ' + ' | '.join(_cell(r.get(c)) for c in cols) + ' |' for r in records]
-  pathlib.Path(path_md).write_text('\n'.join(lines) + '\n')
+    lines += ['| ' + ' | '.join(_cell(r.get(c)) for c in cols) + ' |' for r in group] + ['']
+  pathlib.Path(path_md).write_text('\n'.join(lines).rstrip('\n') + '\n')
 
 
 def _mean_by(records, keys: tuple, metric: str) -> dict:

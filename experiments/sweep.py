@@ -199,8 +199,8 @@ def _run_case(module, cid, overrides, config, sweep_dir, echo) -> str:
 
 
 def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None,
-              only: Iterable[str] = (), shard: Optional[str] = None, sweep_name: str = 'sweep',
-              progress: bool = True) -> SweepOutcome:
+              only: Iterable[str] = (), shard: Optional[str] = None,
+              sweep_name: Optional[str] = None, progress: bool = True) -> SweepOutcome:
   """Runs the cases of a config's sweep not yet done, then writes the summary and plots.
 
   Args:
@@ -212,7 +212,10 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
     shard: 'i/n': only cases whose index in the sweep is i modulo n; 'process': i/n from this
       process's JAX_PROCESS_ID / JAX_NUM_PROCESSES (independent cases, each process on its own
       devices; the distributed runtime is not started).
-    sweep_name: the sweep directory's name; the same name resumes the same sweep.
+    sweep_name: the sweep directory's name; the same name resumes the same sweep. Default
+      'sweep', or 'sweep-VARIANT' for 'configs/x.py:VARIANT' (a variant is another base config,
+      and a sweep directory holds the cases of one: `configs/x.py:smoke` no longer collides with
+      the full sweep's directory).
     progress: show a progress bar and echo records.
   Returns:
     A SweepOutcome; its exit_code is non-zero if a case (or the report) failed.
@@ -221,6 +224,9 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
       --shard is invalid (the message names the bad field or value).
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
+  if sweep_name is None:
+    _, colon, variant = pathlib.Path(config_path).name.partition(':')
+    sweep_name = f'sweep-{variant}' if colon and variant else 'sweep'
   if not sweep_name or sweep_name in ('.', '..') or '/' in sweep_name or os.sep in sweep_name:
     raise ValueError(f'--sweep_name={sweep_name!r} must name one directory (not empty, ., .. or '
                      f'a path): the sweep lives in WORKDIR/EXPERIMENT/SWEEP_NAME')
@@ -314,7 +320,8 @@ def define_flags() -> None:
   except OSError as error:   # an override of the default config, which could not be loaded
     exit_config_error(error)
   flags.DEFINE_string('workdir', 'runs', 'Root directory; the sweep goes to WORKDIR/EXPERIMENT/.')
-  flags.DEFINE_string('sweep_name', 'sweep', 'Sweep directory name; the same name resumes.')
+  flags.DEFINE_string('sweep_name', None, "Sweep directory name; the same name resumes (default "
+                      "'sweep', or 'sweep-VARIANT' for --config=FILE:VARIANT).")
   flags.DEFINE_multi_string('only', [], 'field=value: run only matching cases (repeatable).')
   flags.DEFINE_string('shard', None, 'i/n: run only cases whose index % n == i; "process": i/n '
                       'from $JAX_PROCESS_ID / $JAX_NUM_PROCESSES.')

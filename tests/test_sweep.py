@@ -212,6 +212,14 @@ def test_report_writes_one_row_per_record_and_nonempty_plots(tmp_path):
   assert {p.name for p in pngs} == {'acceptance_vs_k.png', 'speedup_vs_k.png'}
   assert all(p.stat().st_size > 1000 for p in pngs)
   assert report.plot(records, tmp_path / 'other', 'no_plots_registered') == []
+  # Records of several kinds (hydration: turn, summary, alpha): a table each, its own columns.
+  mixed = [dict(kind='turn', turn=t, ttft_s=0.1 * t) for t in (1, 2)] + [
+      dict(kind='summary', strategy='stuffing', ttft_s_total=0.3)]
+  report.summarize(mixed, tmp_path / 'm.md', tmp_path / 'm.csv')
+  text = (tmp_path / 'm.md').read_text()
+  assert '## kind = turn (2 records)' in text and '## kind = summary (1 record)' in text
+  assert '| kind | turn | ttft_s |' in text and '| kind | strategy | ttft_s_total |' in text
+  assert len(list(csv.reader(open(tmp_path / 'm.csv')))) == 4     # the CSV: one table, all
 
 
 def test_report_cli_remakes_summary_and_plots(tmp_path):
@@ -244,7 +252,7 @@ def test_cli_applies_base_overrides_to_every_case_and_exits_nonzero_on_failure(t
   ok = _cli(tmp_path, '--config=tests/fake_config.py:smoke', '--config.num_prompts=3',
             '--only=k=1', '--only=temperature=0.0')
   assert ok.returncode == 0, ok.stderr
-  records = read_results(tmp_path / 'fake' / 'sweep' / 'results.jsonl')
+  records = read_results(tmp_path / 'fake' / 'sweep-smoke' / 'results.jsonl')   # the variant's
   assert [r['num_prompts'] for r in records] == [3, 3]
   failed = _cli(tmp_path, '--config=tests/fake_config.py', '--sweep_name=s2', '--shard=0/3',
                 '--config.fail_on=k=1,temperature=0.0')
@@ -319,3 +327,13 @@ def test_overriding_a_swept_field_or_a_path_as_sweep_name_is_refused(tmp_path):
     with pytest.raises(ValueError, match='--sweep_name=.* must name one directory'):
       _sweep(tmp_path, sweep_name=name)
   assert not (tmp_path / 'log.txt').exists()
+
+
+def test_a_variant_sweeps_into_its_own_directory(tmp_path):
+  """`FILE:smoke` is another base config: by default it gets `sweep-smoke`, so the README's
+  smoke sweep beside a full one resumes neither and collides with neither."""
+  full = _sweep(tmp_path, only=['k=1', 'temperature=0'])
+  smoke = run_sweep(CONFIG + ':smoke', tmp_path / 'runs', progress=False,
+                    overrides={'log': str(tmp_path / 'log.txt')}, only=['k=1', 'temperature=0'])
+  assert full.sweep_dir.name == 'sweep' and smoke.sweep_dir.name == 'sweep-smoke'
+  assert smoke.ran == full.ran and smoke.exit_code == 0 == full.exit_code

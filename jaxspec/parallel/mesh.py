@@ -42,7 +42,10 @@ def make_mesh(data: int = 1, model: int = 1, devices: Optional[Sequence] = None)
     raise ValueError(f'a mesh of data={data} x model={model} = {data * model} devices does not '
                      f'match the {len(devices)} device{"s" if len(devices) != 1 else ""} '
                      f'available ({devices[0].platform}); '
-                     f'set mesh.data * mesh.model = {len(devices)}')
+                     f'set mesh.data * mesh.model (make_mesh data * model) = {len(devices)}'
+                     + ('; on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N set '
+                        'before JAX starts simulates N devices'
+                        if devices[0].platform == 'cpu' else ''))
   # jax.make_mesh orders the devices by topology on GPU/TPU (neighbours on the 'model' axis).
   return jax.make_mesh((data, model), (DATA, MODEL), axis_types=(AxisType.Auto,) * 2,
                        devices=devices)
