@@ -16,6 +16,9 @@ from jaxspec.checks import check_int
 from jaxspec.engine import Engine, admission
 from jaxspec.models import ModelConfig, param_shapes
 
+# Tokens of context the stand-in model of `check_engines` gets at most (its pool stays small).
+STAND_IN_CONTEXT = 4096
+
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
@@ -122,9 +125,10 @@ def engine_shape(config, settings: dict, context: int) -> tuple[int, int]:
 
 
 def make_engines(config, settings: dict, target, target_params, draft, draft_params, *,
-                 sampling, max_seq_len: int, num_pages: int) -> dict:
+                 sampling, max_seq_len: int, num_pages: int, admit: bool = True) -> dict:
   """{name: Engine} (not warmed up), one per setting, each checked to admit a request of the run
-  (a prompt of prompt_len tokens and max_tokens) before any is compiled.
+  (a prompt of prompt_len tokens and max_tokens; `admit=False` skips that) before any is
+  compiled.
 
   Raises:
     ValueError: naming the setting whose Engine arguments the Engine refuses, or whose engine
@@ -142,7 +146,9 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
     try:                                             # the engine's own admission check
-      admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'', None)
+      if admit:
+        admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'',
+                        None)
     except ValueError as err:
       hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
               if 'pages' in str(err) else '')
@@ -152,18 +158,23 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
 
 
 def check_engines(config, settings: dict, sampling) -> None:
-  """Build every setting's engine around a stand-in model (the test-tiny shapes, zero weights,
-  a context that fits the run) and drop them: the Engine's own checks of the setting's
-  arguments and of the pool run before the real pair loads (seconds, not the minutes of a
-  load and warm-up). What depends on the real models (their context) is checked again by
-  `make_engines` then.
+  """Build each setting's engine around a stand-in model (the test-tiny shapes, zero weights)
+  and drop it: the Engine's own checks of the setting's arguments, and of the pool against a
+  request of the run, run before the real pair loads (seconds, not the minutes of a load and
+  warm-up). The stand-in's context fits the run up to STAND_IN_CONTEXT tokens; a longer run is
+  checked for its arguments only (its pool and the real models' context: `build_engines`,
+  which checks what depends on the real models in any case).
 
   Raises:
     ValueError: as `make_engines`.
   """
-  context, _ = engine_shape(config, settings, 1 << 30)
+  span, _ = engine_shape(config, settings, 1 << 62)
+  context = min(span, STAND_IN_CONTEXT)
   stand_in = ModelConfig.from_name('test-tiny', max_seq_len=context)
   params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(stand_in))
   max_seq_len, pool = engine_shape(config, settings, context)
-  make_engines(config, settings, stand_in, params, stand_in, params, sampling=sampling,
-               max_seq_len=max_seq_len, num_pages=pool)
+  full = int(config.batch_size) * pages_needed(max_seq_len, int(config.page_size)) + 1
+  pool = full if span > context else min(pool, full)    # more than a full pool admits the same
+  for name, kwargs in settings.items():          # one at a time: one stand-in pool alive
+    make_engines(config, {name: kwargs}, stand_in, params, stand_in, params, sampling=sampling,
+                 max_seq_len=max_seq_len, num_pages=pool, admit=span <= context)

@@ -153,10 +153,11 @@ def read_results(path) -> list[dict]:
 
 def json_object(line: str) -> dict | None:
   """The JSON object a results line holds, or None for a line that is not one (torn by a
-  kill, another JSON value, or nested too deep for the parser: a RecursionError)."""
+  kill, another JSON value, nested too deep for the parser (RecursionError), or an integer
+  past Python's 4300-digit conversion limit (a plain ValueError))."""
   try:
     record = json.loads(line)
-  except (json.JSONDecodeError, RecursionError):
+  except (ValueError, RecursionError):         # json.JSONDecodeError is a ValueError
     return None
   return record if isinstance(record, dict) else None
 

@@ -174,13 +174,14 @@ def validate_sweep(config: ml_collections.ConfigDict, cases) -> list[ml_collecti
 def parse_only(items: Iterable[str]) -> dict[str, list[str]]:
   """`--only` values -> {field: [accepted values]}; 'k=4,temperature=0.0' holds two filters.
 
-  A comma starts a new filter only when `field=` follows it, so `workloads=json,code` is one.
+  A comma starts a new filter only when `field=` (or a bare `=`, an error) follows it, spaces
+  allowed, so `workloads=json,code` is one filter and `k=4, temperature=0.0` two.
   Raises:
     ValueError: a filter without `=`.
   """
   only: dict[str, list[str]] = {}
   for item in items or ():
-    for part in re.split(r',(?=[A-Za-z_][\w.]*=|\s*=)', item):     # ',=3': a filter, no field
+    for part in re.split(r',(?=\s*[A-Za-z_][\w.]*=|\s*=)', item):  # ',=3': a filter, no field
       field, sep, value = part.partition('=')
       if not sep or not field.strip():
         raise ValueError(f'--only takes field=value, got {part!r}')

@@ -315,3 +315,21 @@ def test_a_model_with_a_sliding_window_is_refused_under_eviction(tiny):
       prefill_evicting(windowed, params, cache, init_eviction(policy, cache), tokens,
                        jnp.asarray([8], jnp.int32), jax.random.PRNGKey(0),
                        sampling=SamplingParams())
+
+
+def test_a_chunk_past_the_context_stays_a_multiple_of_the_prefill_group(tiny):
+  """Engine takes a chunk past max_seq_len as max_seq_len; under eviction it is rounded up to a
+  multiple of prefill_group (checked against the chunk the caller passed), and the scheduler
+  gets the same chunk."""
+  config, params = tiny
+  policy = make_policy('h2o', BUDGET)
+  shapes = dict(num_slots=1, num_pages=9, page_size=L)
+  kept = EvictingEngine(config, params, policy=policy, chunk_size=64, prefill_group=8,
+                        max_seq_len=60, **shapes)       # refused when checked against 60
+  assert kept.chunk_size == kept.scheduler.chunk_size == 64 and kept.prefill_group == 8
+  cut = EvictingEngine(config, params, policy=policy, chunk_size=2 ** 20, max_seq_len=48,
+                       **shapes)
+  assert cut.chunk_size == cut.scheduler.chunk_size == 48 and cut.prefill_group == 4
+  with pytest.raises(ValueError, match='prefill_group must be an int >= 1 dividing '
+                                       'chunk_size=64, got 6'):
+    EvictingEngine(config, params, policy=policy, chunk_size=64, prefill_group=6, **shapes)

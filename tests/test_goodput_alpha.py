@@ -83,7 +83,7 @@ def test_a_nan_observation_is_refused_and_a_failed_row_is_not_observed():
     with pytest.raises(ValueError, match=f'0 <= .*successes <= .*trials, got {name}'):
       tracker.observe('a', *counts)           # an α of 3.0 or -0.2 would reach every request
   assert tracker.global_alpha == 0.5 and tracker.alpha('a') == 0.5
-  tracker.observe('a', 1.0 + 1e-9, 1.0)       # Σ min(p, q) a hair past its one trial
+  tracker.observe('a', 1.0 + 1e-5, 1.0)       # a float32 Σ min(p, q) past its one trial
   # A row that drew INVALID_TOKEN (its target's logits were NaN) tells the policy nothing.
   class Seen:
     calls = []

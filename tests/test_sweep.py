@@ -75,6 +75,7 @@ def test_apply_overrides_copies_coerces_and_names_unknown_fields():
 def test_only_and_shard_parsing():
   assert sweeps.parse_only(['k=4,temperature=0.0', 'k=8', 'workloads=json,code']) == {
       'k': ['4', '8'], 'temperature': ['0.0'], 'workloads': ['json,code']}
+  assert sweeps.parse_only(['k=4, temperature=0.0']) == {'k': ['4'], 'temperature': ['0.0']}
   assert sweeps.matches({'k': 4, 'temperature': 0.0}, {'k': ['4'], 'temperature': ['0']})
   for bad in ('k=4,=3', 'k=4, =3', '=3', 'k'):       # 'k=4,=3' matched no case, unexplained
     with pytest.raises(ValueError, match="--only takes field=value, got '"):
@@ -308,8 +309,8 @@ def test_a_truncated_results_file_is_restored_from_the_case_files(tmp_path):
   path = sweep_dir / 'results.jsonl'
   full = read_results(path)
   lines = path.read_text().splitlines(keepends=True)
-  deep = '[' * 100000 + '\n'                        # a RecursionError in json.loads
-  path.write_text(''.join(lines[:5]) + '[1, 2]\n"foreign"\n' + deep)   # lost lines, foreign ones
+  odd = '[' * 100000 + '\n' + '9' * 5000 + '\n'     # RecursionError; the int digit limit
+  path.write_text(''.join(lines[:5]) + '[1, 2]\n"foreign"\n' + odd)    # lost lines, foreign ones
   assert len(read_results(path)) == 5
   (sweep_dir / 'cases' / ALL_CASES[-1] / 'results.jsonl').write_text('')   # lost there too
   again = _sweep(tmp_path)

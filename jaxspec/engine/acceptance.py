@@ -117,8 +117,9 @@ class AlphaTracker:
                        f'trials={trials}, later_successes={later_successes}, '
                        f'later_trials={later_trials}, later_weight={later_weight}')
     for wins, tries, name in ((successes, trials, ''), (later_successes, later_trials, 'later_')):
-      # Σ min(p, q) of a K = 0 round may round a hair past its one trial.
-      if wins < 0 or tries < 0 or wins > tries * (1 + 1e-6) + 1e-9:
+      # Σ min(p, q) of a K = 0 round, a float32 sum over the vocabulary, may round past its
+      # one trial (a self-draft's p = q: 1 + a few 1e-6).
+      if wins < 0 or tries < 0 or wins > tries * (1 + 1e-3):
         raise ValueError(f'acceptance counts must satisfy 0 <= {name}successes <= '
                          f'{name}trials, got {name}successes={wins}, {name}trials={tries}')
     if trials <= 0 and later_trials <= 0:

@@ -190,12 +190,14 @@ class EvictingEngine(Engine):
                      k_policy=k_policy)
     with speculation.released_on_error(self.policy):   # a check below fails: policy freed
       if prefill_group is None:   # the largest divisor of the chunk up to 4
-        prefill_group = next(g for g in range(min(self.chunk_size, 4), 0, -1)
-                             if self.chunk_size % g == 0)
-      if not is_int_in(prefill_group, 1, self.chunk_size) or self.chunk_size % prefill_group:
-        raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size='
-                         f'{self.chunk_size}, got {prefill_group!r}')
+        prefill_group = next(g for g in range(min(chunk_size, 4), 0, -1) if chunk_size % g == 0)
+      if not is_int_in(prefill_group, 1, chunk_size) or chunk_size % prefill_group:
+        raise ValueError(f'prefill_group must be an int >= 1 dividing chunk_size={chunk_size}, '
+                         f'got {prefill_group!r}')
       self.prefill_group = int(prefill_group)
+      # Engine took a chunk past the context as max_seq_len; here it stays a multiple of the group.
+      self.chunk_size = chunk_size = min(chunk_size, -(-self.max_seq_len // self.prefill_group)
+                                         * self.prefill_group)
       self.eviction_policy = policy
       self.request_pages = pages_needed(policy.slots, page_size)
       if self.request_pages > num_pages - 1:
