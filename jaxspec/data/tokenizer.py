@@ -260,7 +260,7 @@ def hf_special_ids(directory: pathlib.Path, tok: tokenizers.Tokenizer) -> dict:
       if value is None and isinstance(fields.get(f'{key}_token'), (str, dict)):
         token = fields[f'{key}_token']
         token = token.get('content') if isinstance(token, dict) else token
-        if not isinstance(token, str):        # {"foo": 1} or {"content": 5}: token_to_id's TypeError
+        if not isinstance(token, str):       # {"foo": 1}, {"content": 5}: token_to_id's TypeError
           raise ValueError(f'{file}: {key}_token must be a string or an object with a string '
                            f'"content", got {fields[f"{key}_token"]!r}')
         value = tok.token_to_id(token)
