@@ -54,7 +54,7 @@ from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine, check_outputs
 from experiments.batching_settings import (check_engines, describe, engine_shape, make_engines,
-                                          parse_settings, uses_draft_model)
+                                          parse_settings, run_span, uses_draft_model)
 from experiments.common import check_fields, parse_workloads
 from experiments.speculative import load_pair
 
@@ -191,8 +191,8 @@ def build_engines(config, settings: dict, target, target_params, draft, draft_pa
       request of the run (prompt_len + max_tokens + K + 1 tokens) would not fit its max_seq_len
       or the pool (checked before any engine is warmed up).
   """
+  need = run_span(config, settings)
   k_max = max(int(s.get('k', 0)) for s in settings.values())
-  need = config.prompt_len + config.max_tokens + k_max + 1
   drafting = any(uses_draft_model(kwargs) for kwargs in settings.values())
   context = min(m.max_seq_len for m in (target, draft if drafting else None) if m is not None)
   if need > context:

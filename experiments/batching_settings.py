@@ -111,17 +111,25 @@ def uses_draft_model(kwargs: dict) -> bool:
   return int(kwargs.get('k', 0)) > 0 and kwargs.get('drafter', 'model') == 'model'
 
 
+def run_span(config, settings: dict) -> int:
+  """Tokens a request of the run spans at most: prompt_len + max_tokens + K + 1 (K the largest
+  of any setting: a round writes up to K + 1 cache slots)."""
+  return config.prompt_len + config.max_tokens + max(int(s.get('k', 0))
+                                                     for s in settings.values()) + 1
+
+
 def engine_shape(config, settings: dict, context: int) -> tuple[int, int]:
-  """(max_seq_len, num_pages) every setting's engine gets: room for prompt_len + max_tokens +
-  K + 1 tokens (K the largest of any setting) in whole pages, at most `context` (tokens), and
-  `config.pool_pages` pages (0: a full context for each of the batch_size slots, plus the null
-  page)."""
+  """(max_seq_len, num_pages) every setting's engine gets: room for `run_span` tokens in whole
+  pages, at most `context` (tokens), and `config.pool_pages` pages (0: a full max_seq_len for
+  each of the batch_size slots, plus the null page)."""
   page = int(config.page_size)
-  k_max = max(int(s.get('k', 0)) for s in settings.values())
-  need = config.prompt_len + config.max_tokens + k_max + 1
-  max_seq_len = min(pages_needed(need, page) * page, context)
-  pool = int(config.pool_pages) or int(config.batch_size) * pages_needed(max_seq_len, page) + 1
-  return max_seq_len, pool
+  max_seq_len = min(pages_needed(run_span(config, settings), page) * page, context)
+  return max_seq_len, int(config.pool_pages) or full_pool(config, max_seq_len)
+
+
+def full_pool(config, max_seq_len: int) -> int:
+  """Pages for max_seq_len tokens in each of the batch_size slots, plus the null page."""
+  return int(config.batch_size) * pages_needed(max_seq_len, int(config.page_size)) + 1
 
 
 def make_engines(config, settings: dict, target, target_params, draft, draft_params, *,
@@ -145,14 +153,14 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
-    try:                                             # the engine's own admission check
-      if admit:
+    if admit:                                        # the engine's own admission check
+      try:
         admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'',
                         None)
-    except ValueError as err:
-      hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
-              if 'pages' in str(err) else '')
-      raise ValueError(f'setting {name!r}: a request of the run: {err}{hint}') from err
+      except ValueError as err:
+        hint = (f' (--config.pool_pages={config.pool_pages}; 0 sizes it)'
+                if 'pages' in str(err) else '')
+        raise ValueError(f'setting {name!r}: a request of the run: {err}{hint}') from err
     engines[name] = engine
   return engines
 
@@ -168,13 +176,14 @@ def check_engines(config, settings: dict, sampling) -> None:
   Raises:
     ValueError: as `make_engines`.
   """
-  span, _ = engine_shape(config, settings, 1 << 62)
-  context = min(span, STAND_IN_CONTEXT)
-  stand_in = ModelConfig.from_name('test-tiny', max_seq_len=context)
+  page = int(config.page_size)
+  span = pages_needed(run_span(config, settings), page) * page
+  fits = span <= STAND_IN_CONTEXT
+  stand_in = ModelConfig.from_name('test-tiny', max_seq_len=min(span, STAND_IN_CONTEXT))
   params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), param_shapes(stand_in))
-  max_seq_len, pool = engine_shape(config, settings, context)
-  full = int(config.batch_size) * pages_needed(max_seq_len, int(config.page_size)) + 1
-  pool = full if span > context else min(pool, full)    # more than a full pool admits the same
+  max_seq_len, pool = engine_shape(config, settings, stand_in.max_seq_len)
+  full = full_pool(config, max_seq_len)
+  pool = min(pool, full) if fits else full       # more than a full pool admits the same
   for name, kwargs in settings.items():          # one at a time: one stand-in pool alive
     make_engines(config, {name: kwargs}, stand_in, params, stand_in, params, sampling=sampling,
-                 max_seq_len=max_seq_len, num_pages=pool, admit=span <= context)
+                 max_seq_len=max_seq_len, num_pages=pool, admit=fits)

@@ -225,8 +225,8 @@ def run_sweep(config_path: str, workdir='runs', overrides: Optional[dict] = None
     KeyboardInterrupt: passes through; the interrupted case is rerun by the next call.
   """
   if sweep_name is None:
-    _, colon, variant = pathlib.Path(config_path).name.partition(':')
-    sweep_name = f'sweep-{variant}' if colon and variant else 'sweep'
+    variant = config_path.partition(':')[2]            # as sweeps.load_sweep reads it
+    sweep_name = f'sweep-{variant}' if variant else 'sweep'
   if not sweep_name or sweep_name in ('.', '..') or '/' in sweep_name or os.sep in sweep_name:
     raise ValueError(f'--sweep_name={sweep_name!r} must name one directory (not empty, ., .. or '
                      f'a path): the sweep lives in WORKDIR/EXPERIMENT/SWEEP_NAME')
