@@ -49,7 +49,7 @@ def _score(model, params, policy, tokens, lengths, config):
     batch = jnp.asarray(tokens[start:start + config.batch_size], jnp.int32)
     batch_lengths = jnp.asarray(lengths[start:start + config.batch_size], jnp.int32)
     cache, kv_bytes = empty_cache(model, config.batch_size, slots, config.page_size)
-    eviction = None if policy is None else init_eviction(policy, cache, interpret=True,
+    eviction = None if policy is None else init_eviction(policy, cache,
                                                          use_kernel=config.use_kernel)
     if compiled is None:
       compiled = score_tokens.lower(model, params, cache, eviction, batch,
@@ -146,7 +146,7 @@ def run_worker(config, results, model, params, tokenizer) -> None:
   slots = (len(prompt) + chunks * config.worker_chunk if policy.slots is None
            else policy.slots)
   cache, kv_bytes = empty_cache(model, 1, slots, config.page_size)
-  eviction = init_eviction(policy, cache, use_kernel=config.use_kernel, interpret=True)
+  eviction = init_eviction(policy, cache, use_kernel=config.use_kernel)
   greedy = SamplingParams(temperature=0.0)
   token, cache, eviction = prefill_evicting(model, params, cache, eviction,
                                             jnp.asarray([prompt], jnp.int32),

@@ -71,12 +71,15 @@ def test_compiled_kernels_on_cpu_and_non_bool_flags_are_refused_at_init(tiny):
   cache = cache_for(config, np.arange(1, 3)[None], 3, 8)
   policy = make_policy('h2o', 8)
   if jax.default_backend() == 'cpu':
-    with pytest.raises(ValueError, match='interpret=False needs a GPU or TPU backend'):
+    with pytest.raises(ValueError, match="interpret=False needs a GPU backend .* default "
+                                         "backend is 'cpu'"):
       init_eviction(policy, cache, use_kernel=True, interpret=False)
+    # None (the default): the interpreter on CPU, so the kernels run.
+    assert init_eviction(policy, cache, use_kernel=True).interpret is True
   with pytest.raises(ValueError, match="use_kernel must be True or False, got 'yes'"):
     init_eviction(policy, cache, use_kernel='yes')
-  with pytest.raises(ValueError, match='interpret must be True or False, got None'):
-    init_eviction(policy, cache, interpret=None)
+  with pytest.raises(ValueError, match="interpret must be True, False or None, got 'no'"):
+    init_eviction(policy, cache, interpret='no')
 
 
 def test_init_eviction_needs_a_policy_object(tiny):

@@ -109,8 +109,8 @@ def test_select_kernel_matches_reference(seed):
 @pytest.mark.parametrize('pages_per_seq,t', [(13, 1), (4, 5)])
 def test_kernels_lower_through_pallas_triton_for_cuda(pages_per_seq, t):
   """Both kernels lower through Pallas' GPU (Triton) backend to Triton IR for CUDA on this
-  CPU-only machine (an op the Triton lowering lacks raises here); compiling to PTX and running
-  on a GPU is not checked. 13 pages: slot axes are padded to powers of two for Triton."""
+  CPU-only machine (an op the Triton lowering lacks raises here); compiling and running them on
+  a GPU is scripts/check_kernels_gpu.py's job. 13 pages: slot axes are padded to powers of two."""
   b, kv_heads, group, h, page_size = 2, 2, 3, 64, 16
   s = pages_per_seq * page_size
   attention = functools.partial(paged_attention_with_mass, interpret=False)
@@ -325,10 +325,35 @@ def test_paged_attention_rejects_non_integer_positions_and_pages(attend, index, 
 
 @pytest.mark.parametrize('field,value', [('pages_per_block', 2.0), ('pages_per_block', True),
                                          ('pages_per_block', 0), ('min_rows', 2.5),
-                                         ('min_rows', -16)])
+                                         ('min_rows', -16), ('min_keys', 0)])
 def test_block_sizes_are_checked(field, value):
   with pytest.raises(ValueError, match=re.escape(f'{field} must be an int >= 1, got {value!r}')):
     BlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize('page_size,pages_per_seq,min_keys', [(2, 1, 16), (4, 3, 16), (4, 2, 64)])
+def test_key_blocks_below_min_keys_are_padded_with_empty_pages(page_size, pages_per_seq,
+                                                               min_keys):
+  """Blocks of fewer than min_keys keys (wrong outputs on an H200 at 4 keys) are widened: more
+  pages per block, the page table padded with the null page beyond a power of two if needed."""
+  args = _paged_case(5, batch=2, t=3, kv_heads=2, group=2, head_dim=8, page_size=page_size,
+                     pages_per_seq=pages_per_seq, length=page_size * pages_per_seq - 1,
+                     shuffled=True)
+  out, mass = paged_attention_with_mass(*args, BlockSizes(min_keys=min_keys), interpret=True)
+  out_ref, mass_ref = paged_attention_with_mass_reference(*args)
+  assert mass.shape == mass_ref.shape == (2, 2, page_size * pages_per_seq)
+  np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mass, mass_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize('page_size,head_dim,needle', [
+    (12, 8, 'page_size L a power of two, got 12'), (4, 48, 'head_dim H a power of two, got 48')])
+def test_compiled_kernel_refuses_sizes_triton_cannot_block(page_size, head_dim, needle):
+  args = _paged_case(0, batch=1, t=1, kv_heads=1, group=1, head_dim=head_dim,
+                     page_size=page_size, pages_per_seq=2, length=5, shuffled=False)
+  with pytest.raises(ValueError, match=needle):
+    paged_attention_with_mass(*args, interpret=False)
+  paged_attention_with_mass(*args, interpret=True)             # interpret mode takes any size
 
 
 def test_block_sizes_store_python_ints():

@@ -138,7 +138,7 @@ class EvictionState:
       query so far (H2O), or the last query's (TOVA).
     policy: static `EvictionPolicy`.
     use_kernel: static; Pallas kernels (True) or their jnp references (False).
-    interpret: static; run the kernels in the Pallas interpreter (CPU).
+    interpret: static; run the kernels in the Pallas interpreter (CPU, TPU) or compiled (GPU).
   """
 
   key_pos: jax.Array
@@ -155,23 +155,33 @@ class EvictionState:
 
 
 def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kernel: bool = False,
-                  interpret: bool = True) -> EvictionState:
+                  interpret: Optional[bool] = None) -> EvictionState:
   """An empty eviction state for `cache` (every slot free).
 
+  Args:
+    use_kernel: the Pallas kernels (`jaxspec.kernels`) for attention and selection instead of
+      their jnp references.
+    interpret: run those kernels in the Pallas interpreter; None (default) = compiled (Pallas'
+      Triton backend) when JAX's default backend is a GPU, interpreted otherwise.
   Raises:
     ValueError: policy not an `EvictionPolicy` (build one with `make_policy`); the cache has
-      fewer slots per sequence than budget + reuse_delay; use_kernel or interpret not a bool;
-      compiled kernels (use_kernel, not interpret) on a CPU backend, which runs Pallas only in
-      interpret mode (refused here, not at the first step).
+      fewer slots per sequence than budget + reuse_delay; use_kernel not a bool or interpret
+      not a bool or None; compiled kernels (use_kernel, interpret=False) on a backend other than
+      a GPU (the kernels are written for Pallas' Triton backend; refused here, not at the first
+      step).
   """
   if not isinstance(policy, EvictionPolicy):
     raise ValueError(f'init_eviction needs an EvictionPolicy (from make_policy), got {policy!r}')
-  for name, value in (('use_kernel', use_kernel), ('interpret', interpret)):
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f'{name} must be True or False, got {value!r}')
-  if use_kernel and not interpret and jax.default_backend() == 'cpu':
-    raise ValueError('use_kernel=True with interpret=False needs a GPU or TPU backend: on CPU '
-                     'Pallas kernels run only in interpret mode (interpret=True)')
+  if not isinstance(use_kernel, (bool, np.bool_)):
+    raise ValueError(f'use_kernel must be True or False, got {use_kernel!r}')
+  if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+    raise ValueError(f'interpret must be True, False or None, got {interpret!r}')
+  backend = jax.default_backend()
+  interpret = backend != 'gpu' if interpret is None else bool(interpret)
+  if use_kernel and not interpret and backend != 'gpu':
+    raise ValueError(f'use_kernel=True with interpret=False needs a GPU backend (the kernels '
+                     f'target Pallas\' Triton backend), JAX\'s default backend is {backend!r}: '
+                     'use interpret=True or None')
   slots = cache.capacity
   if policy.slots is not None and slots < policy.slots:
     raise ValueError(f'cache holds {slots} slots per sequence, policy {policy.kind!r} needs '

@@ -108,8 +108,9 @@ class EvictingEngine(Engine):
     num_pages: device pool size P in pages of `page_size` tokens (page 0 is the null page).
     page_size, chunk_size, sampling, max_stop_tokens, max_seq_len, seed: as `Engine` (and, as
       there, `add_request(..., sampling=)` gives a request its own sampling parameters).
-    use_kernel, interpret: Pallas kernels for selection and attention (interpret mode on CPU)
-      instead of their jnp references (`jaxspec.cache.init_eviction`).
+    use_kernel, interpret: Pallas kernels for selection and attention instead of their jnp
+      references; interpret None = compiled on a GPU, interpreted elsewhere
+      (`jaxspec.cache.init_eviction`).
     prefill_group: tokens per model call inside a prefill chunk (must divide chunk_size; default
       its largest divisor up to 4). Compile time grows with it (the eviction step is unrolled
       over those tokens and the layers), weight reads per chunk shrink; outputs do not change.
@@ -139,7 +140,8 @@ class EvictingEngine(Engine):
                num_slots: int, num_pages: int, page_size: int = 16, chunk_size: int = 32,
                sampling: SamplingParams = SamplingParams(), max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0, use_kernel: bool = False,
-               interpret: bool = True, draft: Optional[ModelConfig] = None, draft_params=None,
+               interpret: Optional[bool] = None, draft: Optional[ModelConfig] = None,
+               draft_params=None,
                k: int = 0, drafter=None, k_policy='fixed', prefix_caching: bool = False,
                host_pages: int = 0, prefill_rows: Optional[int] = None,
                decode_buckets: Optional[Sequence[int]] = None,

@@ -13,10 +13,12 @@ same pages again and, with the final m and l, sums the probabilities of every ke
 Neither pass holds more than [R, block] scores, so the [B, N, T, S] attention matrix is never
 written to memory.
 
-Backends checked: interpret mode on CPU (equals the reference), and lowering through Pallas'
-Triton backend to Triton IR for CUDA (power-of-two blocks: rows and pages are padded; gathers of
-whole pages through the page table, dots and elementwise ops only). Never compiled to PTX or run
-on a GPU in this project.
+Backends checked: interpret mode on CPU (equals the reference); Pallas' Triton backend, compiled
+and run on an NVIDIA H200 (jax 0.11.2, Triton 3.6; scripts/check_kernels_gpu.py, results in
+docs/kernels_gpu.md): equal to the reference within TF32 / bfloat16 rounding over the tests'
+grid and in a whole model. Triton needs power-of-two blocks (rows, pages and key blocks are
+padded; L and H must be powers of two) and at least 16 keys per block. Gathers of whole pages
+through the page table, dots and elementwise ops only.
 """
 
 from __future__ import annotations
@@ -47,16 +49,20 @@ class BlockSizes:
       must divide pages_per_seq rounded up to a power of two (the slot axis is padded so).
     min_rows: query rows per program are padded to a power of two at least this (Triton's dot
       needs 16).
+    min_keys: keys per loop step at least this: a smaller pages_per_block * L is raised to the
+      next power of two of pages (and the slot axis padded to match). On an H200, blocks of 4
+      keys gave wrong outputs, 8 and more right (docs/kernels_gpu.md).
 
   Raises:
-    ValueError: either not an int >= 1 (bools and floats refused).
+    ValueError: a field not an int >= 1 (bools and floats refused).
   """
 
   pages_per_block: int = 1
   min_rows: int = 16
+  min_keys: int = 16
 
   def __post_init__(self):
-    for name in ('pages_per_block', 'min_rows'):   # numpy ints stored as Python ints (hash alike)
+    for name in ('pages_per_block', 'min_rows', 'min_keys'):   # numpy ints kept as Python ints
       object.__setattr__(self, name, check_int(name, getattr(self, name), 1))
 
 
@@ -176,11 +182,17 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     A batch of B = 0 gives empty results.
   Raises:
     ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, a
-      pages_per_block that does not divide NP rounded up to a power of two, or (for a page table
+      pages_per_block that does not divide NP rounded up to a power of two, compiled
+      (interpret=False) with a page size L or head_dim H not a power of two, or (for a page table
       whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
   """
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
   _check_page_ids(page_table, k_pages)
+  if not interpret:                  # Pallas' Triton lowering: every block a power of two in size
+    for name, n in (('page_size L', k_pages.shape[2]), ('head_dim H', q.shape[3])):
+      if n & (n - 1):
+        raise ValueError(f'the compiled kernel (interpret=False, Pallas Triton) needs {name} a '
+                         f'power of two, got {n} (interpret mode takes any size)')
   return _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes,
                           interpret=interpret)
 
@@ -195,7 +207,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_size
   if b == 0:                                   # a grid of no programs: nothing to compute
     return jnp.zeros((0, t, n, h), q.dtype), jnp.zeros((0, kv_heads, s), jnp.float32)
   rows = _next_pow2(max(t * g, block_sizes.min_rows))
-  pad_pages = _next_pow2(page_table.shape[1]) - page_table.shape[1]
+  per_block = max(block_sizes.pages_per_block, _next_pow2(-(-block_sizes.min_keys // page_size)))
+  pad_pages = max(_next_pow2(page_table.shape[1]), per_block) - page_table.shape[1]
   page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad_pages)))
   key_pos = jnp.pad(key_pos.astype(jnp.int32), ((0, 0), (0, pad_pages * page_size)),
                     constant_values=-1)
@@ -205,7 +218,7 @@ def _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_size
   pos_r = jnp.pad(pos_r.reshape(b, kv_heads, t * g), ((0, 0), (0, 0), (0, rows - t * g)),
                   constant_values=-1)
   s_pad = key_pos.shape[1]
-  kernel = functools.partial(_kernel, pages_per_block=block_sizes.pages_per_block,
+  kernel = functools.partial(_kernel, pages_per_block=per_block,
                              scale=h ** -0.5)
   pool_spec = pl.BlockSpec((None,) + k_pages.shape[1:], lambda i, j: (j, 0, 0, 0))
   out, mass = pl.pallas_call(
