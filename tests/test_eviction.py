@@ -82,6 +82,20 @@ def test_compiled_kernels_on_cpu_and_non_bool_flags_are_refused_at_init(tiny):
     init_eviction(policy, cache, interpret='no')
 
 
+def test_compiled_kernels_are_the_default_on_a_gpu_and_need_power_of_two_sizes(tiny, monkeypatch):
+  config, _ = tiny
+  policy = make_policy('h2o', 8)
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  cache = cache_for(config, np.arange(1, 3)[None], 3, 8)
+  assert init_eviction(policy, cache, use_kernel=True).interpret is False
+  assert init_eviction(policy, cache, use_kernel=True, interpret=True).interpret is True
+  odd = cache_for(config, np.arange(1, 3)[None], 3, 12)                 # pages of 12 slots
+  with pytest.raises(ValueError, match='need page_size L a power of two, got 12'):
+    init_eviction(policy, odd, use_kernel=True)
+  assert init_eviction(policy, odd, use_kernel=True, interpret=True).interpret is True
+  assert init_eviction(policy, odd).use_kernel is False                 # jnp references: any size
+
+
 def test_init_eviction_needs_a_policy_object(tiny):
   config, _ = tiny
   cache = cache_for(config, np.arange(1, 3)[None], 3, 8)

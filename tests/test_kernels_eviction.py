@@ -13,7 +13,7 @@ from jaxspec.cache.paged import write_keys_values
 from jaxspec.kernels import (BlockSizes, SelectParams, gqa_attention, gqa_attention_per_query,
                              paged_attention_with_mass, paged_attention_with_mass_reference,
                              select_slots, select_slots_reference)
-from jaxspec.kernels.paged_attention import attention_with_mass
+from jaxspec.kernels.paged_attention import attention_with_mass, key_blocks
 
 
 def _paged_case(seed, *, batch, t, kv_heads, group, head_dim, page_size, pages_per_seq, length,
@@ -70,7 +70,7 @@ def test_paged_attention_kernel_matches_reference(page_size, pages_per_seq, leng
 def test_paged_attention_kernel_rejects_bad_block():
   args = _paged_case(0, batch=1, t=1, kv_heads=1, group=1, head_dim=8, page_size=4,
                      pages_per_seq=3, length=5, shuffled=False)
-  with pytest.raises(ValueError, match='pages_per_block=3'):
+  with pytest.raises(ValueError, match='pages_per_block=3 must be a power of two'):
     paged_attention_with_mass(*args, BlockSizes(pages_per_block=3), interpret=True)
 
 
@@ -331,15 +331,23 @@ def test_block_sizes_are_checked(field, value):
     BlockSizes(**{field: value})
 
 
-@pytest.mark.parametrize('page_size,pages_per_seq,min_keys', [(2, 1, 16), (4, 3, 16), (4, 2, 64)])
-def test_key_blocks_below_min_keys_are_padded_with_empty_pages(page_size, pages_per_seq,
-                                                               min_keys):
+@pytest.mark.parametrize('page_size,pages_per_seq,blocks,want', [
+    (2, 1, BlockSizes(), (8, 8)),                      # past the next power of two (1 page)
+    (4, 3, BlockSizes(), (4, 4)),
+    (4, 2, BlockSizes(min_keys=64), (16, 16)),
+    (16, 13, BlockSizes(), (1, 16)),                   # 16 keys already: only NP padded
+    (4, 1, BlockSizes(pages_per_block=8), (8, 8)),     # a block wider than the padded table
+])
+def test_key_blocks_below_min_keys_are_padded_with_empty_pages(page_size, pages_per_seq, blocks,
+                                                               want):
   """Blocks of fewer than min_keys keys (wrong outputs on an H200 at 4 keys) are widened: more
-  pages per block, the page table padded with the null page beyond a power of two if needed."""
+  pages per block, the page table padded with the null page beyond a power of two if needed;
+  the kernel run so equals the reference."""
+  assert key_blocks(pages_per_seq, page_size, blocks) == want
   args = _paged_case(5, batch=2, t=3, kv_heads=2, group=2, head_dim=8, page_size=page_size,
                      pages_per_seq=pages_per_seq, length=page_size * pages_per_seq - 1,
                      shuffled=True)
-  out, mass = paged_attention_with_mass(*args, BlockSizes(min_keys=min_keys), interpret=True)
+  out, mass = paged_attention_with_mass(*args, blocks, interpret=True)
   out_ref, mass_ref = paged_attention_with_mass_reference(*args)
   assert mass.shape == mass_ref.shape == (2, 2, page_size * pages_per_seq)
   np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)

@@ -167,8 +167,8 @@ def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kern
     ValueError: policy not an `EvictionPolicy` (build one with `make_policy`); the cache has
       fewer slots per sequence than budget + reuse_delay; use_kernel not a bool or interpret
       not a bool or None; compiled kernels (use_kernel, interpret=False) on a backend other than
-      a GPU (the kernels are written for Pallas' Triton backend; refused here, not at the first
-      step).
+      a GPU (the kernels are written for Pallas' Triton backend) or with a page size or head_dim
+      that is not a power of two (refused here, not at the first step).
   """
   if not isinstance(policy, EvictionPolicy):
     raise ValueError(f'init_eviction needs an EvictionPolicy (from make_policy), got {policy!r}')
@@ -182,6 +182,11 @@ def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kern
     raise ValueError(f'use_kernel=True with interpret=False needs a GPU backend (the kernels '
                      f'target Pallas\' Triton backend), JAX\'s default backend is {backend!r}: '
                      'use interpret=True or None')
+  if use_kernel and not interpret:
+    for name, n in (('page_size L', cache.page_size), ('head_dim H', cache.k_pages.shape[-1])):
+      if n & (n - 1):
+        raise ValueError(f'the compiled kernels (interpret=False, Pallas Triton) need {name} a '
+                         f'power of two, got {n} (interpret mode takes any size)')
   slots = cache.capacity
   if policy.slots is not None and slots < policy.slots:
     raise ValueError(f'cache holds {slots} slots per sequence, policy {policy.kind!r} needs '

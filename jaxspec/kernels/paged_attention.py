@@ -46,7 +46,7 @@ class BlockSizes:
 
   Attributes:
     pages_per_block: pages of keys processed per loop step (block of pages_per_block * L keys);
-      must divide pages_per_seq rounded up to a power of two (the slot axis is padded so).
+      a power of two (the page table is padded with the null page to a multiple of it).
     min_rows: query rows per program are padded to a power of two at least this (Triton's dot
       needs 16).
     min_keys: keys per loop step at least this: a smaller pages_per_block * L is raised to the
@@ -147,10 +147,18 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
     raise ValueError(f'q_pos must be [B, T] = {(b, t)}, got {q_pos.shape}')
   if block_sizes is None:
     return
-  padded = _next_pow2(page_table.shape[1])
-  if block_sizes.pages_per_block < 1 or padded % block_sizes.pages_per_block:
-    raise ValueError(f'pages_per_block={block_sizes.pages_per_block} must divide the '
-                     f'{padded} pages per sequence (padded to a power of two)')
+  per_block = block_sizes.pages_per_block
+  if per_block < 1 or per_block & (per_block - 1):
+    raise ValueError(f'pages_per_block={per_block} must be a power of two (blocks of pages are '
+                     'power-of-two sized for Triton)')
+
+
+def key_blocks(pages_per_seq: int, page_size: int, block_sizes: BlockSizes) -> tuple[int, int]:
+  """(pages per block, padded pages per sequence) the kernel runs with: the block at least
+  `block_sizes.min_keys` keys and a power of two of pages, the page table padded with the null
+  page to a power of two that the block divides."""
+  per_block = max(block_sizes.pages_per_block, _next_pow2(-(-block_sizes.min_keys // page_size)))
+  return per_block, max(_next_pow2(pages_per_seq), per_block)
 
 
 def _check_page_ids(page_table, k_pages) -> None:
@@ -170,7 +178,8 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     q: [B, T, N, H] queries (after RoPE), any float dtype.
     k_pages, v_pages: [K, P, L, H] one layer's key / value pools (keys after RoPE).
     page_table: [B, NP] int32 pages of each sequence (slot s at page_table[b, s // L], s % L).
-      NP is padded to a power of two with the null page 0 (its slots masked) for the kernel.
+      NP is padded with the null page 0 (its slots masked) to a power of two holding a whole
+      number of key blocks (`key_blocks`) for the kernel.
     key_pos: [B, S] int32 absolute position of the token in each slot, S = NP * L; -1 = empty.
     q_pos: [B, T] int32 absolute position of each query token; -1 = padding (output 0, no mass).
     block_sizes: static tiling.
@@ -182,7 +191,7 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     A batch of B = 0 gives empty results.
   Raises:
     ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, a
-      pages_per_block that does not divide NP rounded up to a power of two, compiled
+      pages_per_block that is not a power of two, compiled
       (interpret=False) with a page size L or head_dim H not a power of two, or (for a page table
       whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
   """
@@ -207,8 +216,8 @@ def _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_size
   if b == 0:                                   # a grid of no programs: nothing to compute
     return jnp.zeros((0, t, n, h), q.dtype), jnp.zeros((0, kv_heads, s), jnp.float32)
   rows = _next_pow2(max(t * g, block_sizes.min_rows))
-  per_block = max(block_sizes.pages_per_block, _next_pow2(-(-block_sizes.min_keys // page_size)))
-  pad_pages = max(_next_pow2(page_table.shape[1]), per_block) - page_table.shape[1]
+  per_block, padded_pages = key_blocks(page_table.shape[1], page_size, block_sizes)
+  pad_pages = padded_pages - page_table.shape[1]
   page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pad_pages)))
   key_pos = jnp.pad(key_pos.astype(jnp.int32), ((0, 0), (0, pad_pages * page_size)),
                     constant_values=-1)
