@@ -32,7 +32,8 @@ import numpy as np
 from jaxspec.cache import paged
 from jaxspec.checks import check_int, concrete, is_int_in
 from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
-from jaxspec.kernels.paged_attention import attention_with_mass, paged_attention_with_mass
+from jaxspec.kernels.paged_attention import (attention_with_mass, check_compiled_sizes,
+                                             paged_attention_with_mass)
 
 POLICIES = ('full', 'window', 'sinks', 'h2o', 'h2o_norm', 'tova')
 STREAMING_SINKS = 4   # StreamingLLM keeps the first four tokens
@@ -183,10 +184,7 @@ def init_eviction(policy: EvictionPolicy, cache: paged.PagedKVCache, *, use_kern
                      f'target Pallas\' Triton backend), JAX\'s default backend is {backend!r}: '
                      'use interpret=True or None')
   if use_kernel and not interpret:
-    for name, n in (('page_size L', cache.page_size), ('head_dim H', cache.k_pages.shape[-1])):
-      if n & (n - 1):
-        raise ValueError(f'the compiled kernels (interpret=False, Pallas Triton) need {name} a '
-                         f'power of two, got {n} (interpret mode takes any size)')
+    check_compiled_sizes(cache.page_size, cache.k_pages.shape[-1])
   slots = cache.capacity
   if policy.slots is not None and slots < policy.slots:
     raise ValueError(f'cache holds {slots} slots per sequence, policy {policy.kind!r} needs '

@@ -153,10 +153,25 @@ def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
                      'power-of-two sized for Triton)')
 
 
+def check_compiled_sizes(page_size: int, head_dim: int) -> None:
+  """Pallas' Triton lowering needs every block a power of two in size.
+
+  Raises:
+    ValueError: page_size L (tokens) or head_dim H not a power of two, named.
+  """
+  for name, n in (('page_size L', page_size), ('head_dim H', head_dim)):
+    if n & (n - 1):
+      raise ValueError(f'the compiled kernels (interpret=False, Pallas Triton) need {name} a '
+                       f'power of two, got {n} (interpret mode takes any size)')
+
+
 def key_blocks(pages_per_seq: int, page_size: int, block_sizes: BlockSizes) -> tuple[int, int]:
-  """(pages per block, padded pages per sequence) the kernel runs with: the block at least
-  `block_sizes.min_keys` keys and a power of two of pages, the page table padded with the null
-  page to a power of two that the block divides."""
+  """(pages per block, padded pages per sequence) `paged_attention_with_mass` runs with.
+
+  The block holds at least `block_sizes.min_keys` keys and a power of two of pages (on an H200,
+  4-key blocks gave wrong outputs: docs/kernels_gpu.md); the page table is padded with the null
+  page to a power of two that the block divides. pages_per_seq: NP pages; page_size: L tokens.
+  """
   per_block = max(block_sizes.pages_per_block, _next_pow2(-(-block_sizes.min_keys // page_size)))
   return per_block, max(_next_pow2(pages_per_seq), per_block)
 
@@ -191,17 +206,14 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     A batch of B = 0 gives empty results.
   Raises:
     ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, a
-      pages_per_block that is not a power of two, compiled
-      (interpret=False) with a page size L or head_dim H not a power of two, or (for a page table
+      pages_per_block that is not a power of two, compiled (interpret=False) with a page size L
+      or head_dim H not a power of two (`check_compiled_sizes`), or (for a page table
       whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
   """
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
   _check_page_ids(page_table, k_pages)
-  if not interpret:                  # Pallas' Triton lowering: every block a power of two in size
-    for name, n in (('page_size L', k_pages.shape[2]), ('head_dim H', q.shape[3])):
-      if n & (n - 1):
-        raise ValueError(f'the compiled kernel (interpret=False, Pallas Triton) needs {name} a '
-                         f'power of two, got {n} (interpret mode takes any size)')
+  if not interpret:
+    check_compiled_sizes(k_pages.shape[2], q.shape[3])
   return _paged_attention(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes,
                           interpret=interpret)
 
