@@ -1,11 +1,44 @@
 """Shared fixtures: a tiny target and drafts that agree with it to different degrees."""
 
+import gc
+import os
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from jaxspec.models import ModelConfig
 from jaxspec.training import init_params
+
+_MAX_MAP_COUNT = '/proc/sys/vm/max_map_count'
+
+
+def _memory_mappings() -> tuple[int, int] | None:
+  """(memory mappings this process holds, the kernel's per-process limit), or None off Linux."""
+  try:
+    with open(f'/proc/{os.getpid()}/maps') as maps, open(_MAX_MAP_COUNT) as limit:
+      return sum(1 for _ in maps), int(limit.read())
+  except OSError:
+    return None
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _release_compiled_executables():
+  """Drop JAX's compiled executables after each test file.
+
+  Every XLA CPU executable holds ~6 memory mappings and JAX's jit caches keep them for the
+  process's life, so a test worker running most of the suite passes the kernel's
+  vm.max_map_count (65,530 by default) and XLA's next compile dies with SIGSEGV or SIGABRT
+  (seen at ~73 % of a one-process run). The sweep runner does the same between cases.
+  Fails the file, naming the count, if the mappings stay above half the limit after clearing.
+  """
+  yield
+  gc.collect()
+  jax.clear_caches()
+  counts = _memory_mappings()
+  if counts and counts[0] > counts[1] // 2:
+    pytest.fail(f'{counts[0]} memory mappings held after clearing JAX caches (limit {counts[1]}, '
+                f'{_MAX_MAP_COUNT}): something keeps compiled executables alive across test files')
 
 
 @pytest.fixture(scope='session')
