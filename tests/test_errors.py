@@ -222,6 +222,25 @@ def test_prompts_as_an_array_are_rows_and_a_generator_is_named(tiny):
     generate(config, params, (r for r in rows), max_new_tokens=3)
 
 
+def test_a_module_passed_as_the_model_config_is_named(tiny):
+  """`Transformer(config)` where the config belongs: a TypeError naming the argument and the
+  type, from every entry point, before flax fails on a missing field."""
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  from jaxspec.models import Transformer, save_model  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  module = Transformer(config)
+  with pytest.raises(TypeError, match='target must be a jaxspec ModelConfig .* got Transformer'):
+    generate(module, params, [[1, 2]], max_new_tokens=2)
+  with pytest.raises(TypeError, match='draft must be a jaxspec ModelConfig .* got Transformer'):
+    generate(config, params, [[1, 2]], max_new_tokens=2, draft=module, draft_params=params, k=2)
+  with pytest.raises(TypeError, match='target must be .* got Transformer'):
+    Engine(module, params, num_slots=2, num_pages=16)
+  with pytest.raises(TypeError, match='target must be .* got dict'):
+    PrefixCachedGenerator(dict(vocab_size=64), params, num_pages=16)
+  with pytest.raises(TypeError, match='the model of params given to save_model .* got str'):
+    save_model('/nonexistent-never-written', 'test-tiny', params)
+
+
 def test_params_of_another_model_are_named_before_anything_runs(tiny):
   from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
   from jaxspec.models import CheckpointError  # pylint: disable=import-outside-toplevel

@@ -19,6 +19,7 @@ from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.speculative import check_pair
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import ModelConfig, check_params
+from jaxspec.models.config import check_model_config
 
 MAX_K = 16  # largest speculation length accepted by default
 
@@ -129,8 +130,12 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     (configs: the models involved, slack: tokens of decoding slack past max_new_tokens (1, or
     K + 1 when speculating; at least min_slack), stop: [S] int32 sorted stop ids).
   Raises:
+    TypeError: target or draft not a `ModelConfig` (e.g. a `Transformer` module).
     ValueError: naming the bad value (see `generate`).
   """
+  check_model_config(target, 'target')
+  if draft is not None:
+    check_model_config(draft, 'draft')
   max_new_tokens = check_int(max_tokens_name, max_new_tokens, 1)
   max_k = check_int('max_k', max_k, 1)
   if draft is None and (k is not None or draft_params is not None):
@@ -243,6 +248,7 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
       not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
     NonFiniteLogitsError: the target's logits were NaN or +inf for some prompt (its row ended
       with INVALID_TOKEN; e.g. a float16 model that overflows).
+    TypeError: target or draft not a `ModelConfig` (e.g. a `Transformer` module).
     CheckpointError: target_params (or draft_params) that are not the config's params (a
       tensor missing, extra, of another shape or of a dtype that is not a float, named).
   """

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.config import ModelConfig
+from jaxspec.models.config import ModelConfig, check_model_config
 from jaxspec.models.llama import Transformer
 from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_config, verify_checksums,
                                       write_checksums)
@@ -47,10 +47,13 @@ def check_params(config: ModelConfig, params, name: str = 'params') -> None:
   else, so swapped or foreign params are named before a jitted step fails inside flax.
 
   Raises:
+    TypeError: `config` is not a `ModelConfig` (e.g. a `Transformer` module: `load_model`
+      returns the config, and flax failed on the module with an AttributeError).
     CheckpointError: naming `name` and the first tensor missing, extra, of another shape, or of
       a dtype that is not a real float (int weights ran as garbage, complex ones lost their
       imaginary part).
   """
+  check_model_config(config, f'the model of {name}')
   _check_tree(param_shapes(config), params, name)
   for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if not jnp.issubdtype(jnp.result_type(leaf), jnp.floating):

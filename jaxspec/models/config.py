@@ -141,3 +141,18 @@ PRESETS = {
                              num_kv_heads=2, head_dim=8, d_ff=64, max_seq_len=256),
 }
 
+
+def check_model_config(config, name: str) -> None:
+  """Refuse a `config` that is not a `ModelConfig` before a step reads its fields.
+
+  Args:
+    config: what was passed as a model (`load_model` returns `(ModelConfig, params)`).
+    name: the argument's name for the message ('target', 'draft', ...).
+  Raises:
+    TypeError: naming `name` and the type given (a `Transformer` module, say, which otherwise
+      failed inside flax with an AttributeError about `vocab_size`).
+  """
+  if not isinstance(config, ModelConfig):
+    raise TypeError(f'{name} must be a jaxspec ModelConfig (load_model returns (config, params); '
+                    f'Transformer(config) is the module built from it), got '
+                    f'{type(config).__name__}')
