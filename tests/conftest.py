@@ -1,34 +1,23 @@
 """Shared fixtures: a tiny target and drafts that agree with it to different degrees."""
 
 import gc
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxspec import executables
 from jaxspec.models import ModelConfig
 from jaxspec.training import init_params
-
-_MAX_MAP_COUNT = '/proc/sys/vm/max_map_count'
-
-
-def _memory_mappings() -> tuple[int, int] | None:
-  """(memory mappings this process holds, the kernel's per-process limit), or None off Linux."""
-  try:
-    with open(f'/proc/{os.getpid()}/maps') as maps, open(_MAX_MAP_COUNT) as limit:
-      return sum(1 for _ in maps), int(limit.read())
-  except OSError:
-    return None
 
 
 @pytest.fixture
 def memory_mappings():
-  """The `_memory_mappings` counter; skips the test off Linux (no /proc)."""
-  if _memory_mappings() is None:
+  """`jaxspec.executables.memory_mappings`; skips the test off Linux (no /proc)."""
+  if executables.memory_mappings() is None:
     pytest.skip('needs /proc/PID/maps and /proc/sys/vm/max_map_count (Linux)')
-  return _memory_mappings
+  return executables.memory_mappings
 
 
 @pytest.fixture(autouse=True, scope='module')
@@ -39,20 +28,22 @@ def _release_compiled_executables():
   engine step) and JAX's jit caches keep them for the process's life, so a test worker running
   most of the suite passes the kernel's vm.max_map_count (65,530 by default) and XLA's next
   compile dies with SIGSEGV or SIGABRT (seen at ~73 % of a one-process run). The sweep runner
-  clears them between cases too. Warns if one file alone held more than half the limit; fails
+  clears them between cases too, and an Engine built past half the limit clears them first
+  (`jaxspec.executables.release_near_limit`). Warns if one file alone held more than half the limit; fails
   the file, naming the count, if the mappings stay above half the limit after clearing.
   """
   yield
-  counts = _memory_mappings()
+  counts = executables.memory_mappings()
   if counts and counts[0] > counts[1] // 2:
     warnings.warn(f'{counts[0]} memory mappings at the end of this file (limit {counts[1]}, '
-                  f'{_MAX_MAP_COUNT}): one file near the limit can crash XLA mid-file')
+                  f'{executables.MAX_MAP_COUNT}): one file near the limit can crash XLA mid-file')
   gc.collect()
   jax.clear_caches()
-  counts = _memory_mappings()
+  counts = executables.memory_mappings()
   if counts and counts[0] > counts[1] // 2:
     pytest.fail(f'{counts[0]} memory mappings held after clearing JAX caches (limit {counts[1]}, '
-                f'{_MAX_MAP_COUNT}): something keeps compiled executables alive across test files')
+                f'{executables.MAX_MAP_COUNT}): something keeps compiled executables alive '
+                'across test files')
 
 
 @pytest.fixture(scope='session')

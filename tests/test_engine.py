@@ -3,7 +3,6 @@ without speculation, with preemption), page accounting, stop tokens, bad input, 
 
 import collections
 import functools
-import gc
 
 import hypothesis
 import hypothesis.strategies as st
@@ -392,22 +391,3 @@ def test_request_metrics_repr_shows_ttft_tpot_and_acceptance():
   assert repr(m).startswith('RequestMetrics(ttft_s=0.5, tpot_s=0.25, acceptance_rate=0.75, '
                             'mean_accepted_length=2.5, num_tokens=5,')
 
-
-def test_a_dropped_engines_executables_live_until_jax_caches_are_cleared(tiny, memory_mappings):
-  """The README's advice for long loops: the jitted steps are module-level, so a dropped engine's
-  compiled steps (hundreds of memory mappings each on the CPU) stay until `jax.clear_caches()`."""
-  config, params = tiny
-  gc.collect()
-  before, _ = memory_mappings()
-  engine = Engine(config, params, num_slots=2, num_pages=23, page_size=4, chunk_size=4)
-  engine.add_request([3, 1, 4, 1, 5], max_tokens=4)
-  engine.run()
-  del engine
-  gc.collect()
-  kept, _ = memory_mappings()
-  assert compile_counts()['decode_round'] >= 1 and compile_counts()['prefill_chunk'] >= 1
-  assert kept > before + 100                     # its prefill and decode steps outlive it
-  jax.clear_caches()
-  gc.collect()
-  assert compile_counts()['decode_round'] == compile_counts()['prefill_chunk'] == 0
-  assert memory_mappings()[0] < before + 50

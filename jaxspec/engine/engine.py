@@ -28,6 +28,7 @@ from typing import Hashable, Optional, Sequence
 import jax
 import numpy as np
 
+from jaxspec import executables
 from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache.host import check_host_fits
 from jaxspec.cache.paged import check_pool_fits
@@ -112,6 +113,10 @@ class Engine:
       for any request (< K + 3), sampling that is not a SamplingParams, target + draft pools
       past the device's memory, a full host tier past the machine's (`check_host_fits`).
     CheckpointError: target_params (draft_params) that are not the config's params (named).
+  Warns:
+    RuntimeWarning: when built in a process holding more than half the kernel's memory-mapping
+      limit (executables compiled by engines before it, see `jaxspec.executables`): JAX's compiled
+      executables were cleared first, and functions compiled before then compile again.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
@@ -122,6 +127,9 @@ class Engine:
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0):
+    # The jitted steps outlive their engines: near the memory-mapping limit, free them before
+    # this engine compiles its own (see jaxspec.executables).
+    executables.release_near_limit(what=type(self).__name__)
     num_slots = check_int('num_slots', num_slots, 1)
     num_pages = check_int('num_pages', num_pages, 2)
     page_size = check_int('page_size', page_size, 1)

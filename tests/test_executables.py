@@ -1,0 +1,85 @@
+"""Compiled executables outliving their engines, and the guard against the memory-mapping limit
+(`jaxspec.executables`)."""
+
+import gc
+import warnings
+
+import jax
+import pytest
+
+from jaxspec import executables
+from jaxspec.engine import Engine, compile_counts
+
+
+def _serve(engine) -> list:
+  """One request through `engine`; its tokens."""
+  request = engine.add_request([3, 1, 4, 1, 5], max_tokens=4)
+  return engine.run()[request].tokens
+
+
+def _compiled() -> int:
+  """The engine's prefill and decode steps compiled and still cached."""
+  counts = compile_counts()
+  return counts['decode_round'] + counts['prefill_chunk']
+
+
+def test_a_dropped_engines_executables_live_until_jax_caches_are_cleared(tiny, memory_mappings):
+  """The README's advice for long loops: the jitted steps are module-level, so a dropped engine's
+  compiled steps (hundreds of memory mappings each on the CPU) stay until `jax.clear_caches()`."""
+  config, params = tiny
+  gc.collect()
+  before, _ = memory_mappings()
+  engine = Engine(config, params, num_slots=2, num_pages=23, page_size=4, chunk_size=4)
+  _serve(engine)
+  del engine
+  gc.collect()
+  kept, _ = memory_mappings()
+  assert compile_counts()['decode_round'] >= 1 and compile_counts()['prefill_chunk'] >= 1
+  assert kept > before + 100                     # its prefill and decode steps outlive it
+  jax.clear_caches()
+  gc.collect()
+  assert _compiled() == 0
+  assert memory_mappings()[0] < before + 50
+
+
+def test_release_near_limit_clears_past_the_threshold_and_warns(tiny, memory_mappings):
+  config, params = tiny
+  _serve(Engine(config, params, num_slots=2, num_pages=21, page_size=4, chunk_size=4))
+  held, limit = memory_mappings()
+  assert _compiled() >= 2
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')                  # below the threshold: no warning, nothing freed
+    assert not executables.release_near_limit(min(1.0, 2 * held / limit))
+  assert _compiled() >= 2
+  with pytest.warns(RuntimeWarning, match=r'tester: \d+ memory mappings held, past 0.001'):
+    assert executables.release_near_limit(0.001, what='tester')
+  assert _compiled() == 0
+  assert memory_mappings()[0] < held
+
+
+def test_an_engine_built_near_the_limit_clears_earlier_steps_and_still_decodes(
+    tiny, memory_mappings, monkeypatch):
+  config, params = tiny
+  shape = dict(num_slots=2, num_pages=22, page_size=4, chunk_size=4)
+  first = _serve(Engine(config, params, **shape))
+  assert _compiled() >= 2
+  monkeypatch.setattr(executables, 'NEAR_LIMIT', 1e-6)   # every process is "near" it now
+  with pytest.warns(RuntimeWarning, match='Engine: .* cleared JAX'):
+    engine = Engine(config, params, **shape)
+  assert _compiled() == 0                         # the first engine's steps were freed
+  assert _serve(engine) == first                  # and compile again, with the same output
+
+
+def test_off_linux_nothing_is_counted_or_cleared(tiny, monkeypatch):
+  config, params = tiny
+  _serve(Engine(config, params, num_slots=2, num_pages=21, page_size=4, chunk_size=4))
+  monkeypatch.setattr(executables, 'MAX_MAP_COUNT', '/nonexistent/max_map_count')
+  assert executables.memory_mappings() is None
+  assert not executables.release_near_limit(1e-6)
+  assert _compiled() >= 2
+
+
+@pytest.mark.parametrize('fraction', [0, 0.0, -0.5, 1.5, float('nan'), True, '0.5'])
+def test_release_near_limit_refuses_a_bad_fraction(fraction):
+  with pytest.raises(ValueError, match='fraction must be'):
+    executables.release_near_limit(fraction)
