@@ -2,15 +2,17 @@
 
     python scripts/memory_mappings.py [--slots 2,3,4] [--pages 16,32,64] [--k 0]
 
-For each (slots, pages) pair in turn: build a test-tiny `Engine` of that shape (a new shape, so
-its steps compile anew), run one request of 5 prompt tokens and 4 new tokens, drop the engine,
-collect garbage and count the process's mappings (/proc/PID/maps). The difference is what the
-engine's compiled steps keep: JAX's jit caches hold them for the process's life. `--k 4` gives
-each engine test-tiny as its own draft (K = 4). Prints each engine's count, how many such
-engines would reach the kernel's vm.max_map_count, and the count after `jax.clear_caches()`.
-The README's counts per engine come from this script's default run. Linux only; `Engine` clears
-the caches itself past half the limit (`jaxspec.executables.release_near_limit`), and this script
-stays far below it.
+For each (slots, pages) pair in turn: clear JAX's caches, build a test-tiny `Engine` of that
+shape, run one request of 5 prompt tokens and 4 new tokens, drop the engine, collect garbage and
+count the process's mappings (/proc/PID/maps). The difference is what one engine compiled from
+nothing keeps: JAX's jit caches hold its steps for the process's life. Engines built one after
+another without clearing share the executables whose shapes they share (e.g. those that depend
+only on the pool size), so this is what each engine costs when it shares none. `--k 4` gives each
+engine test-tiny as its own draft (K = 4). Prints each engine's count, how many such engines
+would reach the kernel's vm.max_map_count, and the count after a final `jax.clear_caches()`. The
+README's counts per engine come from this script (default and `--k 4`). Linux only; `Engine`
+clears the caches itself past half the limit (`jaxspec.executables.release_near_limit`), and
+this script stays far below it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax
 
-from jaxspec.checks import check_int
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.engine import Engine
 from jaxspec.executables import memory_mappings
@@ -58,8 +59,8 @@ def main():
   args = parser.parse_args()
   slots = _ints(args.slots, '--slots', 1)
   pages = _ints(args.pages, '--pages', 4)       # 4-token pages: a request spans 3 of them
-  k = check_int('--k', args.k, 0)
-  if k > MAX_K:
+  k = args.k
+  if not 0 <= k <= MAX_K:
     raise ValueError(f'--k: speculation length K must be in [0, {MAX_K}], got {k}')
   if memory_mappings() is None:
     raise ValueError('this count needs /proc/PID/maps and /proc/sys/vm/max_map_count (Linux)')
@@ -73,6 +74,7 @@ def main():
   kept = []
   for b in slots:
     for p in pages:
+      jax.clear_caches()                      # compiled from nothing: nothing shared
       before = _held()
       engine = Engine(config, params, num_slots=b, num_pages=p, page_size=4, chunk_size=4, **draft)
       engine.add_request([3, 1, 4, 1, 5], max_tokens=4)
@@ -81,8 +83,10 @@ def main():
       kept.append(_held() - before)
       print(f'  {b} slots, {p:3d} pages: {kept[-1]:5d} mappings kept')
   low, high = min(kept), max(kept)
-  print(f'per engine: {low}-{high} mappings, so {limit // max(high, 1)}-{limit // max(low, 1)} '
-        f'such engines reach the limit of {limit}')
+  span = (lambda a, b: f'{a}' if a == b else f'{a}-{b}')
+  print(f'per engine: {span(low, high)} mappings, so '
+        f'{span(limit // max(high, 1), limit // max(low, 1))} engines that share no executables '
+        f'reach the limit of {limit}')
   total = _held()
   jax.clear_caches()
   print(f'after jax.clear_caches(): {_held()} mappings (before: {total})')

@@ -64,8 +64,9 @@ def test_an_engine_built_near_the_limit_clears_earlier_steps_and_still_decodes(
   first = _serve(Engine(config, params, **shape))
   assert _compiled() >= 2
   monkeypatch.setattr(executables, 'NEAR_LIMIT', 1e-6)   # every process is "near" it now
-  with pytest.warns(RuntimeWarning, match='Engine: .* cleared JAX'):
+  with pytest.warns(RuntimeWarning, match='Engine: .* cleared JAX') as caught:
     engine = Engine(config, params, **shape)
+  assert caught[0].filename == __file__           # the user's line, not jaxspec's
   assert _compiled() == 0                         # the first engine's steps were freed
   assert _serve(engine) == first                  # and compile again, with the same output
 

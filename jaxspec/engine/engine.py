@@ -127,9 +127,6 @@ class Engine:
                sampling: SamplingParams = SamplingParams(), host_pages: int = 0,
                prefix_caching: bool = True, max_stop_tokens: int = 8,
                max_seq_len: Optional[int] = None, seed: int = 0):
-    # The jitted steps outlive their engines: near the memory-mapping limit, free them before
-    # this engine compiles its own (see jaxspec.executables).
-    executables.release_near_limit(what=type(self).__name__)
     num_slots = check_int('num_slots', num_slots, 1)
     num_pages = check_int('num_pages', num_pages, 2)
     page_size = check_int('page_size', page_size, 1)
@@ -151,6 +148,9 @@ class Engine:
       check_params(target, target_params, 'target_params')
       if draft is not None:
         check_params(draft, draft_params, 'draft_params')
+      # The jitted steps outlive their engines: near the memory-mapping limit, free them before
+      # this engine compiles its own (see jaxspec.executables).
+      executables.release_near_limit(what=type(self).__name__)
       self.target, self.target_params = target, target_params
       self.draft, self.draft_params, self.k = draft, draft_params, k
       self.sampling = sampling
