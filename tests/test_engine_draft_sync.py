@@ -3,6 +3,7 @@ scores the draft on exactly the tokens the target drew at K = 0, catch-ups over 
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
 import numpy as np
+import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine.drafters import ModelDrafter
@@ -153,3 +154,32 @@ def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
   assert policy.choose(['r'])[0] == 0
   policy.rooms = [4000]                                  # ~1000 rounds share it
   assert policy.choose(['r'])[0] == K
+
+
+def test_one_slow_catch_up_does_not_price_the_later_ones(tiny, tiny_draft, monkeypatch):
+  """A catch-up that recompiled (after `jax.clear_caches()`: seconds against a table's
+  milliseconds) moves the live / table ratio of later catch-ups by no more than one sample in a
+  median: an exponential average priced them ~300x too high for good."""
+  config, params = tiny
+  engine = Engine(config, params, draft=tiny_draft[0], draft_params=tiny_draft[1], k=K,
+                  k_policy=Record([0]), **SHAPES)
+  sync = engine.draft_sync
+  sync.costs = {1: 0.01, 2: 0.01, 3: 0.01}               # seconds per call, per row bucket
+  clock, durations = [0.0], [3.0] + [0.012] * 4          # a recompile, then 1.2x the table
+
+  class Req:
+    def __init__(self):
+      self.num_computed, self.draft_computed = 6, 2      # one chunk pass of one row: 0.01 s
+
+  def call(group):                                       # the device call, on a fake clock
+    clock[0] += durations.pop(0)
+    for r in group:
+      r.draft_computed = r.num_computed
+
+  monkeypatch.setattr(sync, '_call', call)
+  monkeypatch.setattr('jaxspec.engine.draft_sync.time.perf_counter', lambda: clock[0])
+  sync.catch_up([Req()])
+  assert sync.live_ratio == 1.0                          # median of [300, 1, 1] (the prior)
+  for _ in range(4):
+    sync.catch_up([Req()])
+  assert sync.live_ratio == pytest.approx(1.2) and sync.pending_s([Req()]) == pytest.approx(0.012)

@@ -2,6 +2,8 @@
 (`jaxspec.executables`)."""
 
 import gc
+import mmap
+import os
 import warnings
 
 import jax
@@ -9,6 +11,13 @@ import pytest
 
 from jaxspec import executables
 from jaxspec.engine import Engine, compile_counts
+
+
+@pytest.fixture(autouse=True)
+def _no_earlier_clear(monkeypatch):
+  """Each test starts as a process that never cleared (`release_near_limit` remembers the last
+  clear's count)."""
+  monkeypatch.setattr(executables, '_after_last_clear', None)
 
 
 def _serve(engine) -> list:
@@ -84,3 +93,46 @@ def test_off_linux_nothing_is_counted_or_cleared(tiny, monkeypatch):
 def test_release_near_limit_refuses_a_bad_fraction(fraction):
   with pytest.raises(ValueError, match='fraction must be'):
     executables.release_near_limit(fraction)
+
+
+def test_a_clear_that_leaves_the_process_past_the_threshold_waits_before_the_next(monkeypatch):
+  """Mappings JAX does not own keep the process past the threshold after a clear: the next Engine
+  must not clear again (and drop the live engines' steps) until the count has grown by half the
+  room left below the limit."""
+  counts = [(40000, 65530)]
+  monkeypatch.setattr(executables, 'memory_mappings', lambda: counts[0])
+  with pytest.warns(RuntimeWarning, match=r'40000 mappings left; still past 0.5 of it'):
+    assert executables.release_near_limit()
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert not executables.release_near_limit()            # nothing has grown
+    counts[0] = (52765, 65530)                              # 40000 + (65530 - 40000) / 2
+    assert not executables.release_near_limit()
+  counts[0] = (52766, 65530)
+  with pytest.warns(RuntimeWarning, match='52766 memory mappings held'):
+    assert executables.release_near_limit()
+
+
+def test_mapped_files_whose_paths_are_not_utf8_are_counted(tmp_path, memory_mappings):
+  path = os.path.join(os.fsencode(tmp_path), b'\xff\xfe-weights.bin')
+  with open(path, 'wb') as f:
+    f.write(b'\0' * mmap.PAGESIZE)
+  before = memory_mappings()[0]
+  with open(path, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ):
+    assert memory_mappings()[0] == before + 1               # was None: a UnicodeDecodeError
+
+
+@pytest.mark.parametrize('text, limit', [(' 65530\n', 65530), ('0', None), ('-5', None),
+                                         ('abc', None), ('', None), ('1e5', None)])
+def test_the_limit_must_be_a_positive_integer(tmp_path, monkeypatch, memory_mappings, text, limit):
+  (tmp_path / 'max_map_count').write_text(text)
+  monkeypatch.setattr(executables, 'MAX_MAP_COUNT', str(tmp_path / 'max_map_count'))
+  counts = executables.memory_mappings()
+  assert (counts if limit is None else counts[1]) == limit
+
+
+def test_a_bad_near_limit_is_named(monkeypatch):
+  monkeypatch.setattr(executables, 'NEAR_LIMIT', 2)
+  with pytest.raises(ValueError, match=r'NEAR_LIMIT must be a finite number in \(0.0, 1.0\], '
+                                       r'got 2'):
+    executables.release_near_limit()

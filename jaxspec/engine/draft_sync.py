@@ -37,11 +37,13 @@ After a round at K >= 1 the draft holds what the target holds (the invariant of
 from __future__ import annotations
 
 import math
+import collections
 import time
 
 import numpy as np
 
 from jaxspec.engine import device, spec_steps, timing
+from jaxspec.engine.live_costs import padded_median
 from jaxspec.engine import rows as rows_lib
 
 
@@ -59,11 +61,17 @@ class DraftSync:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
-    live_ratio: EMA of a catch-up's wall time over its estimate from `costs` (1 before any).
+    live_ratio: the median of the last RATIO_WINDOW catch-ups' wall time over their estimate
+      from `costs`, padded with 1.0 up to 3 (1 before any): a median, so one call that
+      recompiled (after `jax.clear_caches()`, e.g. by `jaxspec.executables.release_near_limit`)
+      or met a GC pause does not price every later catch-up hundreds of times too high, as an
+      exponential average of its seconds-long ratio did.
     eager: whether prefill chunks fill the draft's cache too (the last decode round ran at
       K >= 1: a request admitted while the engine speculates would need its prompt caught up
       before its first round, in a call of its own).
   """
+
+  RATIO_WINDOW = 8
 
   def __init__(self, engine, drafter):
     self.engine = engine
@@ -76,6 +84,7 @@ class DraftSync:
     self.num_calls = 0
     self.seconds = 0.0
     self.live_ratio = 1.0
+    self._ratios = collections.deque(maxlen=self.RATIO_WINDOW)
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
     self._forced = False         # every request of the coming round has one token left
     self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
@@ -194,7 +203,8 @@ class DraftSync:
     spent = time.perf_counter() - start
     self.seconds += spent
     if estimate > 0:     # host work and live pages: the table alone underestimates
-      self.live_ratio = 0.8 * self.live_ratio + 0.2 * spent / estimate
+      self._ratios.append(spent / estimate)
+      self.live_ratio = padded_median(self._ratios, 1.0, 3)
 
   def _call(self, group) -> None:
     engine, m = self.engine, self.observe_tokens

@@ -114,9 +114,10 @@ class Engine:
       past the device's memory, a full host tier past the machine's (`check_host_fits`).
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   Warns:
-    RuntimeWarning: when built in a process holding more than half the kernel's memory-mapping
-      limit (executables compiled by engines before it, see `jaxspec.executables`): JAX's compiled
-      executables were cleared first, and functions compiled before then compile again.
+    RuntimeWarning: when built in a process holding more than `jaxspec.executables.NEAR_LIMIT`
+      (half) of the kernel's memory-mapping limit (executables compiled by engines before it):
+      JAX's compiled executables were cleared first (`release_near_limit`), and functions
+      compiled before then compile again.
   """
 
   def __init__(self, target: ModelConfig, target_params, *, num_slots: int, num_pages: int,
