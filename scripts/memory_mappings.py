@@ -51,6 +51,11 @@ def _held() -> int:
   return memory_mappings()[0]
 
 
+def _span(low: int, high: int) -> str:
+  """'low-high', or 'low' when they are equal."""
+  return f'{low}' if low == high else f'{low}-{high}'
+
+
 def main():
   parser = argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split()))
   parser.add_argument('--slots', default='2,3,4', help='slot counts B, comma-separated')
@@ -83,9 +88,8 @@ def main():
       kept.append(_held() - before)
       print(f'  {b} slots, {p:3d} pages: {kept[-1]:5d} mappings kept')
   low, high = min(kept), max(kept)
-  span = (lambda a, b: f'{a}' if a == b else f'{a}-{b}')
-  print(f'per engine: {span(low, high)} mappings, so '
-        f'{span(limit // max(high, 1), limit // max(low, 1))} engines that share no executables '
+  print(f'per engine: {_span(low, high)} mappings, so '
+        f'{_span(limit // max(high, 1), limit // max(low, 1))} engines that share no executables '
         f'reach the limit of {limit}')
   total = _held()
   jax.clear_caches()

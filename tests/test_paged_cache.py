@@ -211,6 +211,22 @@ def test_an_engines_target_and_draft_pools_must_fit_together(tiny, monkeypatch):
            draft_params=params, k=2)
 
 
+def test_a_pool_of_10_to_the_11_pages_is_refused_before_its_free_list_is_built(tiny):
+  # The prefix cache's free list (a Python list of every page) was built first: a MemoryError.
+  from jaxspec.decoding import PrefixCachedGenerator  # pylint: disable=import-outside-toplevel
+  from jaxspec.engine import Engine  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  with pytest.raises(ValueError, match=r"the engine's KV cache needs .* GiB .*100000000000 pages"):
+    Engine(config, params, num_slots=1, num_pages=10 ** 11, page_size=4)
+  with pytest.raises(ValueError, match=r'the KV cache needs .* GiB .*100000000000 pages'):
+    PrefixCachedGenerator(config, params, num_pages=10 ** 11, page_size=4)
+  for cls, extra in ((Engine, dict(num_slots=1)), (PrefixCachedGenerator, {})):  # still first
+    with pytest.raises(ValueError, match="prefix_caching must be True or False, got 'off'"):
+      cls(config, params, num_pages=10 ** 11, page_size=4, prefix_caching='off', **extra)
+    with pytest.raises(ValueError, match=r'num_pages must be an int >= 2.*got 1\.5'):
+      cls(config, params, num_pages=1.5, page_size=4, **extra)
+
+
 @pytest.mark.parametrize('change, match', [
     (dict(num_layers=1), r"pages \(1, 2, 3, 4, 8\) / .* not this model's \[layers=2"),
     (dict(head_dim=4), r"not this model's \[layers=2, kv_heads=2, P, L, head_dim=8\]"),

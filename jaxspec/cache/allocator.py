@@ -16,6 +16,14 @@ class OutOfPagesError(ValueError):
   """The pool has fewer free pages than a request needs."""
 
 
+def check_num_pages(num_pages) -> int:
+  """`num_pages` as an int, if it is an int >= 2 (page 0 is the null page); else ValueError."""
+  if not is_int_in(num_pages, 2, math.inf):
+    raise ValueError(f'num_pages must be an int >= 2 (page 0 is the null page), got '
+                     f'{num_pages!r}')
+  return int(num_pages)
+
+
 class PageAllocator:
   """Hands out pool pages 1 .. num_pages-1 and tracks how many holders each page has.
 
@@ -24,10 +32,7 @@ class PageAllocator:
   """
 
   def __init__(self, num_pages: int):
-    if not is_int_in(num_pages, 2, math.inf):
-      raise ValueError(f'num_pages must be an int >= 2 (page 0 is the null page), got '
-                       f'{num_pages!r}')
-    num_pages = int(num_pages)
+    num_pages = check_num_pages(num_pages)
     self.num_pages = num_pages
     self._free = list(range(num_pages - 1, NULL_PAGE, -1))  # pop() hands out low pages first
     self._refs = [0] * num_pages

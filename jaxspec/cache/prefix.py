@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxspec.cache.allocator import OutOfPagesError, PageAllocator
+from jaxspec.cache.allocator import OutOfPagesError, PageAllocator, check_num_pages
 from jaxspec.cache.host import HostTier, check_caches, move_pages
 from jaxspec.cache.page_hash import page_keys_unchecked, salt_bytes
 from jaxspec.cache.paged import pages_needed
@@ -92,7 +92,12 @@ class PrefixCache:
       `commit` refuse token ids that are not ints in [0, 2**63) (`jaxspec.checks.token_ids`).
   """
 
-  def __init__(self, num_pages: int, page_size: int, host_pages: int = 0, enabled: bool = True):
+  @staticmethod
+  def check_args(num_pages: int, page_size: int, host_pages: int = 0,
+                 enabled: bool = True) -> tuple:
+    """The constructor's arguments checked (the errors above), as (num_pages, page_size,
+    host_pages, enabled): for callers that allocate pools of num_pages before building one."""
+    num_pages = check_num_pages(num_pages)
     page_size = check_int('page_size', page_size, 1)
     host_pages = check_int('host_pages', host_pages, 0)
     if not isinstance(enabled, (bool, np.bool_)):     # 'off' is truthy: caching would stay on
@@ -100,6 +105,11 @@ class PrefixCache:
     if host_pages and not enabled:
       raise ValueError(f'host_pages={host_pages} needs prefix caching on: the host tier holds '
                        f'reclaimed prefix-cache pages, and with caching off nothing is demoted')
+    return num_pages, page_size, host_pages, bool(enabled)
+
+  def __init__(self, num_pages: int, page_size: int, host_pages: int = 0, enabled: bool = True):
+    num_pages, page_size, host_pages, enabled = self.check_args(num_pages, page_size, host_pages,
+                                                                enabled)
     self.allocator = PageAllocator(num_pages)
     self.page_size = page_size
     self.enabled = enabled

@@ -60,6 +60,8 @@ class PrefixCachedGenerator:
     check_request(target, [[0]], max_new_tokens=1, draft=draft, draft_params=draft_params, k=k,
                   max_k=max_k)
     prompt_bucket = check_int('prompt_bucket', prompt_bucket, 1)
+    num_pages, page_size, host_pages, prefix_caching = PrefixCache.check_args(
+        num_pages, page_size, host_pages, prefix_caching)
     check_sampling(sampling)
     check_params(target, target_params, 'target_params')
     if draft is not None:
@@ -73,14 +75,15 @@ class PrefixCachedGenerator:
     self.target, self.target_params = target, target_params
     self.draft, self.draft_params, self.k, self.max_k = draft, draft_params, k, max_k
     self.sampling, self.prompt_bucket, self.steps = sampling, prompt_bucket, steps
-    self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     self.pages_per_seq = pages_needed(target.max_seq_len, page_size)
     table = np.zeros((1, self.pages_per_seq), np.int32)
-    self.caches = [steps.new_cache(target, table, num_pages, page_size)]
+    self.caches = [steps.new_cache(target, table, num_pages, page_size)]   # checks they fit
     if draft is not None:
       self.caches.append(steps.new_cache(draft, table, num_pages, page_size, draft=True))
     if host_pages:
       host_lib.check_host_fits(host_pages, self.caches)
+    # After the pools are known to fit: its free list holds every page.
+    self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
     self.peak_device_pages = 0
 
   @property

@@ -36,8 +36,8 @@ After a round at K >= 1 the draft holds what the target holds (the invariant of
 
 from __future__ import annotations
 
-import math
 import collections
+import math
 import time
 
 import numpy as np

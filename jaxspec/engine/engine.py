@@ -139,6 +139,7 @@ class Engine:
     if prefill_rows > num_slots:
       raise ValueError(f'prefill_rows={prefill_rows} exceeds num_slots={num_slots}')
     k = check_int('k', k, 0)
+    PrefixCache.check_args(num_pages, page_size, host_pages, prefix_caching)
     self.drafter, self.policy = speculation.setup(drafter, k_policy,
                                                   has_draft_model=draft is not None, k=k)
     with speculation.released_on_error(self.policy):   # a check below fails: policy freed
@@ -178,7 +179,6 @@ class Engine:
       # (chunk_size=2**20 asked for 8.9 GB at a 256-token context).
       self.chunk_size = chunk_size = min(chunk_size, self.max_seq_len)
       self.pages_per_seq = pages_needed(self.max_seq_len, page_size)
-      self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
       table, _ = device.idle_rows(1, self.pages_per_seq)
       check_pool_fits([(name, (c.num_layers, c.num_kv_heads, num_pages, page_size, c.head_dim),
                         c.dtype) for name, c in zip(('target', 'draft'), configs)],
@@ -186,6 +186,9 @@ class Engine:
       self.caches = [cache_for(c, table, num_pages, page_size) for c in configs]
       if host_pages:
         check_host_fits(host_pages, self.caches)
+      # After the pools are known to fit: its free list holds every page (a MemoryError, not a
+      # message, for num_pages=10**11 when it came first).
+      self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
       lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
               0 in self.policy.candidates)
       self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
