@@ -29,8 +29,9 @@ def _release_compiled_executables():
   most of the suite passes the kernel's vm.max_map_count (65,530 by default) and XLA's next
   compile dies with SIGSEGV or SIGABRT (seen at ~73 % of a one-process run). The sweep runner
   clears them between cases too, and an Engine built past half the limit clears them first
-  (`jaxspec.executables.release_near_limit`). Warns if one file alone held more than half the limit; fails
-  the file, naming the count, if the mappings stay above half the limit after clearing.
+  (`jaxspec.executables.release_near_limit`). Warns if one file alone held more than half the
+  limit; fails the file, naming the count, if the mappings stay above half the limit after
+  clearing.
   """
   yield
   counts = executables.memory_mappings()

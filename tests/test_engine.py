@@ -390,4 +390,3 @@ def test_request_metrics_repr_shows_ttft_tpot_and_acceptance():
                      accepted=3, accepted_lengths=[2, 3])
   assert repr(m).startswith('RequestMetrics(ttft_s=0.5, tpot_s=0.25, acceptance_rate=0.75, '
                             'mean_accepted_length=2.5, num_tokens=5,')
-

@@ -8,7 +8,8 @@ from jaxspec.cache.paged import (NULL_PAGE, PagedKVCache, gather_kv, init_cache,
 from jaxspec.cache.eviction import (POLICIES, EvictionPolicy, EvictionState, after_tokens,
                                     init_eviction, last_token, make_policy)
 from jaxspec.cache.page_hash import page_keys
-from jaxspec.cache.prefix import Plan, PrefixCache, Request
+from jaxspec.cache.plan import Plan, Request
+from jaxspec.cache.prefix import PrefixCache
 
 __all__ = ['NULL_PAGE', 'HostTier', 'OutOfPagesError', 'PageAllocator', 'PagedKVCache', 'Plan',
            'PrefixCache', 'Request', 'gather_kv', 'init_cache', 'page_keys', 'pages_needed',
