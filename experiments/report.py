@@ -217,7 +217,7 @@ def _sweep_ids(path: pathlib.Path) -> Optional[list]:
 def main(argv) -> None:
   """CLI: `python -m experiments.report RESULTS_JSONL [--out DIR] [--experiment NAME]`."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
-  from experiments.common import read_results  # pylint: disable=g-import-not-at-top
+  from experiments.records import read_results  # pylint: disable=g-import-not-at-top
   if len(argv) != 2:
     raise app.UsageError('usage: python -m experiments.report RESULTS_JSONL [--out DIR]')
   path = pathlib.Path(argv[1])

@@ -17,9 +17,9 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from experiments.common import (DEFAULT_CONFIG, DiscardedResults, Results, exit_config_error,
-                                exit_unknown_field, import_experiment, new_run_dir, parse_flags,
-                                validate, warn_if_busy)
+from experiments.common import (DEFAULT_CONFIG, exit_config_error, exit_unknown_field,
+                                import_experiment, parse_flags, validate, warn_if_busy)
+from experiments.records import DiscardedResults, Results, new_run_dir
 from jaxspec.checks import nearest_existing
 from jaxspec.models.checkpoint import out_of_memory
 from jaxspec.parallel import distributed

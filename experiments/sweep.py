@@ -35,9 +35,9 @@ from ml_collections import config_flags
 from tqdm import tqdm
 
 from experiments import report, sweeps
-from experiments.common import (DEFAULT_CONFIG, Results, exit_config_error, exit_unknown_field,
-                                format_record, import_experiment, json_object, parse_flags,
-                                read_results, validate)
+from experiments.common import (DEFAULT_CONFIG, exit_config_error, exit_unknown_field,
+                                import_experiment, parse_flags, validate)
+from experiments.records import Results, format_record, json_object, read_results
 from jaxspec.parallel import distributed
 
 

@@ -50,7 +50,7 @@ import numpy as np
 
 from configs import batching as batching_config
 from experiments import batching
-from experiments.common import read_results
+from experiments.records import read_results
 from jaxspec.engine import device, speculation
 from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy

@@ -29,19 +29,19 @@ def _release_compiled_executables():
   most of the suite passes the kernel's vm.max_map_count (65,530 by default) and XLA's next
   compile dies with SIGSEGV or SIGABRT (seen at ~73 % of a one-process run). The sweep runner
   clears them between cases too, and an Engine built past half the limit clears them first
-  (`jaxspec.executables.release_near_limit`). Warns if one file alone held more than half the
-  limit; fails the file, naming the count, if the mappings stay above half the limit after
-  clearing.
+  (`jaxspec.executables.release_near_limit`). Warns if one file alone held more than
+  `executables.NEAR_LIMIT` of the limit (half); fails the file, naming the count, if the
+  mappings stay above that after clearing.
   """
   yield
   counts = executables.memory_mappings()
-  if counts and counts[0] > counts[1] // 2:
+  if counts and counts[0] > counts[1] * executables.NEAR_LIMIT:
     warnings.warn(f'{counts[0]} memory mappings at the end of this file (limit {counts[1]}, '
                   f'{executables.MAX_MAP_COUNT}): one file near the limit can crash XLA mid-file')
   gc.collect()
   jax.clear_caches()
   counts = executables.memory_mappings()
-  if counts and counts[0] > counts[1] // 2:
+  if counts and counts[0] > counts[1] * executables.NEAR_LIMIT:
     pytest.fail(f'{counts[0]} memory mappings held after clearing JAX caches (limit {counts[1]}, '
                 f'{executables.MAX_MAP_COUNT}): something keeps compiled executables alive '
                 'across test files')

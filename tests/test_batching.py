@@ -216,7 +216,7 @@ def test_summary_from_a_results_file_through_the_report_cli(tmp_path):
   path = tmp_path / 'results.jsonl'
   path.write_text(''.join(json.dumps(r) + '\n' for r in _records()))
   (tmp_path / 'config.json').write_text(json.dumps({'experiment': 'batching'}))
-  from experiments.common import read_results
+  from experiments.records import read_results
   records = read_results(path)
   pngs = report.plot(records, tmp_path / 'plots', 'batching')
   files = report.experiment_summary(records, tmp_path, report.guess_experiment(path))

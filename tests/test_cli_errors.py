@@ -157,6 +157,8 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      'FATAL: --k: speculation length K must be in [1, 16], got 17'),
     (['memory_mappings.py', '--slots', '2,2'],             # the same shape twice counts nothing
      "FATAL: --slots takes distinct comma-separated ints >= 1, got '2,2'"),
+    (['cost_table_noise.py', '--tables', '0'],             # before the models load
+     'FATAL: --tables must be an int >= 1, got 0'),
 ])
 def test_script_arguments_are_refused_before_any_work(args, line):
   proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,

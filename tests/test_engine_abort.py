@@ -2,7 +2,6 @@
 and slot back and ends with the tokens it emitted; every other request's greedy output is still
 the one it has decoded alone; unknown and finished ids are refused."""
 
-import numpy as np
 import pytest
 
 from jaxspec.cache import make_policy

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from experiments import common
-from experiments.common import (Results, check_fields, empty_cache, import_experiment,
-                                parse_workloads)
+from experiments.common import check_fields, empty_cache, import_experiment, parse_workloads
+from experiments.records import Results
 from jaxspec.data import WORKLOADS
 from jaxspec.decoding import NonFiniteLogitsError
 from jaxspec.models import ModelConfig

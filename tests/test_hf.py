@@ -108,7 +108,7 @@ def test_speculative_with_loaded_pair_equals_greedy_target(loaded, target, draft
 
 def _run_experiment(tmp_path, **overrides):
   from configs.speculative import get_config
-  from experiments.common import Results
+  from experiments.records import Results
   from experiments import speculative
   config = get_config('smoke')
   config.update(dict(workloads='json', num_prompts=1, prompt_len=64, max_new_tokens=8, k=2,

@@ -291,7 +291,7 @@ def test_the_experiment_finishes_when_every_extraction_falls_back(tmp_path):
   # sessions were sized from the stuffed prompts and the run died before its summaries.
   from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
   from experiments import hydration  # pylint: disable=import-outside-toplevel
-  from experiments.common import Results  # pylint: disable=import-outside-toplevel
+  from experiments.records import Results  # pylint: disable=import-outside-toplevel
   config = get_config('smoke')
   config.update(dict(max_extract_tokens=1, retries=0, alpha_prompts=0, strategies='hydration'))
   results = Results(tmp_path / 'run', config, verbose=False)

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fake_experiment
-from experiments.common import read_results
+from experiments.records import read_results
 from experiments.sweep import run_sweep
 from jaxspec.decoding.steps import LOCAL_STEPS
 from jaxspec.models import PRESETS, ModelConfig, param_shapes

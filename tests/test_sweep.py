@@ -13,7 +13,8 @@ import pytest
 
 import fake_experiment
 from experiments import report, sweeps
-from experiments.common import import_experiment, read_results
+from experiments.common import import_experiment
+from experiments.records import read_results
 from experiments.sweep import run_sweep
 
 TESTS = pathlib.Path(__file__).parent

@@ -154,8 +154,8 @@ def test_a_trained_model_directory_carries_its_tokenizer(tmp_path, tokenizer):
   import pathlib  # pylint: disable=import-outside-toplevel
   from configs.train import get_config  # pylint: disable=import-outside-toplevel
   from experiments import train as train_experiment  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=import-outside-toplevel
-  from experiments.common import Results, load_tokenizer
+  from experiments.common import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from experiments.records import Results  # pylint: disable=import-outside-toplevel
   from jaxspec.data import Tokenizer  # pylint: disable=import-outside-toplevel
   from jaxspec.models import shipped  # pylint: disable=import-outside-toplevel
   root = pathlib.Path(__file__).resolve().parent.parent

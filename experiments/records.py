@@ -1,0 +1,146 @@
+"""Where an experiment's results go: WORKDIR/EXPERIMENT/RUN_ID/{config.json, environment.json,
+results.jsonl}, and reading them back.
+
+Each measured case is appended to results.jsonl (and flushed) as soon as it is measured, so an
+interrupted run loses nothing; `read_results` skips a line torn by a kill.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import pathlib
+from typing import Optional
+
+import ml_collections
+
+
+def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
+  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp)."""
+  base = pathlib.Path(workdir) / experiment
+  run_id = run_id or datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')
+  path, n = base / run_id, 1
+  while path.exists():
+    n += 1
+    path = base / f'{run_id}-{n}'
+  path.mkdir(parents=True)
+  return path
+
+
+def _clean(value):
+  """JSON-safe: NaN/inf become None (strict JSON has no NaN)."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  return value
+
+
+# The packages a result depends on beyond our code: the corpora are read from the installed
+# Python's standard library and botocore's data files (jaxspec.data.corpus), so their versions
+# change the held-out prompts and with them α, token counts and perplexities.
+_VERSIONED = ('jax', 'jaxlib', 'flax', 'numpy', 'botocore', 'tokenizers', 'llguidance')
+
+
+def environment() -> dict:
+  """What a run's numbers depend on besides its config: Python and package versions (the
+  corpora come from the stdlib and botocore), the machine's CPU and JAX's devices."""
+  import importlib.metadata  # pylint: disable=import-outside-toplevel
+  import platform  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  versions = {}
+  for name in _VERSIONED:
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  cpu = platform.processor() or platform.machine()
+  try:
+    for line in pathlib.Path('/proc/cpuinfo').read_text().splitlines():
+      if line.startswith('model name'):
+        cpu = line.split(':', 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return dict(python=platform.python_version(), packages=versions, cpu=cpu,
+              cpu_count=os.cpu_count(), devices=[d.device_kind for d in jax.devices()])
+
+
+class Results:
+  """Appends one JSON line per measured case to `run_dir/results.jsonl`.
+
+  Attributes:
+    dir: the run directory (plots go here too).
+    records: every record written so far, in order.
+  """
+
+  def __init__(self, run_dir, config: Optional[ml_collections.ConfigDict] = None,
+               tags: Optional[dict] = None, verbose: bool = True):
+    self.dir = pathlib.Path(run_dir)
+    self.dir.mkdir(parents=True, exist_ok=True)
+    self.tags = dict(tags or {})
+    self.verbose = verbose
+    self.records: list[dict] = []
+    if config is not None:
+      (self.dir / 'config.json').write_text(config.to_json_best_effort(indent=2) + '\n')
+      (self.dir / 'environment.json').write_text(json.dumps(environment(), indent=2) + '\n')
+    self.path = self.dir / 'results.jsonl'
+
+  def write(self, record: dict) -> None:
+    """Append `record` (plus the tags) as one line, flushed to disk before returning."""
+    record = {**self.tags, **{k: _clean(v) for k, v in record.items()}}
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(record) + '\n')
+    self.records.append(record)
+    if self.verbose:
+      print(format_record(record), flush=True)
+
+
+class DiscardedResults(Results):
+  """Results of a process other than 0 in a multi-process run: records are kept in memory (the
+  experiment may read them) but nothing is written or printed; process 0 writes the results."""
+
+  def __init__(self, tags: Optional[dict] = None):  # pylint: disable=super-init-not-called
+    self.dir, self.path, self.tags, self.verbose = None, None, dict(tags or {}), False
+    self.records = []
+
+  def write(self, record: dict) -> None:
+    self.records.append({**self.tags, **{k: _clean(v) for k, v in record.items()}})
+
+
+def format_record(record: dict) -> str:
+  """One readable line: key=value with floats at 4 significant digits; dict and list fields
+  (per-K round counts, cost tables, per-chunk series) are left to results.jsonl (printed, a
+  batching record ran past 400 characters)."""
+  parts = []
+  for key, value in record.items():
+    if isinstance(value, (dict, list, tuple)):
+      continue
+    if isinstance(value, float):
+      value = f'{value:.4g}'
+    parts.append(f'{key}={value}')
+  return '  '.join(parts)
+
+
+def read_results(path) -> list[dict]:
+  """All records of a results.jsonl file: the JSON objects of its lines (a torn last line, from
+  a killed run, and any line that is not a JSON object are skipped).
+
+  Raises:
+    ValueError: the file is not UTF-8 text (naming it)."""
+  try:
+    text = pathlib.Path(path).read_text()
+  except UnicodeDecodeError as e:
+    raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
+  return [r for r in map(json_object, text.splitlines()) if r is not None]
+
+
+def json_object(line: str) -> dict | None:
+  """The JSON object a results line holds, or None for a line that is not one (torn by a
+  kill, another JSON value, nested too deep for the parser (RecursionError), or an integer
+  past Python's 4300-digit conversion limit (a plain ValueError))."""
+  try:
+    record = json.loads(line)
+  except (ValueError, RecursionError):         # json.JSONDecodeError is a ValueError
+    return None
+  return record if isinstance(record, dict) else None
