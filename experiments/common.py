@@ -20,6 +20,7 @@ import sys
 
 from absl import flags
 import ml_collections
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
@@ -45,25 +46,72 @@ def parse_flags(argv):
       lines = text.strip().splitlines()                # ml_collections quotes its traceback
       text = f'{lines[0].rstrip(": ")}: {lines[-1]}'
     sys.exit(f'FATAL flags: {text}')
-  except (AttributeError, KeyError) as e:  # ml_collections: override of a field the config lacks
-    exit_unknown_field(e, argv)
+  except Exception as e:  # pylint: disable=broad-except
+    # ml_collections lets anything but OSError, TypeError and ValueError out of loading the
+    # file (a SyntaxError, a get_config that raises or is missing) as it is.
+    if _from_config_file(e):
+      exit_config_error(e)
+    if isinstance(e, (AttributeError, KeyError)):  # an override of a field the config lacks
+      _exit_not_a_config()
+      exit_unknown_field(e, argv)
+    raise
+
+
+def _from_config_file(error: BaseException) -> bool:
+  """Whether `error` came out of ml_collections loading the `--config` file (its module or its
+  get_config): its traceback passes through the config file parser."""
+  tb = error.__traceback__
+  while tb is not None:
+    if isinstance(tb.tb_frame.f_locals.get('self'), ConfigFileFlagParser):
+      return True
+    tb = tb.tb_next
+  return False
 
 
 def _exit_unloaded_config() -> None:
   """Ends the program with one line when `--config` names a file that could not be loaded
   (ml_collections keeps the error in the flag's value and raises it, with its traceback, at the
-  first use: a mistyped path would end in a 30-line traceback)."""
+  first use: a mistyped path would end in a 30-line traceback), or one whose get_config did not
+  return a ConfigDict with an `experiment` field (`_exit_not_a_config`)."""
   if 'config' not in flags.FLAGS:
     return
   try:
     flags.FLAGS['config'].value.keys()
   except OSError as error:
     exit_config_error(error)
+  except AttributeError:       # not a ConfigDict
+    pass
+  _exit_not_a_config()
 
 
-def exit_config_error(error: OSError) -> None:
-  """Ends the program with one line saying why the `--config` file could not be loaded."""
-  reason = str(error).strip().splitlines()[-1].strip()
+def _exit_not_a_config() -> None:
+  """Ends the program with one line when the `--config` file's get_config returned something
+  other than an ml_collections.ConfigDict, or one with no `experiment` field (the module of
+  experiments/ that runs it)."""
+  try:
+    value = flags.FLAGS['config'].value
+    path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
+  except Exception:  # pylint: disable=broad-except  # no --config flag, or not parsed yet
+    return
+  if not isinstance(value, ml_collections.ConfigDict):
+    sys.exit(f'FATAL: {path}: get_config() returned {type(value).__name__}, not an '
+             f'ml_collections.ConfigDict')
+  if 'experiment' not in value:
+    sys.exit(f"FATAL: {path}: the config has no 'experiment' field (the module of experiments/ "
+             f"that runs it, e.g. 'speculative')")
+
+
+def exit_config_error(error: Exception) -> None:
+  """Ends the program with one line saying why the `--config` file could not be loaded: it is
+  missing or unreadable (OSError), or its module or get_config raised (the exception's type and
+  message; a module without get_config says so)."""
+  reason = str(error).strip().splitlines()[-1].strip() if str(error).strip() else ''
+  if isinstance(error, AttributeError) and 'get_config' in reason:
+    reason = 'the file defines no get_config()'
+  elif isinstance(error, SyntaxError):
+    reason = f'SyntaxError: {error.msg} at line {error.lineno}'
+  elif not isinstance(error, OSError):
+    reason = f'{type(error).__name__}: {reason}' if reason else type(error).__name__
   try:
     path = str(flags.FLAGS['config'].config_filename or '')
   except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
@@ -77,7 +125,8 @@ def exit_config_error(error: OSError) -> None:
   if path and not os.path.isabs(path) and not os.path.exists(path) and \
       not os.path.isdir('configs'):
     hint = f'; config paths are relative to the repository root, and {os.getcwd()} is not it'
-  sys.exit(f'FATAL: cannot load the config file ({reason}){hint}')
+  named = '' if not path or path in reason else f' {path}'
+  sys.exit(f'FATAL: cannot load the config file{named} ({reason}){hint}')
 
 
 def exit_unknown_field(error: Exception, argv) -> None:
@@ -209,19 +258,32 @@ def warn_if_busy(threshold: float = 0.5) -> Optional[float]:
   return load
 
 
+_RUNNERS = ('run', 'sweep', 'report')   # the entry points of experiments/
+
+
 def import_experiment(name: str):
   """The module experiments.NAME (`config.experiment`), for experiments.run and .sweep.
 
   Raises:
-    ValueError: there is no experiments/NAME.py (an import that fails inside the module, e.g.
-      a missing dependency, raises as it is).
+    ValueError: there is no experiments/NAME.py, or it is not an experiment (no run(config,
+      results): the runners and helpers beside them, such as common or report); an import
+      that fails inside the module (e.g. a missing dependency) raises as it is.
   """
+  if not isinstance(name, str) or not name.isidentifier():
+    raise ValueError(f'config.experiment={name!r} must name a module of experiments/')
+  if name in _RUNNERS:       # imported again, run.py would define its flags a second time
+    raise ValueError(f'config.experiment={name!r}: experiments/{name}.py runs experiments, it '
+                     f'is not one')
   try:
-    return importlib.import_module(f'experiments.{name}')
+    module = importlib.import_module(f'experiments.{name}')
   except ModuleNotFoundError as error:
     if error.name != f'experiments.{name}':
       raise
     raise ValueError(f'config.experiment={name!r} names no module experiments/{name}.py') from None
+  if not callable(getattr(module, 'run', None)):
+    raise ValueError(f'config.experiment={name!r}: experiments/{name}.py is not an experiment '
+                     f'(it has no run(config, results))')
+  return module
 
 
 def validate(module, config) -> None:

@@ -13,6 +13,7 @@ import math
 import os
 import pathlib
 from typing import Optional
+import warnings
 
 import ml_collections
 
@@ -123,8 +124,10 @@ def format_record(record: dict) -> str:
 
 
 def read_results(path) -> list[dict]:
-  """All records of a results.jsonl file: the JSON objects of its lines (a torn last line, from
-  a killed run, and any line that is not a JSON object are skipped).
+  """All records of a results.jsonl file: the JSON objects of its lines. A line that is not a
+  JSON object is skipped: silently if it is the last (torn by a killed run), else with a
+  warning naming the line numbers (a record damaged in the middle of a file is a lost result).
+  Blank lines are skipped silently.
 
   Raises:
     ValueError: the file is not UTF-8 text (naming it)."""
@@ -132,7 +135,19 @@ def read_results(path) -> list[dict]:
     text = pathlib.Path(path).read_text()
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
-  return [r for r in map(json_object, text.splitlines()) if r is not None]
+  lines = text.splitlines()
+  records, bad = [], []
+  for number, line in enumerate(lines, start=1):
+    record = json_object(line)
+    if record is not None:
+      records.append(record)
+    elif line.strip() and number < len(lines):
+      bad.append(number)
+  if bad:
+    shown = ', '.join(map(str, bad[:10])) + (f' and {len(bad) - 10} more' if len(bad) > 10 else '')
+    warnings.warn(f'{path}: line{"s" if len(bad) > 1 else ""} {shown} not a JSON record, '
+                  f'skipped', stacklevel=2)
+  return records
 
 
 def json_object(line: str) -> dict | None:

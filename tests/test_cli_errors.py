@@ -102,6 +102,47 @@ def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   assert not any(tmp_path.rglob('results.jsonl'))
 
 
+@pytest.mark.parametrize('source, line', [
+    ('def get_config(arg=None:\n',                        # each was a raw traceback
+     'cannot load the config file {path} (SyntaxError: invalid syntax at line 1)'),
+    ('def get_config(arg=None):\n  return 1 / 0\n',
+     'cannot load the config file {path} (ZeroDivisionError: division by zero)'),
+    ('x = 1\n',                                           # was: 'unknown config field'
+     'cannot load the config file {path} (the file defines no get_config())'),
+    ('def get_config(arg=None):\n  return None\n',
+     '{path}: get_config() returned NoneType, not an ml_collections.ConfigDict'),
+    ('import ml_collections\ndef get_config(arg=None):\n  return ml_collections.ConfigDict()\n',
+     "{path}: the config has no 'experiment' field"),
+])
+@pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
+def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, line, module):
+  path = tmp_path / 'config.py'
+  path.write_text(source)
+  proc = subprocess.run([sys.executable, '-m', module, f'--config={path}',
+                         f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: ' + line.format(path=path)), \
+      proc.stderr
+  assert not (tmp_path / 'runs').exists()
+
+
+@pytest.mark.parametrize('name, line', [
+    ('common', "config.experiment='common': experiments/common.py is not an experiment"),
+    ('report', "config.experiment='report': experiments/report.py runs experiments"),  # left an
+    ('run', "config.experiment='run': experiments/run.py runs experiments"),   # empty run dir
+    ('a.b', "config.experiment='a.b' must name a module of experiments/"),
+])
+def test_config_experiment_must_name_an_experiment(tmp_path, name, line):
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run',
+                         '--config=configs/speculative.py:smoke', f'--config.experiment={name}',
+                         f'--workdir={tmp_path}'], cwd=ROOT_DIR, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: ' + line), proc.stderr
+  assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
 def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
   (tmp_path / 'file').write_text('')

@@ -1,9 +1,11 @@
-"""The helpers experiments share (experiments/common.py), and no private cross-module imports."""
+"""The helpers experiments share (experiments/common.py, experiments/records.py), and no private
+cross-module imports."""
 
 import ast
 import importlib
 import json
 import pathlib
+import warnings
 
 import jax
 import ml_collections
@@ -12,7 +14,7 @@ import pytest
 
 from experiments import common
 from experiments.common import check_fields, empty_cache, import_experiment, parse_workloads
-from experiments.records import Results
+from experiments.records import Results, read_results
 from jaxspec.data import WORKLOADS
 from jaxspec.decoding import NonFiniteLogitsError
 from jaxspec.models import ModelConfig
@@ -198,3 +200,14 @@ def test_the_speculative_experiment_refuses_to_measure_a_draft_whose_logits_turn
   with pytest.warns(UserWarning), pytest.raises(
       NonFiniteLogitsError, match=r"the draft \(shipped\)'s logits were not finite"):
     module.run(config, Results(tmp_path / 'run', config, verbose=False))
+
+
+def test_read_results_names_damaged_lines_but_not_a_torn_last_one(tmp_path):
+  path = tmp_path / 'results.jsonl'
+  path.write_text('{"a": 1}\n\n{"a": 2}\n{"a": 3, "b"')       # blank line; torn by a kill
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert read_results(path) == [{'a': 1}, {'a': 2}]
+  path.write_text('{"a": 1}\n{"a": 2, "b"\n{"a": 3}\n')        # a record lost in the middle
+  with pytest.warns(UserWarning, match=r'results.jsonl: line 2 not a JSON record, skipped'):
+    assert read_results(path) == [{'a': 1}, {'a': 3}]
