@@ -5,6 +5,8 @@ import json
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +71,23 @@ def test_corrupt_params_is_named(saved):
   meta.write_bytes(meta.read_bytes()[:len(meta.read_bytes()) // 2])
   with pytest.raises(CheckpointError, match=r'params/_METADATA is damaged \(not JSON'):
     load_model(path)
+
+
+def test_a_truncated_tensor_file_is_one_error_without_late_tracebacks(saved):
+  # The restore's other reads, still in flight when it raised, each printed a traceback ('Event
+  # loop is closed', 'Task exception was never retrieved') in the seconds after or at exit.
+  path, _, _ = saved
+  data = max((f for f in (path / 'params').rglob('*') if f.is_file() and f.parent.name == 'd'),
+             key=lambda f: f.stat().st_size)
+  data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+  code = ('import time\nfrom jaxspec.models import CheckpointError, load_model\n'
+          f'try:\n  load_model({str(path)!r})\nexcept CheckpointError as error:\n'
+          '  print("refused:", error)\ntime.sleep(1)\n')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=120, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert proc.returncode == 0 and 'refused: cannot read the checkpoint' in proc.stdout, \
+      proc.stdout + proc.stderr
+  assert 'Traceback' not in proc.stderr and 'never retrieved' not in proc.stderr, proc.stderr
 
 
 def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):

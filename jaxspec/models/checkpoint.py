@@ -13,9 +13,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import pathlib
 import re
+import sys
 from typing import Optional
 
 import jax
@@ -295,6 +297,7 @@ def load_model(path, dtype: str = 'float32'):
   except Exception as e:  # orbax raises many types for damaged files; name the path
     if out_of_memory(e):              # not damage: the device cannot hold the model
       raise
+    quiet_late_reads()
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
   _check_tree(expected, restored, f'checkpoint {path}')
@@ -359,6 +362,35 @@ def check_orbax_metadata(directory: pathlib.Path) -> None:
         json.loads(file.read_bytes())
       except (OSError, ValueError) as error:
         raise CheckpointError(f'{file} is damaged (not JSON: {error})') from error
+
+
+def quiet_late_reads() -> None:
+  """Call after an orbax restore raised: its other array reads still in flight fail or finish
+  after the restore's event loop has closed, each reported with a traceback around the one
+  error (1-17 of them for a truncated data file, during the next seconds or at exit):
+  RuntimeError('Event loop is closed') through `sys.unraisablehook`, and asyncio's 'Task
+  exception was never retrieved' through the 'asyncio' logger. Installs, once per process, a
+  hook that drops the first kind and passes every other report to the hook it replaced, and a
+  filter on that logger that drops the second kind."""
+  if getattr(sys.unraisablehook, '_drops_closed_loop', False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(report):
+    error = report.exc_value
+    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+      previous(report)
+
+  hook._drops_closed_loop = True
+  sys.unraisablehook = hook
+  asyncio_log = logging.getLogger('asyncio')
+  if _drop_unretrieved not in asyncio_log.filters:
+    asyncio_log.addFilter(_drop_unretrieved)
+
+
+def _drop_unretrieved(record: logging.LogRecord) -> bool:
+  """A logging filter: False for asyncio's 'Task exception was never retrieved' reports."""
+  return not str(record.msg).startswith('Task exception was never retrieved')
 
 
 def orbax_reason(error: Exception, limit: int = 400) -> str:

@@ -17,7 +17,7 @@ from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (_check_all_fit, _check_tree, check_complete,
                                        check_orbax_metadata, floating_dtype, orbax_reason,
-                                       out_of_memory, read_config)
+                                       out_of_memory, quiet_late_reads, read_config)
 from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_sums, verify_checksums,
                                       verify_sums)
 from jaxspec.parallel import specs
@@ -94,6 +94,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
     if out_of_memory(e):              # not damage: the devices cannot hold the model
       raise
+    quiet_late_reads()
     raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
                           f'{orbax_reason(e)}') from e
   if one:

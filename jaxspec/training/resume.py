@@ -14,7 +14,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, check_orbax_metadata,
-                                       orbax_reason, verify_checksums, write_checksums)
+                                       orbax_reason, quiet_late_reads, verify_checksums,
+                                       write_checksums)
 
 
 class TrainState:
@@ -88,6 +89,7 @@ class TrainState:
       with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
+      quiet_late_reads()
       raise CheckpointError(f'cannot read the training state at {self.path / "state"}: '
                             f'{orbax_reason(e)}') from e
     inside = self.path / 'state' / CHECKSUMS
