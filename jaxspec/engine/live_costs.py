@@ -152,16 +152,6 @@ class LiveCosts:
   1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is `host`
   (`HostSeconds`).
 
-  The shared K >= 1 ratio keeps the start-up line's slope, and that slope is timed once, on a
-  machine whose load comes and goes (`scripts/cost_table_noise.py`: on the development CPU its
-  standard deviation over ten tables was 0.004 K = 0 rounds per K in a quiet stretch and
-  0.03-0.04 in a noisy one, around ~0.21). So the K >= 1 ratio is also tilted along K (`tilt`)
-  by the live rounds themselves: the count-weighted least-squares line through the median ratio
-  of each K with at least `TILT_MIN` of the last `TILT_WINDOW` live K >= 1 rounds (two such K at
-  least), its slope shrunk by n / (n + `TILT_PRIOR`) for the n rounds behind it and applied
-  about their mean K, held flat beyond one K past the measured ones (a line fitted on K = 2-3
-  says little of K = 8).
-
   The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
   are cold: slower, on device and host, than the rounds after them). After `STALE_ROUNDS`
   rounds in a row at K = 0, K >= 1's ratios are dropped and the square root of their quotient
@@ -182,9 +172,6 @@ class LiveCosts:
 
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
-  TILT_WINDOW = 128   # live K >= 1 rounds `tilt` looks at
-  TILT_MIN = 6        # rounds a K needs among them to count
-  TILT_PRIOR = 32     # pseudo-rounds of no tilt
 
   def __init__(self, window: int, cold_rounds: int):
     self.cold_rounds = cold_rounds
@@ -192,10 +179,8 @@ class LiveCosts:
     self.idle: dict = {}
     self.tables = 0
     self._ratios = (collections.deque(maxlen=window), collections.deque(maxlen=window))
-    self._by_k = collections.deque(maxlen=self.TILT_WINDOW)   # (K, ratio) of K >= 1 rounds
     self._fitted: dict = {}                 # {rows: fitted d(K)} (lazily, per change)
     self._group = None                      # `group_ratios` (lazily)
-    self._tilt = None                       # `tilt` (lazily)
     self._quotient = 1.0                    # K >= 1 / K = 0 ratio carried past staleness
     self._timed = [0, 0]                    # live rounds reported per group
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
@@ -206,7 +191,6 @@ class LiveCosts:
     self.idle = tables
     for ratios in self._ratios:
       ratios.clear()
-    self._by_k.clear()
     self._quotient = 1.0
     self._moved()
     self.tables += 1
@@ -216,35 +200,10 @@ class LiveCosts:
     rows = rows if rows in self.idle else None
     if rows not in self._fitted:
       zero, spec = self.group_ratios()
-      slope, center, low, high = self.tilt()
       idle = self.idle[rows]
       self._fitted[rows] = dict(zip(idle, nondecreasing(
-          [t * (zero if k == 0 else
-                spec * max(0.5, 1.0 + slope * (min(max(k, low - 1), high + 1) - center)))
-           for k, t in idle.items()])))
+          [t * (zero if k == 0 else spec) for k, t in idle.items()])))
     return self._fitted[rows]
-
-  def tilt(self) -> tuple:
-    """(slope, center, low, high): the K >= 1 ratio's relative change per unit of K, shrunk
-    (see the class doc), the mean K it turns about and the lowest and highest K it was fitted
-    on; (0.0, 0.0, 0, 0) with fewer than two K of `TILT_MIN` rounds among the last
-    `TILT_WINDOW`."""
-    if self._tilt is None:
-      by_k = collections.defaultdict(list)
-      for k, ratio in self._by_k:
-        by_k[k].append(ratio)
-      points = [(k, statistics.median(r), len(r)) for k, r in by_k.items()
-                if len(r) >= self.TILT_MIN]
-      self._tilt = 0.0, 0.0, 0, 0
-      if len(points) >= 2:
-        n = sum(w for _, _, w in points)
-        center = sum(k * w for k, _, w in points) / n
-        level = sum(m * w for _, m, w in points) / n
-        spread = sum(w * (k - center) ** 2 for k, _, w in points)
-        slope = sum(w * (k - center) * (m - level) for k, m, w in points) / spread
-        self._tilt = (slope / level * n / (n + self.TILT_PRIOR), center,
-                      min(k for k, _, _ in points), max(k for k, _, _ in points))
-    return self._tilt
 
   def group_ratios(self) -> tuple:
     """(K = 0's, K >= 1's) live / start-up ratio: each group's median, padded with
@@ -276,15 +235,12 @@ class LiveCosts:
       self.host.add(k, host_s)
       if k in idle:
         self._ratios[group].append(device_s / idle[k])
-        if k:
-          self._by_k.append((k, device_s / idle[k]))
         self._moved()
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
     if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
       zero, spec = self.group_ratios()
       self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
       self._ratios[1].clear()
-      self._by_k.clear()
       self.host.stale()
       self._moved()
 
@@ -292,4 +248,3 @@ class LiveCosts:
     """Drop what was derived from the tables and ratios (refitted when next read)."""
     self._fitted.clear()
     self._group = None
-    self._tilt = None
