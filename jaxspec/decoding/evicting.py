@@ -44,19 +44,41 @@ def decode_step_evicting(config: ModelConfig, params, cache, eviction, token):
   return logits[:, 0], cache, last_token(history)
 
 
-@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache', 'eviction'))
 def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   """Feed each row's tokens one by one (a `lax.scan`) and score every next-token prediction.
 
   Args:
     cache, eviction: empty cache and eviction state (donated); eviction None = the model's
       default full-cache path (slot = position).
-    tokens: [B, T] int32 right-padded; lengths: [B] int32 real tokens per row.
+    tokens: [B, T] int32 right-padded; lengths: [B] int32 real tokens per row, in [0, T].
   Returns:
     dict of [B, T] arrays: `logprob` float32, log p(tokens[t+1] | tokens[:t+1]) (0 at t >=
     length-1); `argmax` int32, the model's top-1 prediction after token t; `live` int32, tokens
     cached after step t (max over layers); plus the final `cache` and `eviction`.
+  Raises:
+    ValueError: tokens or lengths not integer arrays of those shapes with the cache's B rows, a
+      length outside [0, T], a token id outside [0, vocab_size) within a row's length, or,
+      without eviction or under policy 'full', a row longer than the cache's capacity (its
+      later tokens would have no slot: scored against a cache that lost them). Values are
+      checked when concrete.
   """
+  batch = cache.lengths.shape[0]
+  tokens = _int_array('tokens', tokens, 'BT', batch)
+  lengths = _int_array('lengths', lengths, 'B', batch)
+  found, ids = concrete(lengths), concrete(tokens)
+  if found is not None:
+    bad = found[(found < 0) | (found > tokens.shape[1])]
+    if bad.size:
+      raise ValueError(f'lengths must lie in [0, T={tokens.shape[1]}], got {int(bad[0])}')
+    if ids is not None:
+      _check_ids('tokens', ids[np.arange(tokens.shape[1]) < found[:, None]], config.vocab_size)
+    if eviction is None or eviction.policy.kind == 'full':
+      _check_fits('rows scored with the full cache', cache, found)
+  return _score_tokens(config, params, cache, eviction, tokens, lengths)
+
+
+@functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache', 'eviction'))
+def _score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
   t_max = tokens.shape[1]
   nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
 
@@ -103,6 +125,29 @@ def _check_fits(what: str, cache, tokens_after, hint: Optional[str] = None) -> N
                      f'for the whole sequence{hint})')
 
 
+def _int_array(name: str, x, dims: str, batch: int):
+  """`x` as a jax array, if it holds integers (not bools) in len(dims) dimensions, the first of
+  them `batch` rows (`dims` names them for the error, e.g. 'BP'); else ValueError naming it. A
+  float array reached the model as token ids (flax: 'Input type must be an integer'), or a
+  float prompt length silently drew the first token from all-zero logits."""
+  x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.ndim != len(dims) or \
+      (x.ndim and x.shape[0] != batch):
+    raise ValueError(f'{name} must be an integer array [{", ".join(dims)}] with B = {batch} '
+                     f'(the cache\'s rows), got {x.dtype} of shape {tuple(x.shape)}')
+  return x
+
+
+def _stop_array(stop_tokens, batch: int):
+  """stop_tokens as an integer jax array [S] or [B, S] (`_int_array`'s errors)."""
+  stop = stop_tokens if isinstance(stop_tokens, jax.Array) else jnp.asarray(stop_tokens)
+  if not stop.size:               # () or [] arrive as float32
+    stop = stop.astype(jnp.int32)
+  if stop.ndim == 1:
+    return _int_array('stop_tokens', stop[None], 'BS', 1)[0]
+  return _int_array('stop_tokens', stop, 'BS', batch)
+
+
 def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, prompt_lengths, rng, *,
                      sampling: SamplingParams):
   """Prefill under eviction, one token per step, and draw the first new token.
@@ -113,7 +158,8 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   Returns:
     (first_token [B] int32, cache, eviction).
   Raises:
-    ValueError: a prompt length outside [1, P], a prompt token id outside [0, vocab_size), or
+    ValueError: tokens or prompt_lengths not integer arrays of those shapes with the cache's B
+      rows, a prompt length outside [1, P], a prompt token id outside [0, vocab_size), or
       under policy 'full' a prompt longer than the cache's capacity, named (checked when the
       arguments are concrete; under a caller's jit they are traced and
       not checked).
@@ -122,6 +168,9 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   if len(shape) != 2 or np.shape(prompt_lengths) != shape[:1]:
     raise ValueError(f'tokens must be [B, P] and prompt_lengths [B], got shapes {shape} and '
                      f'{np.shape(prompt_lengths)}')
+  batch = cache.lengths.shape[0]
+  tokens = _int_array('tokens', tokens, 'BP', batch)
+  prompt_lengths = _int_array('prompt_lengths', prompt_lengths, 'B', batch)
   lengths, ids = concrete(prompt_lengths), concrete(tokens)
   if lengths is not None:
     bad = lengths[(lengths < 1) | (lengths > shape[1])]
@@ -166,11 +215,15 @@ def decode_autoregressive_evicting(config: ModelConfig, params, cache, eviction,
   Returns:
     (Output, cache, eviction).
   Raises:
-    ValueError: max_new_tokens not an int >= 1, a first_token id outside the vocabulary, or,
+    ValueError: max_new_tokens not an int >= 1, first_token not an integer [B] array (B the
+      cache's rows) or stop_tokens not an integer [S] or [B, S] one, a first_token id outside
+      the vocabulary, or,
       under policy 'full', a cache without room for lengths + max_new_tokens - 1 tokens per row
       (checked when concrete).
   """
   max_new_tokens = check_int('max_new_tokens', max_new_tokens, 1)
+  first_token = _int_array('first_token', first_token, 'B', cache.lengths.shape[0])
+  stop_tokens = _stop_array(stop_tokens, cache.lengths.shape[0])
   first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first[first != INVALID_TOKEN], config.vocab_size)
@@ -234,7 +287,8 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
     (Output, SpecStats, target_cache, eviction, draft_cache).
   Raises:
     ValueError: k or max_new_tokens not an int >= 1, reuse_delay < K + 1, a draft whose
-      vocabulary differs from the target's, a first_token id outside it, or a cache too small
+      vocabulary differs from the target's, first_token or stop_tokens not integer arrays of
+      the shapes above, a first_token id outside it, or a cache too small
       (as above; checked when concrete).
   """
   k = check_int('speculation length K', k, 1)
@@ -243,6 +297,8 @@ def decode_speculative_evicting(target: ModelConfig, draft: ModelConfig, target_
   if eviction.policy.reuse_delay < k + 1:
     raise ValueError(f'speculative decoding under eviction needs reuse_delay >= K + 1 = {k + 1}, '
                      f'got {eviction.policy.reuse_delay}')
+  first_token = _int_array('first_token', first_token, 'B', target_cache.lengths.shape[0])
+  stop_tokens = _stop_array(stop_tokens, target_cache.lengths.shape[0])
   first = concrete(first_token)
   if first is not None:
     _check_ids('first_token', first[first != INVALID_TOKEN], target.vocab_size)
