@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxspec.data import Tokenizer
-from jaxspec.data.tool_calls import operation_texts, tool_episodes
+from jaxspec.data.tool_calls import ToolEpisode, operation_texts, tool_episodes
 from jaxspec.hydration import (INITIAL_STATE, RECORD_SCHEMA, STATE_SCHEMA, ContextSession,
                                Extraction, ModelExtractor, OracleExtractor, StateError,
                                StateStore, hydrate, record_schema, truth_record,
@@ -299,3 +299,25 @@ def test_the_experiment_finishes_when_every_extraction_falls_back(tmp_path):
   turns = [r for r in results.records if r['kind'] == 'turn']
   assert turns and all(r['fallback'] for r in turns)
   assert [r['strategy'] for r in results.records if r['kind'] == 'summary'] == ['hydration']
+
+
+def test_a_failed_extraction_scores_no_field(tok):
+  # A call whose record has no input or output: the empty fallback record's missing fields
+  # equalled the truth's (None == None), and a fallback scored 1 of 11 fields correct.
+  episodes = tool_episodes(tok, 5, 6, max_result_tokens=400)
+  call = next(c for e in episodes for c in e.turns
+              if {'input', 'output'} - set(truth_record(c.value)))
+  turns, _ = hydrate(ToolEpisode('x', (call,)), lambda c: Extraction(None, 3, 0.0))
+  assert turns[0].fallback and turns[0].fields_correct == 0 and turns[0].fields_total >= 5
+  turns, _ = hydrate(ToolEpisode('x', (call,)),
+                     lambda c: Extraction(truth_record(c.value), 3, 0.0))
+  assert turns[0].fields_correct == turns[0].fields_total      # absent in both: matched
+
+
+def test_hydrate_names_bad_arguments(episode):
+  with pytest.raises(ValueError, match='episode must be a ToolEpisode, got list'):
+    hydrate([1], lambda c: Extraction(None, 1, 0.0))
+  with pytest.raises(ValueError, match='extractor must be a function of a ToolCall, got None'):
+    hydrate(episode, None)
+  with pytest.raises(ValueError, match='turn 1: the extractor returned str, not an Extraction'):
+    hydrate(episode, lambda c: 'record')

@@ -66,16 +66,27 @@ def hydrate(episode: ToolEpisode, extractor: Callable[[ToolCall], Extraction]):
   Args:
     episode: the session's tool calls.
     extractor: call -> Extraction; a record that is None, or not of `RECORD_SCHEMA`'s shape, or
-      whose state does not validate, is a fallback for that turn.
+      whose state does not validate, is a fallback for that turn (a record not of the shape
+      scores no correct field).
   Returns:
     (list of HydratedTurn, the StateStore holding every recorded patch).
+  Raises:
+    ValueError: episode not a ToolEpisode, extractor not callable, or an extractor that returns
+      something other than an Extraction (named with the turn).
   """
+  if not isinstance(episode, ToolEpisode):
+    raise ValueError(f'episode must be a ToolEpisode, got {type(episode).__name__}')
+  if not callable(extractor):
+    raise ValueError(f'extractor must be a function of a ToolCall, got {extractor!r}')
   store = StateStore(STATE_SCHEMA, INITIAL_STATE)
   truth = INITIAL_STATE
   fallbacks: dict[int, ToolCall] = {}
   turns = []
   for i, call in enumerate(episode.turns, start=1):
     extraction = extractor(call)
+    if not isinstance(extraction, Extraction):
+      raise ValueError(f'turn {i}: the extractor returned {type(extraction).__name__}, not an '
+                       f'Extraction')
     true_record = truth_record(call.value)
     truth = with_record(truth, true_record)
     # A record that is not RECORD_SCHEMA's shape (a custom extractor's: no name, a list, http as
@@ -90,12 +101,14 @@ def hydrate(episode: ToolEpisode, extractor: Callable[[ToolCall], Extraction]):
         fallback = True
     if fallback:
       fallbacks[i] = call
-    got = _fields(record if well_formed else {})
     want = _fields(true_record)
+    # No record of the shape has no fields: a field the truth lacks (a call with no input) is
+    # not matched by one the extraction never gave (it was: a failed extraction scored 1 of 11).
+    correct = sum(a == b for a, b in zip(_fields(record), want)) if well_formed else 0
     turns.append(HydratedTurn(
         turn=i, extraction=extraction, fallback=fallback, patch=patch, state=store.state,
         fidelity=store.state == truth, record_correct=extraction.record == true_record,
-        fields_correct=sum(a == b for a, b in zip(got, want)), fields_total=len(want),
+        fields_correct=correct, fields_total=len(want),
         stuffing_prompt=render_stuffing(list(episode.turns[:i])),
         hydrated_prompt=render_hydrated(i, store.state, patch, dict(fallbacks))))
   return turns, store
