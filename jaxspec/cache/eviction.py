@@ -31,7 +31,8 @@ import numpy as np
 
 from jaxspec.cache import paged
 from jaxspec.checks import check_int, concrete, is_int_in
-from jaxspec.kernels.evict_select import SelectParams, select_slots, select_slots_reference
+from jaxspec.kernels.evict_select import (INT32_MAX, SelectParams, select_slots,
+                                          select_slots_reference)
 from jaxspec.kernels.paged_attention import (attention_with_mass, check_compiled_sizes,
                                              paged_attention_with_mass)
 
@@ -58,7 +59,8 @@ class EvictionPolicy:
     ValueError: unknown kind; a budget, or sinks or window other than 0, given to 'full' (it
       never evicts: it would hold values it never uses); for the others a budget missing, zero,
       negative or not an int; budget smaller than sinks + window + 1 (no token would ever be
-      evictable); negative or non-int sinks / window / delay. Checked at construction, so a
+      evictable); negative or non-int sinks / window / delay; fields adding up past int32
+      (slots and positions are int32 on device). Checked at construction, so a
       policy built directly is held to what `make_policy` checks (a budget of 0 stalled every
       engine step; one below sinks + window + 1 kept more than budget tokens live).
   """
@@ -91,6 +93,9 @@ class EvictionPolicy:
       if fields['budget'] < fields['sinks'] + fields['window'] + 1:
         raise ValueError(f'budget={self.budget} is smaller than sinks ({self.sinks}) + window '
                          f'({self.window}) + 1: no cached token could ever be evicted')
+    if sum(fields.values()) > INT32_MAX:    # budget + reuse_delay slots, int32 on device
+      raise ValueError(f'eviction policy {kind!r}: {fields} add up past int32 ({INT32_MAX}): '
+                       f'slots and positions are int32 on device')
     for name, value in fields.items():      # numpy ints stored as Python ints (hash alike)
       object.__setattr__(self, name, value)
 

@@ -33,6 +33,9 @@ from jax.experimental.pallas import triton as pl_triton
 from jaxspec.checks import check_int
 
 
+INT32_MAX = 2 ** 31 - 1   # positions and budgets are int32 on device
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectParams:
   """Static parameters of the selection (`EvictionPolicy.select_params` builds them).
@@ -44,7 +47,8 @@ class SelectParams:
     reuse_delay: positions an evicted slot waits before it is written again.
 
   Raises:
-    ValueError: a field not an int, budget < 1, sinks / window / reuse_delay < 0, or budget <
+    ValueError: a field not an int, budget < 1, sinks / window / reuse_delay < 0, a field past
+      int32 (`INT32_MAX`), or budget <
       sinks + window + 1 (no token could ever be evicted, so more than budget would stay live).
   """
 
@@ -56,7 +60,11 @@ class SelectParams:
   def __post_init__(self):
     for name, low in (('budget', 1), ('sinks', 0), ('window', 0), ('reuse_delay', 0)):
       # Stored as Python ints: the params are a static (hashed) argument of the jitted selection.
-      object.__setattr__(self, name, check_int(f'SelectParams.{name}', getattr(self, name), low))
+      value = check_int(f'SelectParams.{name}', getattr(self, name), low)
+      if value > INT32_MAX:      # compared with int32 positions on device: an OverflowError
+        raise ValueError(f'SelectParams.{name}={value} exceeds the int32 positions it is '
+                         f'compared with (at most {INT32_MAX})')
+      object.__setattr__(self, name, value)
     if self.budget < self.sinks + self.window + 1:
       raise ValueError(f'SelectParams.budget={self.budget} must be >= sinks + window + 1 = '
                        f'{self.sinks + self.window + 1}: otherwise no token is ever evictable')
@@ -99,7 +107,20 @@ def _kernel(priority_ref, key_pos_ref, free_from_ref, pos_ref,
   slot_out[...] = jnp.full((1,), slot, jnp.int32)
 
 
-def _check(priority, key_pos, free_from, positions):
+def _check(priority, key_pos, free_from, positions, params=None, interpret=False):
+  named = (('priority', priority), ('key_pos', key_pos), ('free_from', free_from),
+           ('positions', positions))
+  for name, x in named:
+    if not hasattr(x, 'dtype') or not hasattr(x, 'shape'):
+      raise ValueError(f'{name} must be an array, got {type(x).__name__}')
+    wanted = jnp.floating if name == 'priority' else jnp.integer
+    if not jnp.issubdtype(x.dtype, wanted):
+      raise ValueError(f'{name} must be a{"" if name == "priority" else "n"} '
+                       f'{"float" if name == "priority" else "integer"} array, got dtype {x.dtype}')
+  if params is not None and not isinstance(params, SelectParams):
+    raise ValueError(f'params must be a SelectParams, got {params!r}')
+  if not isinstance(interpret, bool):
+    raise ValueError(f'interpret must be True or False, got {interpret!r}')
   shapes = [jnp.shape(x) for x in (priority, key_pos, free_from, positions)]
   if len(shapes[1]) != 2 or shapes[0] != shapes[1] or shapes[2] != shapes[1] or \
       shapes[3] != shapes[1][:1]:
@@ -107,7 +128,6 @@ def _check(priority, key_pos, free_from, positions):
                      f'be one shape [B, S] and positions {shapes[3]} [B]')
 
 
-@functools.partial(jax.jit, static_argnames=('params', 'interpret'))
 def select_slots(priority, key_pos, free_from, positions, params: SelectParams, *,
                  interpret: bool = False):
   """Evict (at most one token per sequence) and choose the slot of each sequence's new token.
@@ -124,9 +144,17 @@ def select_slots(priority, key_pos, free_from, positions, params: SelectParams, 
     slot [B] int32 (-1 when nothing was evicted / no slot is free). A batch of B = 0 gives
     empty results.
   Raises:
-    ValueError: priority, key_pos and free_from not all of one shape [B, S], or positions not [B].
+    ValueError: an argument that is not an array, priority not float or the others not integer,
+      priority, key_pos and free_from not all of one shape [B, S], positions not [B], params
+      not a SelectParams, interpret not a bool.
   """
-  _check(priority, key_pos, free_from, positions)
+  _check(priority, key_pos, free_from, positions, params, interpret)
+  return _select_slots(priority, key_pos, free_from, positions, params, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=('params', 'interpret'))
+def _select_slots(priority, key_pos, free_from, positions, params: SelectParams, *,
+                  interpret: bool):
   b, s = key_pos.shape
   if b == 0:                                   # a grid of no programs: nothing to select
     empty = jnp.zeros((0,), jnp.int32)
@@ -175,7 +203,10 @@ def _select_reference(priority, key_pos, free_from, p, params: SelectParams):
 def select_slots_reference(priority, key_pos, free_from, positions, params: SelectParams):
   """Pure-jnp reference of `select_slots` (argmax, vmapped over the batch): same args, results
   and errors."""
-  _check(priority, key_pos, free_from, positions)
+  _check(priority, key_pos, free_from, positions, params)
+  if key_pos.shape[1] == 0:                    # no slot: nothing to evict or write
+    none = jnp.full(key_pos.shape[:1], -1, jnp.int32)
+    return key_pos.astype(jnp.int32), free_from.astype(jnp.int32), none, none
   return jax.vmap(lambda a, b, c, d: _select_reference(a, b, c, d, params))(
       priority.astype(jnp.float32), key_pos.astype(jnp.int32), free_from.astype(jnp.int32),
       positions.astype(jnp.int32))

@@ -125,10 +125,22 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None):
-  for name, x in (('page_table', page_table), ('key_pos', key_pos), ('q_pos', q_pos)):
+def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None, interpret=False):
+  named = (('q', q), ('k_pages', k_pages), ('v_pages', v_pages), ('page_table', page_table),
+           ('key_pos', key_pos), ('q_pos', q_pos))
+  for name, x in named:
+    if not hasattr(x, 'dtype') or not hasattr(x, 'shape'):
+      raise ValueError(f'{name} must be an array, got {type(x).__name__}')
+  for name, x in named[:3]:            # an int q gave int outputs, truncated silently
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f'{name} must be a float array, got dtype {x.dtype}')
+  for name, x in named[3:]:
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise ValueError(f'{name} must be an integer array, got dtype {x.dtype}')
+  if not isinstance(interpret, bool):
+    raise ValueError(f'interpret must be True or False, got {interpret!r}')
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f'block_sizes must be a BlockSizes, got {block_sizes!r}')
   for name, x, ndim in (('q', q, 4), ('k_pages', k_pages, 4), ('v_pages', v_pages, 4),
                         ('page_table', page_table, 2), ('key_pos', key_pos, 2),
                         ('q_pos', q_pos, 2)):
@@ -205,12 +217,15 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
     A query that sees no key, or only keys of score -inf, gives 0 and puts no mass anywhere.
     A batch of B = 0 gives empty results.
   Raises:
-    ValueError: on inconsistent shapes, page_table / key_pos / q_pos of a non-integer dtype, a
-      pages_per_block that is not a power of two, compiled (interpret=False) with a page size L
+    ValueError: an argument that is not an array, inconsistent shapes, q / k_pages / v_pages
+      of a non-float dtype, page_table / key_pos / q_pos of a non-integer dtype, interpret not a
+      bool, block_sizes not a BlockSizes, a pages_per_block that is not a power of two, compiled (interpret=False) with a page size L
       or head_dim H not a power of two (`check_compiled_sizes`), or (for a page table
       whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
   """
-  _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes)
+  if not isinstance(block_sizes, BlockSizes):
+    raise ValueError(f'block_sizes must be a BlockSizes, got {block_sizes!r}')
+  _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes, interpret)
   _check_page_ids(page_table, k_pages)
   if not interpret:
     check_compiled_sizes(k_pages.shape[2], q.shape[3])
@@ -305,5 +320,7 @@ def paged_attention_with_mass_reference(q, k_pages, v_pages, page_table, key_pos
   errors."""
   _check(q, k_pages, v_pages, page_table, key_pos, q_pos)
   _check_page_ids(page_table, k_pages)
+  if key_pos.shape[1] == 0:           # no slot: no key to see (a reduction over none would fail)
+    return jnp.zeros_like(q), jnp.zeros((q.shape[0], k_pages.shape[0], 0), jnp.float32)
   return attention_with_mass(q, gather_pages(k_pages, page_table),
                              gather_pages(v_pages, page_table), key_pos, q_pos)
