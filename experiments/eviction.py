@@ -180,14 +180,16 @@ def validate(config) -> None:
   """Check an eviction config before any model loads (`experiments.common.validate`).
 
   Raises:
-    ValueError: an unknown mode or policy, a budget the policy refuses, bad sizes for the mode
+    ValueError: an unknown mode or policy, a budget the policy refuses, page_size < 1, bad
+      sizes for the mode
       (quality: batch_size, num_sequences a multiple of it, seq_len >= 2; worker: worker_tokens a
       multiple of worker_chunk, a worker_budget that evicts nothing).
   """
   if config.mode not in ('quality', 'worker'):
     raise ValueError(f"config.mode must be 'quality' or 'worker', got {config.mode!r}")
-  make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
-  if config.mode == 'quality':
+  check_fields(config, ('page_size',))
+  if config.mode == 'quality':     # the worker mode's budget is worker_budget, not budget_frac
+    make_policy(config.policy, None if config.policy == 'full' else budget_tokens(config))
     workloads = parse_workloads(config)
     check_fields(config, ('batch_size', 'num_sequences'))
     check_fields(config, ('seq_len',), minimum=2)     # 1 token has no next token to score

@@ -232,11 +232,16 @@ def validate(config) -> None:
   """Check an eviction_batching config before any model loads (`experiments.common.validate`).
 
   Raises:
-    ValueError: a size < 1, plain_slots < 0, an unknown workload; as `_cases` (lookup_k,
-      policies, budgets).
+    ValueError: a size < 1, plain_slots < 0, an unknown workload, a prefill_group that does
+      not divide chunk_size; as `_cases` (lookup_k, policies, budgets).
   """
   mem = memory(config)
   parse_workloads(config)
+  check_fields(config, ('prefill_group',))
+  if config.chunk_size % config.prefill_group:    # the evicting engines refused it after loading
+    raise ValueError(f'config.prefill_group={config.prefill_group} must divide '
+                     f'config.chunk_size={config.chunk_size} (tokens per model call inside a '
+                     f'prefill chunk)')
   _cases(config, mem)
 
 

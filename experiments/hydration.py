@@ -33,7 +33,8 @@ def validate(config) -> tuple:
   Returns:
     (strategies, α-phase temperatures).
   Raises:
-    ValueError: an unknown strategy or extractor, a count out of range, extractor_k without
+    ValueError: an unknown strategy or extractor, a count out of range, no α temperature
+      while the α phase runs, extractor_k without
       extractor=target, constrained=False with the oracle, alpha_k out of [1, MAX_K], a
       temperature SamplingParams refuses.
   """
@@ -41,7 +42,7 @@ def validate(config) -> tuple:
   if config.extractor not in EXTRACTORS:
     raise ValueError(f'config.extractor={config.extractor!r}; known {EXTRACTORS}')
   check_fields(config, ('num_episodes', 'num_turns', 'ttft_repeats', 'max_extract_tokens',
-                        'page_size'))
+                        'page_size', 'max_result_tokens'))
   check_fields(config, ('retries', 'alpha_prompts', 'extractor_k', 'shots'), minimum=0)
   if config.extractor_k > MAX_K:
     raise ValueError(f'config.extractor_k must be in [0, {MAX_K}], got {config.extractor_k}')
@@ -57,6 +58,10 @@ def validate(config) -> tuple:
   temps = []
   if str(config.alpha_temperatures).strip(' ,'):
     temps = comma_list(config, 'alpha_temperatures', convert=float, what='temperature')
+  if config.alpha_prompts and config.extractor != 'oracle' and not temps:
+    raise ValueError(f'config.alpha_temperatures={config.alpha_temperatures!r} names no '
+                     f'temperature: the α phase (alpha_prompts={config.alpha_prompts}) would '
+                     f'measure nothing; set alpha_prompts=0 to skip it')
   named = [(f'config.alpha_temperatures={config.alpha_temperatures!r}', t) for t in temps]
   if config.extractor != 'oracle':
     named.append(('config.retry_temperature', config.retry_temperature))
@@ -74,8 +79,11 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
     return OracleExtractor()
   demos = []
   if config.shots:
-    demos = list(tool_episodes(tokenizer, 1, config.shots, split='train', seed=config.seed,
-                               max_result_tokens=config.max_result_tokens)[0].turns)
+    try:
+      demos = list(tool_episodes(tokenizer, 1, config.shots, split='train', seed=config.seed,
+                                 max_result_tokens=config.max_result_tokens)[0].turns)
+    except ValueError as error:      # named the split's services, not the field
+      raise ValueError(f'config.shots={config.shots}: {error}') from None
   model, params = (draft, draft_params) if config.extractor == 'draft' else (target,
                                                                              target_params)
   spec = {}

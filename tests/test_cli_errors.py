@@ -92,6 +92,15 @@ def test_unknown_config_field_fails_loudly(tmp_path):
      "FATAL: config.prompt_len=2000 + config.max_tokens=8 + 1 + lookup_k=2 = 2011 tokens exceeds"),
     (['--config=configs/hydration.py:smoke', '--config.alpha_temperatures=0,1e-5'],  # was: late
      "FATAL: config.alpha_temperatures='0,1e-5': temperature 1e-05 would overflow"),
+    # Each was refused only after the models loaded and a run directory was made.
+    (['--config=configs/hydration.py:smoke', '--config.max_result_tokens=0'],
+     'FATAL: config.max_result_tokens must be >= 1, got 0'),
+    (['--config=configs/hydration.py:smoke', '--config.alpha_temperatures=,'],   # was: skipped
+     "FATAL: config.alpha_temperatures=',' names no temperature"),
+    (['--config=configs/eviction.py:smoke', '--config.page_size=0'],
+     'FATAL: config.page_size must be >= 1, got 0'),
+    (['--config=configs/eviction_batching.py:smoke', '--config.prefill_group=3'],
+     'FATAL: config.prefill_group=3 must divide config.chunk_size=16'),
 ])
 def test_bad_config_is_one_fatal_line(tmp_path, args, line):
   proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],

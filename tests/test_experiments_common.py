@@ -211,3 +211,13 @@ def test_read_results_names_damaged_lines_but_not_a_torn_last_one(tmp_path):
   path.write_text('{"a": 1}\n{"a": 2, "b"\n{"a": 3}\n')        # a record lost in the middle
   with pytest.warns(UserWarning, match=r'results.jsonl: line 2 not a JSON record, skipped'):
     assert read_results(path) == [{'a': 1}, {'a': 3}]
+
+
+def test_the_eviction_worker_mode_does_not_check_the_quality_modes_budget():
+  # budget_frac=0 was refused in worker mode, which keeps worker_budget tokens instead.
+  config = importlib.import_module('configs.eviction').get_config('worker')
+  config.update(dict(budget_frac=0.0))
+  import_experiment('eviction').validate(config)
+  config.update(dict(mode='quality'))
+  with pytest.raises(ValueError, match='budget_frac'):
+    import_experiment('eviction').validate(config)
