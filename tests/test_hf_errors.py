@@ -47,6 +47,8 @@ def _edit_config(path, **changes):
     (dict(rope_parameters=[1, 2]), r'rope_parameters must be an object, got \[1, 2\]'),
     (dict(tie_word_embeddings='false'), "tie_word_embeddings must be true or false, got 'false'"),
     (dict(head_dim=0), 'head_dim must be an int >= 1, got 0'),        # not "use the default"
+    (dict(head_dim=None, hidden_size=30, num_attention_heads=4, num_key_value_heads=2),
+     r'hidden_size=30 is not a multiple of num_attention_heads=4 \(and no head_dim is given\)'),
     (dict(num_key_value_heads=0), 'num_kv_heads must be an int >= 1, got 0'),
     (dict(architectures=7), 'architectures must be a list of names, got 7'),
     # Each was loaded silently: a half-rotary model with full rotary, the 4 layout's RoPE winning.

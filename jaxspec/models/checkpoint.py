@@ -249,6 +249,8 @@ def floating_dtype(dtype) -> jnp.dtype:
     ValueError: naming the dtype.
   """
   try:
+    if dtype is None:                  # jnp.dtype(None) is float64
+      raise TypeError
     if jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
       if jax.dtypes.canonicalize_dtype(dtype) != jnp.dtype(dtype):
         raise ValueError(f'dtype {dtype!r} needs jax_enable_x64 (without it JAX would give '

@@ -91,12 +91,19 @@ def config_from_hf(fields: dict, *, dtype: str = 'float32', where: str = 'config
   def given(key, default):             # a key present with 0 is an error, not "use the default"
     return default() if fields.get(key) is None else fields[key]
 
+  def per_head():                      # head_dim absent: hidden_size must split over the heads
+    hidden = fields['hidden_size']
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads:
+      raise CheckpointError(f'{where}: hidden_size={hidden} is not a multiple of '
+                            f'num_attention_heads={heads} (and no head_dim is given)')
+    return hidden // heads
+
   try:
     return ModelConfig(
         vocab_size=fields['vocab_size'], d_model=fields['hidden_size'],
         num_layers=fields['num_hidden_layers'], num_heads=heads,
         num_kv_heads=given('num_key_value_heads', lambda: heads),
-        head_dim=given('head_dim', lambda: fields['hidden_size'] // heads),
+        head_dim=given('head_dim', per_head),
         d_ff=fields['intermediate_size'], max_seq_len=fields['max_position_embeddings'],
         rope_theta=theta, norm_eps=fields['rms_norm_eps'],
         tie_embeddings=tie,
