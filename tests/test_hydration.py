@@ -167,7 +167,8 @@ def test_model_extraction_that_cannot_finish_falls_back_and_is_counted(episode, 
                         (dict(retries=True), 'retries must be an int >= 0, got True'),
                         (dict(max_new_tokens=0), 'max_new_tokens must be an int >= 1, got 0'),
                         (dict(seed=2 ** 70), f'seed must be a 64-bit int, got {2 ** 70}'),
-                        (dict(constrained='yes'), "constrained must be True or False")):
+                        (dict(constrained='yes'), "constrained must be True or False"),
+                        (dict(demos=[1]), 'demos must be ToolCalls, got int 1')):
     with pytest.raises(ValueError, match=match):        # were first-call TypeErrors, or taken
       ModelExtractor(draft, params, tok, shipped('tokenizer.json'), **kwargs)
   extractor = ModelExtractor(draft, params, tok, shipped('tokenizer.json'), max_new_tokens=4,
@@ -321,3 +322,14 @@ def test_hydrate_names_bad_arguments(episode):
     hydrate(episode, None)
   with pytest.raises(ValueError, match='turn 1: the extractor returned str, not an Extraction'):
     hydrate(episode, lambda c: 'record')
+
+
+def test_with_record_names_a_record_or_state_of_the_wrong_shape(episode):
+  # Each was a KeyError or AttributeError; a name of 3 made an int key in the state.
+  record = truth_record(episode.turns[0].value)
+  for bad in ({'http': {}}, None, dict(record, name=3)):
+    with pytest.raises(ValueError, match="a record must be a dict with a string 'name'"):
+      with_record(INITIAL_STATE, bad)
+  with pytest.raises(ValueError, match="a state must be a dict with an 'operations' dict"):
+    with_record({}, record)
+  assert with_record(INITIAL_STATE, record)['last_operation'] == record['name']

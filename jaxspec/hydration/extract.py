@@ -88,6 +88,10 @@ class ModelExtractor:
     self.max_new_tokens, self.retries = max_new_tokens, retries
     self.retry_sampling = SamplingParams(retry_temperature)
     self.constrained = constrained
+    demos = list(demos)
+    bad = next((d for d in demos if not isinstance(d, ToolCall)), None)
+    if bad is not None:
+      raise ValueError(f'demos must be ToolCalls, got {type(bad).__name__} {bad!r:.80}')
     self.demo_text = ''.join(d.result + '\n' + json.dumps(truth_record(d.value),
                                                           separators=(',', ':')) + '\n\n'
                              for d in demos)

@@ -131,7 +131,15 @@ INITIAL_STATE = {'operations': {}, 'last_operation': None}
 
 
 def with_record(state: dict, record: dict) -> dict:
-  """A new state: `state` plus `record` (replacing an operation of the same name)."""
+  """A new state: `state` plus `record` (replacing an operation of the same name).
+
+  Raises:
+    ValueError: record not a dict with a string 'name', or state without an 'operations' dict.
+  """
+  if not isinstance(record, dict) or not isinstance(record.get('name'), str):
+    raise ValueError(f"a record must be a dict with a string 'name', got {record!r:.120}")
+  if not isinstance(state, dict) or not isinstance(state.get('operations'), dict):
+    raise ValueError(f"a state must be a dict with an 'operations' dict, got {state!r:.120}")
   new = copy.deepcopy(state)
   entry = {k: v for k, v in record.items() if k != 'name'}
   new['operations'][record['name']] = entry
