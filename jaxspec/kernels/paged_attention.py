@@ -219,9 +219,10 @@ def paged_attention_with_mass(q, k_pages, v_pages, page_table, key_pos, q_pos,
   Raises:
     ValueError: an argument that is not an array, inconsistent shapes, q / k_pages / v_pages
       of a non-float dtype, page_table / key_pos / q_pos of a non-integer dtype, interpret not a
-      bool, block_sizes not a BlockSizes, a pages_per_block that is not a power of two, compiled (interpret=False) with a page size L
-      or head_dim H not a power of two (`check_compiled_sizes`), or (for a page table
-      whose values can be read: not traced inside a caller's jit) a page id outside [0, P).
+      bool, block_sizes not a BlockSizes, a pages_per_block that is not a power of two,
+      compiled (interpret=False) with a page size L or head_dim H not a power of two
+      (`check_compiled_sizes`), or (for a page table whose values can be read: not traced
+      inside a caller's jit) a page id outside [0, P).
   """
   if not isinstance(block_sizes, BlockSizes):
     raise ValueError(f'block_sizes must be a BlockSizes, got {block_sizes!r}')

@@ -1,0 +1,58 @@
+"""Orbax data damaged on disk: a model directory whose tensor files or manifest are corrupt or
+cut short is refused with one error naming the path (and the tensor where orbax says), without
+the tracebacks of the restore's reads still in flight."""
+
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxspec.models import CheckpointError, load_model
+from test_checkpoint import _largest_data_file, saved  # noqa: F401 (fixture)
+
+# A read of a corrupt tensor (these tests damage files on purpose) leaves orbax/TensorStore's
+# pending read coroutines unfinished; the collector reports them when it frees them (conftest
+# collects after each file), as warnings about orbax's internals, not about these tests.
+pytestmark = pytest.mark.filterwarnings('ignore::pytest.PytestUnraisableExceptionWarning')
+
+
+def test_corrupt_params_is_named(saved):
+  path, _, _ = saved
+  json_files = ('_METADATA', '_CHECKPOINT_METADATA')
+  for f in (path / 'params').rglob('*'):
+    if f.is_file() and f.stat().st_size > 0 and f.name not in json_files:
+      f.write_bytes(b'\x00garbage' * 4)
+  with pytest.raises(CheckpointError, match='cannot read the checkpoint') as error:
+    load_model(path)
+  assert 'tensorstore_spec' not in str(error.value)
+  meta = path / 'params' / '_METADATA'                 # checked before orbax reads anything
+  meta.write_bytes(meta.read_bytes()[:len(meta.read_bytes()) // 2])
+  with pytest.raises(CheckpointError, match=r'params/_METADATA is damaged \(not JSON'):
+    load_model(path)
+
+
+def test_a_truncated_tensor_file_is_one_error_without_late_tracebacks(saved):
+  # The restore's other reads, still in flight when it raised, each printed a traceback ('Event
+  # loop is closed', 'Task exception was never retrieved') in the seconds after or at exit.
+  path, _, _ = saved
+  data = _largest_data_file(path)
+  data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+  code = ('import time\nfrom jaxspec.models import CheckpointError, load_model\n'
+          f'try:\n  load_model({str(path)!r})\nexcept CheckpointError as error:\n'
+          '  print("refused:", error)\ntime.sleep(1)\n')
+  proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                        timeout=120, cwd=pathlib.Path(__file__).resolve().parents[1])
+  assert proc.returncode == 0 and 'refused: cannot read the checkpoint' in proc.stdout, \
+      proc.stdout + proc.stderr
+  assert 'Traceback' not in proc.stderr and 'never retrieved' not in proc.stderr, proc.stderr
+
+
+def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):
+  # tensorstore appends its whole spec (~800 characters of JSON) to the reason.
+  path, _, _ = saved
+  (path / 'params' / 'manifest.ocdbt').write_bytes(b'garbage')
+  with pytest.raises(CheckpointError, match='manifest.ocdbt') as error:
+    load_model(path)
+  reason = str(error.value).split(f'{path / "params"}: ', 1)[1]    # orbax's part, cut to 400
+  assert 'tensorstore_spec' not in reason and len(reason) <= 400
