@@ -3,7 +3,7 @@ errors for a bad config or field), validating config fields (`check_fields`, `co
 `parse_workloads`), loading the tokenizer and models (`load_tokenizer`, `load_at_dtype`) and
 the small helpers several experiments use (`empty_cache`, `draft_label`), so no experiment
 imports another one's private names. Where results go, and reading them back:
-`experiments.records` (its names are re-exported here).
+`experiments.records`.
 """
 
 from __future__ import annotations
