@@ -61,7 +61,25 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
       without eviction or under policy 'full', a row longer than the cache's capacity (its
       later tokens would have no slot: scored against a cache that lost them). Values are
       checked when concrete.
+
+  `score_tokens.lower(config, params, cache, eviction, tokens, lengths)` checks the same and
+  returns the jitted step lowered (`.compile()` it to time calls without compiling; the
+  compiled call takes (params, cache, eviction, tokens, lengths)).
   """
+  tokens, lengths = _check_score_args(config, cache, eviction, tokens, lengths)
+  return _score_tokens(config, params, cache, eviction, tokens, lengths)
+
+
+def _lower_score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
+  tokens, lengths = _check_score_args(config, cache, eviction, tokens, lengths)
+  return _score_tokens.lower(config, params, cache, eviction, tokens, lengths)
+
+
+score_tokens.lower = _lower_score_tokens
+
+
+def _check_score_args(config: ModelConfig, cache, eviction, tokens, lengths) -> tuple:
+  """`score_tokens`' checks; (tokens, lengths) as jax arrays."""
   batch = cache.lengths.shape[0]
   tokens = _int_array('tokens', tokens, 'BT', batch)
   lengths = _int_array('lengths', lengths, 'B', batch)
@@ -74,7 +92,7 @@ def score_tokens(config: ModelConfig, params, cache, eviction, tokens, lengths):
       _check_ids('tokens', ids[np.arange(tokens.shape[1]) < found[:, None]], config.vocab_size)
     if eviction is None or eviction.policy.kind == 'full':
       _check_fits('rows scored with the full cache', cache, found)
-  return _score_tokens(config, params, cache, eviction, tokens, lengths)
+  return tokens, lengths
 
 
 @functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache', 'eviction'))
