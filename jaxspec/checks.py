@@ -10,6 +10,7 @@ import pathlib
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -147,6 +148,17 @@ def seed_key(seed) -> jax.Array:
   seed = check_seed(seed) & (2 ** 64 - 1)          # two's complement: -1 -> 2**64 - 1
   key = jax.random.PRNGKey(seed & 0xFFFFFFFF)
   return key if seed < 2 ** 32 else jax.random.fold_in(key, seed >> 32)
+
+
+def check_array(name: str, x, kind: str) -> None:
+  """ValueError unless `x` is an array (has a dtype and a shape) whose dtype is of `kind`:
+  'float' (any floating dtype) or 'integer' (not bool). A list reached jitted code as a pytree of
+  scalars, and an int query array gave int attention outputs."""
+  if not hasattr(x, 'dtype') or not hasattr(x, 'shape'):
+    raise ValueError(f'{name} must be an array, got {type(x).__name__}')
+  if not jnp.issubdtype(x.dtype, jnp.floating if kind == 'float' else jnp.integer):
+    raise ValueError(f'{name} must be {"a float" if kind == "float" else "an integer"} array, '
+                     f'got dtype {x.dtype}')
 
 
 def concrete(x) -> Optional[np.ndarray]:

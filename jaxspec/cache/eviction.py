@@ -93,9 +93,9 @@ class EvictionPolicy:
       if fields['budget'] < fields['sinks'] + fields['window'] + 1:
         raise ValueError(f'budget={self.budget} is smaller than sinks ({self.sinks}) + window '
                          f'({self.window}) + 1: no cached token could ever be evicted')
-    if sum(fields.values()) > INT32_MAX:    # budget + reuse_delay slots, int32 on device
+    if fields.get('budget', 0) + fields['reuse_delay'] > INT32_MAX:   # its slots (sinks and
       raise ValueError(f'eviction policy {kind!r}: {fields} add up past int32 ({INT32_MAX}): '
-                       f'slots and positions are int32 on device')
+                       f'slots and positions are int32 on device')     # window are in budget)
     for name, value in fields.items():      # numpy ints stored as Python ints (hash alike)
       object.__setattr__(self, name, value)
 

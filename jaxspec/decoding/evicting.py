@@ -80,19 +80,29 @@ score_tokens.lower = _lower_score_tokens
 
 def _check_score_args(config: ModelConfig, cache, eviction, tokens, lengths) -> tuple:
   """`score_tokens`' checks; (tokens, lengths) as jax arrays."""
+  tokens, lengths, found = _check_rows(config, cache, tokens, lengths, 'lengths', 'T', 0)
+  if found is not None and (eviction is None or eviction.policy.kind == 'full'):
+    _check_fits('rows scored with the full cache', cache, found)
+  return tokens, lengths
+
+
+def _check_rows(config: ModelConfig, cache, tokens, lengths, name: str, width: str,
+                low: int) -> tuple:
+  """tokens [B, width] and their `name` [B] as integer jax arrays with the cache's B rows
+  (`_int_array`), each length in [low, width] and each id before it in the vocabulary (when the
+  values are concrete). Returns (tokens, lengths, the lengths as numpy or None if traced)."""
   batch = cache.lengths.shape[0]
-  tokens = _int_array('tokens', tokens, 'BT', batch)
-  lengths = _int_array('lengths', lengths, 'B', batch)
+  tokens = _int_array('tokens', tokens, 'B' + width, batch)
+  lengths = _int_array(name, lengths, 'B', batch)
   found, ids = concrete(lengths), concrete(tokens)
   if found is not None:
-    bad = found[(found < 0) | (found > tokens.shape[1])]
+    bad = found[(found < low) | (found > tokens.shape[1])]
     if bad.size:
-      raise ValueError(f'lengths must lie in [0, T={tokens.shape[1]}], got {int(bad[0])}')
+      raise ValueError(f'{name} must lie in [{low}, {width}={tokens.shape[1]}], got '
+                       f'{int(bad[0])}')
     if ids is not None:
       _check_ids('tokens', ids[np.arange(tokens.shape[1]) < found[:, None]], config.vocab_size)
-    if eviction is None or eviction.policy.kind == 'full':
-      _check_fits('rows scored with the full cache', cache, found)
-  return tokens, lengths
+  return tokens, lengths, found
 
 
 @functools.partial(jax.jit, static_argnames=('config',), donate_argnames=('cache', 'eviction'))
@@ -186,18 +196,10 @@ def prefill_evicting(config: ModelConfig, params, cache, eviction, tokens, promp
   if len(shape) != 2 or np.shape(prompt_lengths) != shape[:1]:
     raise ValueError(f'tokens must be [B, P] and prompt_lengths [B], got shapes {shape} and '
                      f'{np.shape(prompt_lengths)}')
-  batch = cache.lengths.shape[0]
-  tokens = _int_array('tokens', tokens, 'BP', batch)
-  prompt_lengths = _int_array('prompt_lengths', prompt_lengths, 'B', batch)
-  lengths, ids = concrete(prompt_lengths), concrete(tokens)
-  if lengths is not None:
-    bad = lengths[(lengths < 1) | (lengths > shape[1])]
-    if bad.size:
-      raise ValueError(f'prompt_lengths must lie in [1, P={shape[1]}], got {int(bad[0])}')
-    if ids is not None:
-      _check_ids('tokens', ids[np.arange(shape[1]) < lengths[:, None]], config.vocab_size)
-    if eviction.policy.kind == 'full':
-      _check_fits("prompts under policy 'full'", cache, lengths)
+  tokens, prompt_lengths, lengths = _check_rows(config, cache, tokens, prompt_lengths,
+                                                 'prompt_lengths', 'P', 1)
+  if lengths is not None and eviction.policy.kind == 'full':
+    _check_fits("prompts under policy 'full'", cache, lengths)
   return _prefill_evicting(config, params, cache, eviction, tokens, prompt_lengths, rng,
                            sampling=sampling)
 

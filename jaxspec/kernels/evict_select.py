@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxspec.checks import check_int
+from jaxspec.checks import check_array, check_int
 
 
 INT32_MAX = 2 ** 31 - 1   # positions and budgets are int32 on device
@@ -108,15 +108,9 @@ def _kernel(priority_ref, key_pos_ref, free_from_ref, pos_ref,
 
 
 def _check(priority, key_pos, free_from, positions, params=None, interpret=False):
-  named = (('priority', priority), ('key_pos', key_pos), ('free_from', free_from),
-           ('positions', positions))
-  for name, x in named:
-    if not hasattr(x, 'dtype') or not hasattr(x, 'shape'):
-      raise ValueError(f'{name} must be an array, got {type(x).__name__}')
-    wanted = jnp.floating if name == 'priority' else jnp.integer
-    if not jnp.issubdtype(x.dtype, wanted):
-      raise ValueError(f'{name} must be a{"" if name == "priority" else "n"} '
-                       f'{"float" if name == "priority" else "integer"} array, got dtype {x.dtype}')
+  check_array('priority', priority, 'float')
+  for name, x in (('key_pos', key_pos), ('free_from', free_from), ('positions', positions)):
+    check_array(name, x, 'integer')
   if params is not None and not isinstance(params, SelectParams):
     raise ValueError(f'params must be a SelectParams, got {params!r}')
   if not isinstance(interpret, bool):

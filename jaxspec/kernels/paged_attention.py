@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxspec.checks import check_int, concrete
+from jaxspec.checks import check_array, check_int, concrete
 from jaxspec.kernels.attention import gqa_attention, masked_softmax
 
 # Invisible keys score -inf (never a finite stand-in a visible score could undercut); a row whose
@@ -126,21 +126,12 @@ def _next_pow2(n: int) -> int:
 
 
 def _check(q, k_pages, v_pages, page_table, key_pos, q_pos, block_sizes=None, interpret=False):
-  named = (('q', q), ('k_pages', k_pages), ('v_pages', v_pages), ('page_table', page_table),
-           ('key_pos', key_pos), ('q_pos', q_pos))
-  for name, x in named:
-    if not hasattr(x, 'dtype') or not hasattr(x, 'shape'):
-      raise ValueError(f'{name} must be an array, got {type(x).__name__}')
-  for name, x in named[:3]:            # an int q gave int outputs, truncated silently
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f'{name} must be a float array, got dtype {x.dtype}')
-  for name, x in named[3:]:
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise ValueError(f'{name} must be an integer array, got dtype {x.dtype}')
+  for name, x in (('q', q), ('k_pages', k_pages), ('v_pages', v_pages)):
+    check_array(name, x, 'float')     # an int q gave int outputs, truncated silently
+  for name, x in (('page_table', page_table), ('key_pos', key_pos), ('q_pos', q_pos)):
+    check_array(name, x, 'integer')
   if not isinstance(interpret, bool):
     raise ValueError(f'interpret must be True or False, got {interpret!r}')
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise ValueError(f'block_sizes must be a BlockSizes, got {block_sizes!r}')
   for name, x, ndim in (('q', q, 4), ('k_pages', k_pages, 4), ('v_pages', v_pages, 4),
                         ('page_table', page_table, 2), ('key_pos', key_pos, 2),
                         ('q_pos', q_pos, 2)):

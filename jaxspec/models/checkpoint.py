@@ -299,9 +299,7 @@ def load_model(path, dtype: str = 'float32'):
   except Exception as e:  # orbax raises many types for damaged files; name the path
     if out_of_memory(e):              # not damage: the device cannot hold the model
       raise
-    quiet_late_reads()
-    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
-                          f'{orbax_reason(e)}') from e
+    raise restore_error('the checkpoint', path / 'params', e) from e
   _check_tree(expected, restored, f'checkpoint {path}')
   verify_checksums(path / CHECKSUMS, restored)
   _check_all_fit(restored, dtype, f'checkpoint {path}')
@@ -366,8 +364,16 @@ def check_orbax_metadata(directory: pathlib.Path) -> None:
         raise CheckpointError(f'{file} is damaged (not JSON: {error})') from error
 
 
-def quiet_late_reads() -> None:
-  """Call after an orbax restore raised: its other array reads still in flight fail or finish
+def restore_error(what: str, directory, error: Exception) -> CheckpointError:
+  """The CheckpointError for an orbax restore of `directory` that raised `error`: 'cannot read
+  {what} at {directory}: {orbax_reason(error)}'. Also quiets the restore's reads still in
+  flight (`_quiet_late_reads`), so that the one error is all that is printed."""
+  _quiet_late_reads()
+  return CheckpointError(f'cannot read {what} at {directory}: {orbax_reason(error)}')
+
+
+def _quiet_late_reads() -> None:
+  """After an orbax restore raised: its other array reads still in flight fail or finish
   after the restore's event loop has closed, each reported with a traceback around the one
   error (1-17 of them for a truncated data file, during the next seconds or at exit):
   RuntimeError('Event loop is closed') through `sys.unraisablehook`, and asyncio's 'Task

@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (_check_all_fit, _check_tree, check_complete,
-                                       check_orbax_metadata, floating_dtype, orbax_reason,
-                                       out_of_memory, quiet_late_reads, read_config)
+                                       check_orbax_metadata, floating_dtype,
+                                       out_of_memory, read_config, restore_error)
 from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_sums, verify_checksums,
                                       verify_sums)
 from jaxspec.parallel import specs
@@ -94,9 +94,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
   except Exception as e:  # orbax raises many types for damaged or missing files; name the path
     if out_of_memory(e):              # not damage: the devices cannot hold the model
       raise
-    quiet_late_reads()
-    raise CheckpointError(f'cannot read the checkpoint at {path / "params"}: '
-                          f'{orbax_reason(e)}') from e
+    raise restore_error('the checkpoint', path / 'params', e) from e
   if one:
     # Absent, it warns that nothing was checked.
     verify_checksums(path / CHECKSUMS, jax.tree.map(np.asarray, params) if verify else params)

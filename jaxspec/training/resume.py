@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, check_orbax_metadata,
-                                       orbax_reason, quiet_late_reads, verify_checksums,
+                                       restore_error, verify_checksums,
                                        write_checksums)
 
 
@@ -89,9 +89,7 @@ class TrainState:
       with ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
-      quiet_late_reads()
-      raise CheckpointError(f'cannot read the training state at {self.path / "state"}: '
-                            f'{orbax_reason(e)}') from e
+      raise restore_error('the training state', self.path / 'state', e) from e
     inside = self.path / 'state' / CHECKSUMS
     verify_checksums(inside if inside.exists() else self.path / CHECKSUMS, state)
     return state['params'], state['opt_state'], int(state['step']), float(state['loss'])
