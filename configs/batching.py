@@ -9,9 +9,10 @@
       --config.settings='k0=k:0;k3=k:3;big_chunk=k:3,chunk_size:128'   # any Engine kwargs
 
 One run = one batch size B: one engine per setting (same target/draft pair, same pool and
-max_seq_len), N = max(requests_per_slot x B, min_requests) held-out prompts per workload
-submitted at once, greedy, stop at <|eos|>, the settings' engines stepped in turn (order
-shuffled every round), each timed on its own step clock. Records and fields:
+max_seq_len), N = max(requests_per_slot x B, min_requests) held-out prompts per workload and
+pass (a new draw each pass: new_prompts) submitted at once, greedy, stop at <|eos|>, the
+settings' engines stepped in turn (order shuffled every round), each timed on its own step
+clock. Records and fields:
 experiments/batching.py; the threshold analysis (cost ratio c(B, K) of a decode round, the α at
 which speculation starts to pay, best K, model-vs-measured speedups, adaptive vs best static):
 experiments/batching_report.py, written by the sweep (and `experiments.report`) to
@@ -57,6 +58,8 @@ def get_config(arg=None):
   c.repeats = 1            # passes over every (workload, setting); the settings step in an
                            # order shuffled every round, seeded per (repeat, workload)
                            # (interleave='runs': whole runs, the order rotated per pass)
+  c.new_prompts = True     # each pass draws its own N prompts (seed + repeat); False: every
+                           # pass reruns the first pass's N
   c.interleave = 'steps'   # 'steps': engines step in turn (robust under load); 'runs': one by one
   c.cost_rounds = 30      # interleaved idle decode rounds per fixed setting (round-cost ratios)
   c.chunk_size = 64        # prefill chunk per request per step (tokens)

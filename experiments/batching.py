@@ -3,9 +3,9 @@
 One run = one B (engine slots) and one set of workloads. Inside the run, one `Engine` per
 setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft model; adaptive
 policies and other drafters are more settings), all built from the same target/draft pair and
-compiled by `warm_up` before anything is timed. For each repeat and workload, the same N =
-max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`) are submitted at once to
-every setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
+compiled by `warm_up` before anything is timed. For each repeat and workload, N =
+max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`, drawn anew for every
+repeat unless new_prompts is False: `prompt_seed`) are submitted at once to every setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
 order shuffled every round (`measure`; seeded per (repeat, workload)), so every setting's steps are
 timed milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
 interleave='runs' runs the settings one after another instead (whole runs, in an order that rotates
@@ -25,6 +25,7 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
   decode_tokens_per_s tokens emitted in decode-only steps / their seconds
   decode_steps, prefill_steps  steps without / with a prefill chunk (a prefill call computes
                       its row bucket x `chunk_size` tokens: `Engine.prefill_buckets`)
+  prompt_seed         the `make_prompts` seed of the pass's prompts (`prompt_seed`)
   speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
                       the baseline setting's (K = 0) in the same repeat and workload
   rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
@@ -252,6 +253,16 @@ def load_study(config) -> tuple:
   return workloads, pair, engines
 
 
+def prompt_seed(config, repeat: int) -> int:
+  """The `make_prompts` seed of a repeat's prompts: config.seed + repeat with
+  `config.new_prompts` (every pass draws its own N held-out prompts), else config.seed (every
+  pass reruns the same N). A fraction of the best static setting measured on one set of N = 8
+  prompts at B = 1-2 is largely that set's: the static K that suits its few requests in
+  hindsight (their lock-step finishes, a few long accepted runs) is not the workload's best
+  (`docs/adaptive_k.md`, *One prompt set per pass*)."""
+  return int(config.seed) + (int(repeat) if config.new_prompts else 0)
+
+
 def decode_alone(engine: Engine, config, tokenizer, workload: str, requests: int) -> tuple:
   """(prompts, outputs): the study's first `requests` held-out prompts of `workload`
   (`make_prompts`, test split, `config.seed`, `config.prompt_len` tokens) run through `engine`
@@ -311,12 +322,13 @@ def run(config, results) -> None:
   workloads, (*_, tokenizer), engines = load_study(config)
   b = int(config.batch_size)
   n = max(int(config.requests_per_slot) * b, int(config.min_requests))
-  prompts = {w: [p.tokens for p in make_prompts(w, tokenizer, n, int(config.prompt_len),
-                                                split='test', seed=int(config.seed))]
-             for w in workloads}
+
+  def prompts_of(workload, repeat):
+    return [p.tokens for p in make_prompts(workload, tokenizer, n, int(config.prompt_len),
+                                           split='test', seed=prompt_seed(config, repeat))]
   stop = tokenizer.eos_ids
   # One untimed pass per engine: short prompts, few tokens (first-call host work, cond branches).
-  warm = [list(p[:config.chunk_size]) for p in prompts[workloads[0]][:b]]
+  warm = [list(p[:config.chunk_size]) for p in prompts_of(workloads[0], 0)[:b]]
   for name in engines:
     measure({name: engines[name]}, warm, max_tokens=min(4, int(config.max_tokens)),
             stop_tokens=stop)
@@ -328,9 +340,10 @@ def run(config, results) -> None:
     for w, workload in enumerate(workloads):
       order = rotated(names, repeat * len(workloads) + w)
       groups = [order] if config.interleave == 'steps' else [[n] for n in order]
+      prompts = prompts_of(workload, repeat)
       runs = {}
       for group in groups:
-        runs.update(measure({n: engines[n] for n in group}, prompts[workload],
+        runs.update(measure({n: engines[n] for n in group}, prompts,
                             max_tokens=int(config.max_tokens), stop_tokens=stop,
                             seed=repeat * len(workloads) + w))
       ref = runs.get(base, {})
@@ -340,6 +353,7 @@ def run(config, results) -> None:
         idle_s, idle_cost = idle.get(name, (None, None))
         results.write(dict(
             workload=workload, setting=name, repeat=repeat, batch_size=b,
+            prompt_seed=prompt_seed(config, repeat),
             temperature=float(config.temperature), top_k=int(config.top_k),
             top_p=float(config.top_p), **describe(settings[name]),
             **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),

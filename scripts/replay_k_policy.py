@@ -19,7 +19,7 @@ to it (the engine sees what the draft did past a stop token). Prints, per worklo
 policy's speedup over K = 0 (table seconds), its fraction of the best static K and its rounds
 per K (with --batch > 1, the requests each prefill call admitted).
 
-    python scripts/replay_k_policy.py [--batch 1] [--requests N] [--k_max 8]
+    python scripts/replay_k_policy.py [--batch 1] [--requests N] [--sets 1] [--k_max 8]
         [--workloads json,code,retrieval] [--static 1,2,3,4,8] [--costs 1,1.46,1.70,...]
         [--live runs/batching/sweep/results.jsonl]
 
@@ -28,14 +28,21 @@ rounds only (the start-up table moves by 10-15 % between runs on the development
 replay's ratios with it). --live RESULTS prices full rounds by a batching study's measured
 decode-only step seconds at this B (`live_table`; other row buckets scaled alike), host work
 included: at B = 2 the static ratios then match the study's within 0.035. N defaults to the
-study's max(2 B, 8). K = 0 is always replayed (the baseline).
+study's max(2 B, 8). K = 0 is always replayed (the baseline). --sets S replays S prompt sets of N
+requests, drawn as the study's passes draw theirs (`experiments.batching.prompt_seed`: seed + s),
+one after another through each policy (its estimates carry over, as an engine's do between
+passes): a policy's speedup is then the mean over the sets of its per-set speedup, its fraction
+that over the best static setting's mean (the study's *fraction*), and the per-set fractions
+(each set's own best static, as a study with one prompt set for every pass measured) follow.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import math
+import statistics
 import types
 from typing import Optional
 
@@ -173,6 +180,20 @@ def live_table(records, batch: int, k_max: int) -> dict:
                                   [float(np.median(by_k[k])) for k in known])))
 
 
+def summarize(seconds: dict, statics) -> dict:
+  """{name: (speedup, fraction, per_set)} from seconds {name: [replayed seconds per prompt
+  set]} (every policy the same sets; 'k0' among them): speedup the mean over the sets of
+  seconds['k0'] / the policy's, fraction that over the largest mean speedup of the `statics`
+  names (K = 0 included), per_set the policy's speedup in each set over that set's largest static
+  one."""
+  speed = {name: [base / t for base, t in zip(seconds['k0'], times)]
+           for name, times in seconds.items()}
+  best = max(statistics.mean(speed[name]) for name in statics)
+  per_set_best = [max(speed[name][i] for name in statics) for i in range(len(seconds['k0']))]
+  return {name: (statistics.mean(v), statistics.mean(v) / best,
+                 [x / b for x, b in zip(v, per_set_best)]) for name, v in speed.items()}
+
+
 def _policies(static, k_max):
   """{name: (make, K_max)}: K = 0 (a goodput policy with no other candidate), each static K,
   the schedule and goodput."""
@@ -188,6 +209,9 @@ def main():
   parser.add_argument('--batch', type=int, default=1, help='engine slots B (default 1)')
   parser.add_argument('--requests', type=int, default=0,
                       help='requests per workload (default: the study\'s max(2 B, 8))')
+  parser.add_argument('--sets', type=int, default=1,
+                      help='prompt sets of N requests replayed in turn, drawn as the study\'s '
+                           'passes draw theirs (default 1)')
   parser.add_argument('--k_max', '--k-max', type=int, default=8,
                       help='K_max of the adaptive policies, in [1, 8] (default 8)')
   parser.add_argument('--workloads', default='json,code,retrieval')
@@ -211,11 +235,12 @@ def main():
                  f'{args.costs!r}')
   for name, value, ok in (('--batch', args.batch, args.batch >= 1),
                           ('--requests', args.requests, args.requests >= 0),
+                          ('--sets', args.sets, args.sets >= 1),
                           ('--k_max', args.k_max, 1 <= args.k_max <= 8),
                           ('--static', static, all(1 <= k <= args.k_max for k in static))):
     if not ok:
-      parser.error(f'{name} {value} is out of range (--batch >= 1, --requests >= 0, --k_max in '
-                   f'[1, 8], --static in [1, --k_max={args.k_max}])')
+      parser.error(f'{name} {value} is out of range (--batch >= 1, --requests >= 0, --sets >= 1, '
+                   f'--k_max in [1, 8], --static in [1, --k_max={args.k_max}])')
   if given and (args.batch != 1 or args.live or len(given) != args.k_max + 1 or
                 not all(0 < c < math.inf for c in given)):
     parser.error(f'--costs wants --batch 1, no --live and {args.k_max + 1} finite positive '
@@ -256,9 +281,13 @@ def main():
   alone = batching.build_engines(one, {'k0': {'k': 0}}, target, target_params, draft,
                                  draft_params)['k0'][0] if args.batch > 1 else engines['k0'][0]
   for workload in workloads:
-    prompts, outputs = batching.decode_alone(alone, config, tokenizer, workload, requests)
-    sequences = [acceptance_sequence(draft, draft_params, p.tokens, out.tokens)
-                 for p, out in zip(prompts, outputs)]
+    sets = []
+    for i in range(args.sets):        # the study's pass i draws its prompts with this seed
+      drawn = copy.deepcopy(config)
+      drawn.seed = batching.prompt_seed(config, i)
+      prompts, outputs = batching.decode_alone(alone, drawn, tokenizer, workload, requests)
+      sets.append([acceptance_sequence(draft, draft_params, p.tokens, out.tokens)
+                   for p, out in zip(prompts, outputs)])
     seconds, by_k, calls = {}, {}, {}
     for name, (make, k) in _policies(static, args.k_max).items():
       policy = make()
@@ -267,17 +296,24 @@ def main():
         policy.set_costs({c: full[c] for c in policy.candidates},
                          by_rows={rows: {c: t[c] for c in policy.candidates}
                                   for rows, t in costs.items()})
-      rounds, calls[name], seconds[name] = replay(policy, sequences, costs, config.max_tokens,
-                                                  args.batch, prefill_costs)
-      by_k[name] = collections.Counter(k for k, _, _ in rounds)
-    best = min(t for n, t in seconds.items() if n[1:].isdigit())
-    print(f'{workload} ({sum(map(len, sequences))} drafted positions, the draft\'s greedy token '
-          f'is the target\'s at {np.mean([s for q in sequences for s in q]):.2f} of them):')
-    for name, t in seconds.items():
-      print(f'  {name:>9}: {seconds["k0"] / t:.3f}x over K = 0, {best / t:.3f} of the best static; '
+      seconds[name], by_k[name], calls[name] = [], collections.Counter(), []
+      for sequences in sets:
+        rounds, admitted, spent = replay(policy, sequences, costs, config.max_tokens,
+                                         args.batch, prefill_costs)
+        seconds[name].append(spent)
+        by_k[name].update(k for k, _, _ in rounds)
+        calls[name] += admitted
+    drafted = [s for sequences in sets for q in sequences for s in q]
+    print(f'{workload} ({len(drafted)} drafted positions, the draft\'s greedy token is the '
+          f'target\'s at {np.mean(drafted):.2f} of them' +
+          (f'; {args.sets} prompt sets of {requests} requests' if args.sets > 1 else '') + '):')
+    summary = summarize(seconds, [n for n in seconds if n[1:].isdigit()])
+    for name, (speedup, fraction, per_set) in summary.items():
+      print(f'  {name:>9}: {speedup:.3f}x over K = 0, {fraction:.3f} of the best static; '
             f'rounds by K {dict(sorted(by_k[name].items()))}' +
-            (f'; requests per prefill call {calls[name]}' if args.batch > 1 else ''))
-
+            (f'; requests per prefill call {calls[name]}' if args.batch > 1 and args.sets == 1
+             else '') +
+            (f'; per set {" ".join(f"{x:.3f}" for x in per_set)}' if args.sets > 1 else ''))
 
 if __name__ == '__main__':
   try:

@@ -322,6 +322,36 @@ def test_run_gives_each_repeat_and_workload_its_own_step_order(monkeypatch):
   assert {(r['temperature'], r['top_k'], r['top_p']) for r in written} == {(0.0, 0, 1.0)}
 
 
+@pytest.mark.parametrize('new_prompts, seeds', [(True, [7, 7, 8, 8]), (False, [7, 7, 7, 7])])
+def test_run_draws_new_prompts_for_every_repeat_unless_told_not_to(monkeypatch, new_prompts,
+                                                                   seeds):
+  """Each repeat submits its own draw of held-out prompts (`prompt_seed`: config.seed + repeat),
+  every setting of a pass the same ones, and its records name the seed; with new_prompts False
+  every pass reruns config.seed's (models, engines and runs stubbed out)."""
+  from configs import batching as batching_config
+  config = batching_config.get_config('smoke')
+  config.workloads, config.repeats, config.cost_rounds = 'json,code', 2, 0
+  config.seed, config.new_prompts = 7, new_prompts
+  engine = types.SimpleNamespace(step_costs={})
+  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
+                                                        types.SimpleNamespace(eos_ids=())))
+  monkeypatch.setattr(batching, 'make_prompts', lambda w, tok, n, length, split, seed: [
+      types.SimpleNamespace(tokens=[seed, len(w)])])
+  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
+      n: (engine, None) for n in settings})
+  submitted = []
+
+  def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
+    if max_tokens == int(config.max_tokens):        # a timed pass, not the warm-up
+      submitted.append(prompts[0][0])
+    return {n: dict(tokens_per_s=1.0, decode_tokens_per_s=1.0, round_s=1.0) for n in engines}
+  monkeypatch.setattr(batching, 'measure', measure)
+  written = []
+  batching.run(config, types.SimpleNamespace(write=written.append))
+  assert submitted == seeds
+  assert [r['prompt_seed'] for r in written] == [s for s in seeds for _ in range(2)]
+
+
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():
   records = _records()
   for r in records:

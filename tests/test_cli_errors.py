@@ -199,6 +199,8 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "--live no/such.jsonl: [Errno 2] No such file or directory"),
     (['replay_k_policy.py', '--static', ',,'],             # was: no static K, silently
      '--static (at least one K) and --costs must be numbers'),
+    (['replay_k_policy.py', '--sets', '0'],                 # before the models load
+     '--sets 0 is out of range'),
     (['build_tokenizer.py', '--out', '/proc/version/tok.json'],   # was: after training
      "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
     (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups

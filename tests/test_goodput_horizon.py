@@ -131,6 +131,22 @@ def test_worth_probing_only_near_the_threshold_or_while_alpha_is_loose():
     GoodputK(probe_margin=1.5)
 
 
+def test_a_cold_policy_finds_every_probe_worth_it():
+  """Until the global estimate holds `COLD_TRIALS` trials (the prior's pseudo-trials
+  included), `worth_probing` says yes even where the estimate says no: a low α from a first
+  probe or two must not stop the probes that would correct it. A prior of many pseudo-trials
+  is never cold."""
+  costs = {0: 1.0, 1: 1.5, 2: 1.9}
+  policy = GoodputK(tracker=AlphaTracker(prior=0.5, prior_trials=4.0, decay=0.999), costs=costs)
+  policy.setup(2)
+  assert policy.cold and policy.worth_probing(['a'])
+  policy.observe('a', 0, 0, 0.0, 3.0)                   # 0 of 3: α 0.29 over 7 trials
+  assert policy.cold and policy.choose(['a'])[0] == 0 and policy.worth_probing(['a'])
+  policy.observe('a', 0, 0, 0.0, 6.0)                   # 0 of 9: ~13 trials, warm
+  assert not policy.cold and not policy.worth_probing(['a'])
+  assert not _policy(0.1, costs).cold                   # 1e9 pseudo-trials
+
+
 def test_worth_probing_raises_the_queued_requests_estimates_too():
   """While requests wait, the horizon prices them at the global α and β: a probe's question
   (would higher estimates choose K >= 1?) raises those too, not just the running requests'.

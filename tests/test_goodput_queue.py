@@ -287,6 +287,35 @@ def test_a_probe_the_budget_refuses_is_not_asked_about():
   assert asked == [1, 3, 399]
 
 
+def test_a_cold_policy_is_probed_outside_the_budget():
+  """While the policy is `cold` (few observations behind its estimates) the probes past the
+  early ones go on every `probe_every` rounds whatever they cost; once it is warm the budget
+  refuses them again (here 5 chunk passes of 10 s against 3 % of 1 s per round)."""
+  class Cold:
+    cold = True
+
+    def worth_probing(self, ids):
+      return True
+
+    def observe(self, *args):
+      pass
+  policy = Cold()
+  sync = _budgeted_sync(policy)
+  sync.engine.caches, sync.engine.draft, sync.engine.draft_params = [None, None], None, None
+  caught = []
+  sync.catch_up = lambda requests: caught.append(rounds) or setattr(sync, 'rounds_since', 0)
+  decodes = [_lagging_request()]
+  for rounds in range(40):
+    sync.before_choice(decodes)
+    sync.after_round(decodes, 0, 1.0)
+  assert caught == [1, 3, 7, 11, 15, 19, 23, 27, 31, 35, 39]   # early gaps 1, 2, 4, then 4
+  policy.cold = False
+  for rounds in range(40, 400):
+    sync.before_choice(decodes)
+    sync.after_round(decodes, 0, 1.0)
+  assert caught[-1] == 39                      # budget: 0.03 x 360 s < 50 s
+
+
 def test_a_refused_probe_is_not_looked_for_until_affordable():
   """Once the budget refuses a probe, the lagging requests are not sorted and priced again
   every round: not until the K = 0 rounds since have cost what affords the refused probe."""

@@ -118,3 +118,17 @@ def test_live_table_takes_the_studys_median_round_seconds_per_k():
   assert table == pytest.approx({0: 2.0, 1: 2.0, 2: 2.5, 3: 3.0, 4: 3.5, 5: 3.5, 6: 3.5})
   with pytest.raises(ValueError, match='batch size 8'):
     replay_k_policy.live_table(records, 8, 6)
+
+
+def test_summarize_takes_the_best_static_mean_over_prompt_sets_and_each_sets_own():
+  """Over prompt sets, a policy's fraction is its mean speedup over the best static mean speedup
+  (K = 0 included); per set, over that set's best static: a static setting that wins one set
+  by luck does not set the bar for every set."""
+  seconds = {'k0': [10.0, 10.0], 'k1': [5.0, 10.0], 'k2': [8.0, 6.0], 'goodput': [6.0, 7.0]}
+  summary = replay_k_policy.summarize(seconds, ['k0', 'k1', 'k2'])
+  k1, k2, gp = 1.5, (10 / 8 + 10 / 6) / 2, (10 / 6 + 10 / 7) / 2       # mean speedups
+  assert summary['k1'][:2] == pytest.approx((k1, k1 / k1))
+  assert summary['k2'][:2] == pytest.approx((k2, k2 / k1))
+  assert summary['goodput'][:2] == pytest.approx((gp, gp / k1))
+  assert summary['goodput'][2] == pytest.approx([(10 / 6) / 2.0, (10 / 7) / (10 / 6)])
+  assert replay_k_policy.summarize({'k0': [4.0]}, ['k0']) == {'k0': (1.0, 1.0, [1.0])}

@@ -23,9 +23,10 @@ baseline never pays). Now:
   the next question doubles, up to `QUIET` x `probe_every` rounds), a probe catches up
   `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ...
   K = 0 rounds between probes (the gap restarts at 1 after a round at K >= 1, so a switch to
-  K = 0 on a noisy estimate is re-checked soon), then at most every `probe_every` rounds and only
-  when probing so far cost at most `probe_budget` of the time of the K = 0 rounds since
-  (estimated from the measured call and round costs), so the α estimates keep moving while it
+  K = 0 on a noisy estimate is re-checked soon), then at most every `probe_every` rounds and,
+  once the policy is no longer `cold` (`KPolicy.cold`), only when probing so far cost at most
+  `probe_budget` of the time of the K = 0 rounds since (estimated from the measured call and
+  round costs), so the α estimates keep moving while it
   does not speculate at a bounded price. Catching up every
   request every round is what the draft step of an eager K = 0 round did; it costs about as
   much in the draft however it is batched.
@@ -108,13 +109,16 @@ class DraftSync:
     (one scores the batch), and asking every round until the budget allows cost B = 2 rounds
     ~5 % on the development CPU. A probe the budget refused is not looked for again until the
     K = 0 rounds since have cost what would have afforded it then (its lag grows meanwhile,
-    so it may be refused again): looking costs a sort and a price of the batch per round."""
+    so it may be refused again): looking costs a sort and a price of the batch per round.
+    While the policy is `cold` (`KPolicy.cold`: its estimates rest on a few observations) no
+    budget applies."""
     if self.probe_every is None or self.rounds_since < self.backoff or \
         self.zero_s < self._afford_s:
       return []
     probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                    key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
-    if not probe or self.backoff < self.probe_every or self.probe_budget is None:
+    if not probe or self.backoff < self.probe_every or self.probe_budget is None or \
+        getattr(self.engine.policy, 'cold', False):
       return probe
     cost = self.pending_s(probe)
     if cost <= self.probe_budget * self.zero_s:

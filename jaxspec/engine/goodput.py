@@ -398,6 +398,20 @@ class GoodputK(KPolicy):
   PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
   STALE_ROUNDS = LiveCosts.STALE_ROUNDS
 
+  @property
+  def cold(self) -> bool:
+    """Whether the global first-proposal estimate rests on fewer than `COLD_TRIALS` trials, its
+    prior's pseudo-trials included (`AlphaTracker.global_trials`): while it does, every probe
+    is worth asking for (`worth_probing`) and a lazy draft cache takes it outside its time
+    budget (`jaxspec.engine.draft_sync`). A fresh engine's first probes score a token or two
+    each; a pessimistic estimate from those (0 of 1, 1 of 3) made the next probes look not worth
+    it, or the budget held them ~40 rounds apart, and the engine ran K = 0 for a whole first
+    pass where speculating paid (B = 2 json on the development CPU: 106 of 116 rounds at K = 0,
+    0.79 of static K = 4's tokens/s; docs/adaptive_k.md, *One prompt set per pass*)."""
+    return self.tracker.global_trials < self.COLD_TRIALS
+
+  COLD_TRIALS = 12   # global first-proposal trials (4 of them the default prior's) to be warm
+
   def worth_probing(self, request_ids) -> bool:
     """Whether α and β estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
     sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
@@ -406,8 +420,8 @@ class GoodputK(KPolicy):
     Raised are the running requests' estimates and the global ones the queue is priced at: at
     B = 2 the queue holds most of the horizon's tokens, and raising only the running requests'
     kept a low global α from a code pass (0.37 over 8 trials) through a whole json pass without
-    a probe (0.91 of K = 0, where K = 4 ran 1.10x)."""
-    if not self.live.idle:
+    a probe (0.91 of K = 0, where K = 4 ran 1.10x). Always True while `cold`."""
+    if not self.live.idle or self.cold:
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
     sd = math.sqrt(g * (1 - g) / max(n, 1.0))

@@ -132,6 +132,13 @@ class KPolicy(abc.ABC):
     cache probes only then; default True)."""
     return True
 
+  @property
+  def cold(self) -> bool:
+    """Whether the policy's acceptance estimates still rest on too few observations to be
+    trusted (a lazy draft cache then probes outside its time budget,
+    `jaxspec.engine.draft_sync`; default False)."""
+    return False
+
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
     """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
     dispatch, step, reading back) and the host work around it (`host_s`: scheduling, tables,
