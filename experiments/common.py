@@ -90,9 +90,9 @@ def _exit_not_a_config() -> None:
   experiments/ that runs it)."""
   try:
     value = flags.FLAGS['config'].value
-    path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
-  except Exception:  # pylint: disable=broad-except  # no --config flag, or not parsed yet
+  except Exception:  # pylint: disable=broad-except  # no --config flag
     return
+  path = _config_path()
   if not isinstance(value, ml_collections.ConfigDict):
     sys.exit(f'FATAL: {path}: get_config() returned {type(value).__name__}, not an '
              f'ml_collections.ConfigDict')
@@ -112,21 +112,28 @@ def exit_config_error(error: Exception) -> None:
     reason = f'SyntaxError: {error.msg} at line {error.lineno}'
   elif not isinstance(error, OSError):
     reason = f'{type(error).__name__}: {reason}' if reason else type(error).__name__
-  try:
-    path = str(flags.FLAGS['config'].config_filename or '')
-  except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
-    args = sys.argv
-    path = next((a.partition('=')[2] if a.startswith('--config=') else args[i + 1]
-                 for i, a in enumerate(args)
-                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))),
-                DEFAULT_CONFIG)
-  path = path.split(':')[0]
+  path = _config_path()
   hint = ''
   if path and not os.path.isabs(path) and not os.path.exists(path) and \
       not os.path.isdir('configs'):
     hint = f'; config paths are relative to the repository root, and {os.getcwd()} is not it'
   named = '' if not path or path in reason else f' {path}'
   sys.exit(f'FATAL: cannot load the config file{named} ({reason}){hint}')
+
+
+def _config_path() -> str:
+  """The `--config` file's path without its ':variant': the flag's once parsed, else the
+  command line's (an override that failed leaves the flag unparsed), DEFAULT_CONFIG without
+  one."""
+  try:
+    path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
+  except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
+    args = sys.argv
+    path = next((a.partition('=')[2] if a.startswith('--config=') else args[i + 1]
+                 for i, a in enumerate(args)
+                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))),
+                DEFAULT_CONFIG)
+  return path.split(':')[0]
 
 
 def exit_unknown_field(error: Exception, argv) -> None:

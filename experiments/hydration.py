@@ -74,7 +74,12 @@ def validate(config) -> tuple:
 
 
 def make_extractor(config, target, target_params, draft, draft_params, tokenizer):
-  """The extractor named by config.extractor (see configs/hydration.py)."""
+  """The extractor named by config.extractor (see configs/hydration.py).
+
+  Raises:
+    ValueError: config.shots more than the train split supplies, config.max_extract_tokens not
+      below the extracting model's context (max_seq_len).
+  """
   if config.extractor == 'oracle':
     return OracleExtractor()
   demos = []
@@ -86,6 +91,10 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
       raise ValueError(f'config.shots={config.shots}: {error}') from None
   model, params = (draft, draft_params) if config.extractor == 'draft' else (target,
                                                                              target_params)
+  if config.max_extract_tokens >= model.max_seq_len:   # known once the model is loaded
+    raise ValueError(f'config.max_extract_tokens={config.max_extract_tokens} leaves no room for '
+                     f'a tool result in the {config.extractor} model\'s context of '
+                     f'{model.max_seq_len} tokens')
   spec = {}
   if config.extractor_k:                        # extractor 'target' (validate): draft proposes
     spec = dict(draft=draft, draft_params=draft_params, k=config.extractor_k)

@@ -136,6 +136,19 @@ def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, li
   assert not (tmp_path / 'runs').exists()
 
 
+def test_a_config_that_is_not_a_config_dict_is_named_with_an_override_too(tmp_path):
+  """An override of a field leaves the config flag unparsed when it fails; the line still
+  names the file and what get_config returned (was: 'unknown config field ... NoneType')."""
+  path = tmp_path / 'config.py'
+  path.write_text('def get_config(arg=None):\n  return None\n')
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', f'--config={path}',
+                         '--config.batch_size=3', f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1] == (
+      f'FATAL: {path}: get_config() returned NoneType, not an ml_collections.ConfigDict')
+
+
 @pytest.mark.parametrize('name, line', [
     ('common', "config.experiment='common': experiments/common.py is not an experiment"),
     ('report', "config.experiment='report': experiments/report.py runs experiments"),  # left an

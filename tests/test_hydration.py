@@ -3,6 +3,7 @@ big model's context session (prefix reuse gives the same logits as a full prefil
 
 import copy
 import json
+import types
 
 import jsonschema
 import numpy as np
@@ -251,6 +252,22 @@ def test_bad_experiment_config_fails_before_loading_models():
     hydration.run(config, None)
   with pytest.raises(ValueError, match='variant'):
     get_config('nope')
+
+
+def test_an_extraction_budget_past_the_models_context_names_the_field(tok):
+  """config.max_extract_tokens at or past the extracting model's context: refused naming the
+  field when the extractor is built (was: an error naming sizes at its first call)."""
+  from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
+  from experiments import hydration  # pylint: disable=import-outside-toplevel
+  config = get_config()
+  config.extractor, config.shots = 'draft', 0
+  draft = types.SimpleNamespace(max_seq_len=512)
+  config.max_extract_tokens = 512
+  with pytest.raises(ValueError, match=r"config.max_extract_tokens=512 leaves no room for a tool "
+                                       r"result in the draft model's context of 512 tokens"):
+    hydration.make_extractor(config, None, None, draft, None, tok)
+  config.max_extract_tokens = 511
+  assert hydration.make_extractor(config, None, None, draft, None, tok).max_new_tokens == 511
 
 
 @pytest.mark.parametrize('result', [[1], 'name', {'name': 'A', 'http': 'GET /'}, {'name': 'A'}])

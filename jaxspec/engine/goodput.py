@@ -404,10 +404,11 @@ class GoodputK(KPolicy):
     prior's pseudo-trials included (`AlphaTracker.global_trials`): while it does, every probe
     is worth asking for (`worth_probing`) and a lazy draft cache takes it outside its time
     budget (`jaxspec.engine.draft_sync`). A fresh engine's first probes score a token or two
-    each; a pessimistic estimate from those (0 of 1, 1 of 3) made the next probes look not worth
-    it, or the budget held them ~40 rounds apart, and the engine ran K = 0 for a whole first
-    pass where speculating paid (B = 2 json on the development CPU: 106 of 116 rounds at K = 0,
-    0.79 of static K = 4's tokens/s; docs/adaptive_k.md, *One prompt set per pass*)."""
+    each, and past the early probes a low estimate from them can stand for most of a pass (a
+    probe must then be worth asking for and fit the budget, ~40 rounds apart at B = 2): a fresh
+    engine ran K = 0 in 106 of the 116 rounds of a first B = 2 json pass where speculating paid
+    (0.79 of static K = 4's tokens/s on the development CPU; docs/adaptive_k.md, *One prompt
+    set per pass*)."""
     return self.tracker.global_trials < self.COLD_TRIALS
 
   COLD_TRIALS = 12   # global first-proposal trials (4 of them the default prior's) to be warm
