@@ -5,7 +5,8 @@ setting (K = 0 is plain continuous batching; K >= 1 speculates with the draft mo
 policies and other drafters are more settings), all built from the same target/draft pair and
 compiled by `warm_up` before anything is timed. For each repeat and workload, N =
 max(requests_per_slot x B, min_requests) held-out prompts (`make_prompts`, drawn anew for every
-repeat unless new_prompts is False: `prompt_seed`) are submitted at once to every setting. With interleave='steps' (default) the engines then step in turn, one step each, in an
+repeat unless new_prompts is False: `prompt_seed`) are submitted at once to every setting. With
+interleave='steps' (default) the engines then step in turn, one step each, in an
 order shuffled every round (`measure`; seeded per (repeat, workload)), so every setting's steps are
 timed milliseconds apart and every ratio against K = 0 is taken under the same machine conditions;
 interleave='runs' runs the settings one after another instead (whole runs, in an order that rotates

@@ -13,6 +13,7 @@ import difflib
 import importlib
 import os
 import pathlib
+import re
 import runpy
 from typing import Optional
 
@@ -53,6 +54,7 @@ def parse_flags(argv):
       exit_config_error(e)
     if isinstance(e, (AttributeError, KeyError)):  # an override of a field the config lacks
       _exit_not_a_config()
+      _exit_override_of_a_non_config(e, argv)
       exit_unknown_field(e, argv)
     raise
 
@@ -90,15 +92,27 @@ def _exit_not_a_config() -> None:
   experiments/ that runs it)."""
   try:
     value = flags.FLAGS['config'].value
-  except Exception:  # pylint: disable=broad-except  # no --config flag
+    path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
+  except Exception:  # pylint: disable=broad-except  # no --config flag, or not parsed yet
     return
-  path = _config_path()
   if not isinstance(value, ml_collections.ConfigDict):
     sys.exit(f'FATAL: {path}: get_config() returned {type(value).__name__}, not an '
              f'ml_collections.ConfigDict')
   if 'experiment' not in value:
     sys.exit(f"FATAL: {path}: the config has no 'experiment' field (the module of experiments/ "
              f"that runs it, e.g. 'speculative')")
+
+
+def _exit_override_of_a_non_config(error: Exception, argv) -> None:
+  """Ends the program with `_exit_not_a_config`'s line when a top-level `--config.FIELD`
+  override failed because get_config returned no ConfigDict (the flag is not parsed yet then;
+  ml_collections names the returned type: "Attribute <class 'NoneType'>.FIELD does not
+  exist ...")."""
+  match = re.search(r"Attribute <class '([\w.]+)'>\.(\w+) does not exist", str(error))
+  top = {a[len('--config.'):].partition('=')[0] for a in argv[1:] if a.startswith('--config.')}
+  if match and match.group(2) in top:
+    sys.exit(f'FATAL: {_config_path()}: get_config() returned {match.group(1).split(".")[-1]}, '
+             f'not an ml_collections.ConfigDict')
 
 
 def exit_config_error(error: Exception) -> None:

@@ -395,23 +395,15 @@ class GoodputK(KPolicy):
   SPEC_HOLD_ROUNDS = 8
   ONE_SLOT_HOLD_ROUNDS = 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
+  COLD_TRIALS = 12   # global first-proposal trials (4 the default prior's) to be warm (`cold`)
   PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
   STALE_ROUNDS = LiveCosts.STALE_ROUNDS
 
   @property
   def cold(self) -> bool:
-    """Whether the global first-proposal estimate rests on fewer than `COLD_TRIALS` trials, its
-    prior's pseudo-trials included (`AlphaTracker.global_trials`): while it does, every probe
-    is worth asking for (`worth_probing`) and a lazy draft cache takes it outside its time
-    budget (`jaxspec.engine.draft_sync`). A fresh engine's first probes score a token or two
-    each, and past the early probes a low estimate from them can stand for most of a pass (a
-    probe must then be worth asking for and fit the budget, ~40 rounds apart at B = 2): a fresh
-    engine ran K = 0 in 106 of the 116 rounds of a first B = 2 json pass where speculating paid
-    (0.79 of static K = 4's tokens/s on the development CPU; docs/adaptive_k.md, *One prompt
-    set per pass*)."""
+    """`KPolicy.cold`: the global first-proposal α rests on fewer than `COLD_TRIALS` trials, its
+    prior's included (why: docs/adaptive_k.md, *One prompt set per pass*)."""
     return self.tracker.global_trials < self.COLD_TRIALS
-
-  COLD_TRIALS = 12   # global first-proposal trials (4 of them the default prior's) to be warm
 
   def worth_probing(self, request_ids) -> bool:
     """Whether α and β estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =

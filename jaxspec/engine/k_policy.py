@@ -136,7 +136,9 @@ class KPolicy(abc.ABC):
   def cold(self) -> bool:
     """Whether the policy's acceptance estimates still rest on too few observations to be
     trusted (a lazy draft cache then probes outside its time budget,
-    `jaxspec.engine.draft_sync`; default False)."""
+    `jaxspec.engine.draft_sync`; default False): a fresh engine's first probes score a token or
+    two each, and a low estimate from them held a first B = 2 json pass at K = 0 for 106 of its
+    116 rounds, probes past the early ones being budgeted ~40 rounds apart."""
     return False
 
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
