@@ -52,6 +52,7 @@ import random
 import statistics
 import time
 
+from jaxspec.checks import check_seed
 from jaxspec.data import make_prompts
 from jaxspec.decoding import SamplingParams
 from jaxspec.engine import Engine, check_outputs
@@ -221,6 +222,7 @@ def validate(config) -> None:
   Raises:
     ValueError: bad settings, workloads, batch_size, requests_per_slot, min_requests,
       max_tokens, repeats, prompt_len (also: too short for retrieval), interleave, cost_rounds,
+      a seed whose passes' prompt seeds (`prompt_seed`) are not all 64-bit ints,
       or a temperature, top_k or top_p out of `SamplingParams`' range; a setting the Engine
       refuses, or whose engine could not hold a request of the run (`check_engines`: on a
       stand-in model; the real models' context is checked by `build_engines`).
@@ -235,6 +237,13 @@ def validate(config) -> None:
   if config.interleave not in ('steps', 'runs'):
     raise ValueError(f"config.interleave must be 'steps' or 'runs', got {config.interleave!r}")
   check_fields(config, ('cost_rounds', 'min_requests'), minimum=0)
+  for repeat in (0, int(config.repeats) - 1):     # every pass's prompt seed (`prompt_seed`)
+    try:
+      check_seed(prompt_seed(config, repeat))
+    except ValueError:
+      raise ValueError(f'config.seed={config.seed} with config.repeats={config.repeats}: pass '
+                       f'{repeat}\'s prompt seed {prompt_seed(config, repeat)} is not a 64-bit '
+                       f'int') from None
   parse_workloads(config)                         # and prompt_len for each
   check_engines(config, settings, _sampling(config))
 
@@ -260,7 +269,8 @@ def prompt_seed(config, repeat: int) -> int:
   pass reruns the same N). A fraction of the best static setting measured on one set of N = 8
   prompts at B = 1-2 is largely that set's: the static K that suits its few requests in
   hindsight (their lock-step finishes, a few long accepted runs) is not the workload's best
-  (`docs/adaptive_k.md`, *One prompt set per pass*)."""
+  (`docs/adaptive_k.md`, *One prompt set per pass*). Runs at seeds s and s + 1 share prompt
+  sets: pass 1 of the one draws pass 0 of the other's."""
   return int(config.seed) + (int(repeat) if config.new_prompts else 0)
 
 

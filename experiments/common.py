@@ -13,7 +13,6 @@ import difflib
 import importlib
 import os
 import pathlib
-import re
 import runpy
 from typing import Optional
 
@@ -54,7 +53,7 @@ def parse_flags(argv):
       exit_config_error(e)
     if isinstance(e, (AttributeError, KeyError)):  # an override of a field the config lacks
       _exit_not_a_config()
-      _exit_override_of_a_non_config(e, argv)
+      _exit_override_of_a_non_config(argv)
       exit_unknown_field(e, argv)
     raise
 
@@ -103,16 +102,17 @@ def _exit_not_a_config() -> None:
              f"that runs it, e.g. 'speculative')")
 
 
-def _exit_override_of_a_non_config(error: Exception, argv) -> None:
-  """Ends the program with `_exit_not_a_config`'s line when a top-level `--config.FIELD`
-  override failed because get_config returned no ConfigDict (the flag is not parsed yet then;
-  ml_collections names the returned type: "Attribute <class 'NoneType'>.FIELD does not
-  exist ...")."""
-  match = re.search(r"Attribute <class '([\w.]+)'>\.(\w+) does not exist", str(error))
-  top = {a[len('--config.'):].partition('=')[0] for a in argv[1:] if a.startswith('--config.')}
-  if match and match.group(2) in top:
-    sys.exit(f'FATAL: {_config_path()}: get_config() returned {match.group(1).split(".")[-1]}, '
-             f'not an ml_collections.ConfigDict')
+def _exit_override_of_a_non_config(argv) -> None:
+  """Ends the program with `_exit_not_a_config`'s line when a `--config.FIELD` override failed
+  because get_config returned no ConfigDict (None, a dict, ...): the flag is not parsed then, so
+  the file is loaded again to see what it returns (`_config_value`)."""
+  try:
+    value = _config_value(argv)
+  except Exception:  # pylint: disable=broad-except  # its own error is reported instead
+    return
+  if not isinstance(value, ml_collections.ConfigDict):
+    sys.exit(f'FATAL: {_config_path()}: get_config() returned {type(value).__name__}, not an '
+             f'ml_collections.ConfigDict')
 
 
 def exit_config_error(error: Exception) -> None:
@@ -231,16 +231,22 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
 DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and experiments.sweep
 
 
+def _config_value(argv, default_config: str = DEFAULT_CONFIG):
+  """What get_config returns for argv's `--config=path[:variant]` (absl: the last one; else
+  `default_config`), called as ml_collections calls it; raises what loading the file raises."""
+  specs = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
+  path, _, variant = (specs[-1] if specs else default_config).partition(':')
+  get_config = runpy.run_path(path)['get_config']
+  return get_config(variant) if variant else get_config()
+
+
 def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
   """[(field, closest known name or None, the known names at that level)] for every
   `--config.FIELD=VALUE` of argv whose dotted path the config file (`--config=path[:variant]`,
   else `default_config`) lacks; [] when the file cannot be loaded (its own error is reported
   instead). ml_collections stops at the first unknown field; this names them all."""
-  specs = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
-  path, _, variant = (specs[-1] if specs else default_config).partition(':')   # absl: the last
   try:
-    get_config = runpy.run_path(path)['get_config']
-    config = get_config(variant) if variant else get_config()
+    config = _config_value(argv, default_config)
   except Exception:  # pylint: disable=broad-except
     return []
   if not isinstance(config, ml_collections.ConfigDict):

@@ -104,6 +104,26 @@ def make_extractor(config, target, target_params, draft, draft_params, tokenizer
                         constrained=config.constrained, demos=demos, seed=config.seed, **spec)
 
 
+def extract_all(config, extractor, episodes, warm=None) -> list:
+  """[`hydrate`(episode, extractor)] for each episode, after one untimed call on the tool call
+  `warm` if given (it compiles a `ModelExtractor`'s steps).
+
+  Raises:
+    ValueError: a prompt (demonstrations and a tool result) that config.max_extract_tokens
+      leaves no room for in the extracting model's context, named with the field (the check
+      is the decoder's, per prompt); what `hydrate` raises.
+  """
+  try:
+    if warm is not None:
+      extractor(warm)
+    return [hydrate(ep, extractor) for ep in episodes]
+  except ValueError as error:
+    if 'max_new_tokens=' not in str(error):
+      raise
+    raise ValueError(f'config.max_extract_tokens={config.max_extract_tokens} (tool results up '
+                     f'to config.max_result_tokens={config.max_result_tokens}): {error}') from None
+
+
 def _measure(session: ContextSession, tokens, repeats: int):
   """Prefill `tokens` `repeats` times from the same cache state (only the last one is committed
   to the prefix cache); the fastest TTFT."""
@@ -118,10 +138,11 @@ def run(config, results) -> None:
                            max_result_tokens=config.max_result_tokens, seed=config.seed)
   extractor = make_extractor(config, target, target_params, draft, draft_params, tokenizer)
 
+  warm = None
   if isinstance(extractor, ModelExtractor):   # compile its steps before anything is timed
-    extractor(tool_episodes(tokenizer, 1, 1, split='val', seed=config.seed,
-                            max_result_tokens=config.max_result_tokens)[0].turns[0])
-  hydrated = [hydrate(ep, extractor) for ep in episodes]
+    warm = tool_episodes(tokenizer, 1, 1, split='val', seed=config.seed,
+                         max_result_tokens=config.max_result_tokens)[0].turns[0]
+  hydrated = extract_all(config, extractor, episodes, warm)
   # The big model only prefills: positions past its training length (max_seq_len) are allowed
   # here, since only context costs are measured, not its replies.
   # Both kinds of prompt: a hydrated one whose extractions fell back carries every raw tool

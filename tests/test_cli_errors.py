@@ -27,6 +27,10 @@ def test_unknown_config_field_fails_loudly(tmp_path):
      "FATAL: settings 'k2=k:2' have no K = 0 baseline"),
     (['--config=configs/batching.py:smoke', '--config.min_requests=-1'],
      'FATAL: config.min_requests must be >= 0, got -1'),
+    (['--config=configs/batching.py:smoke', '--config.seed=9223372036854775807',
+      '--config.repeats=2'],                               # was: after pass 0's records
+     'FATAL: config.seed=9223372036854775807 with config.repeats=2: pass 1\'s prompt seed '
+     '9223372036854775808 is not a 64-bit int'),
     (['--config=configs/batching.py:smok'],
      "FATAL flags: flag --config=configs/batching.py:smok: Error whilst parsing config file: "
      "ValueError: unknown variant 'smok'"),
@@ -136,17 +140,23 @@ def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, li
   assert not (tmp_path / 'runs').exists()
 
 
-def test_a_config_that_is_not_a_config_dict_is_named_with_an_override_too(tmp_path):
+@pytest.mark.parametrize('returned, override', [('None', '--config.batch_size=3'),
+                                                 ('None', '--config.a.b=3'),
+                                                 ("{'a': 1}", '--config.batch_size=3')])
+def test_a_config_that_is_not_a_config_dict_is_named_with_an_override_too(tmp_path, returned,
+                                                                          override):
   """An override of a field leaves the config flag unparsed when it fails; the line still
-  names the file and what get_config returned (was: 'unknown config field ... NoneType')."""
+  names the file and what get_config returned (was: 'unknown config field ... NoneType', or
+  for a dict 'unknown config field' alone)."""
   path = tmp_path / 'config.py'
-  path.write_text('def get_config(arg=None):\n  return None\n')
-  proc = subprocess.run([sys.executable, '-m', 'experiments.run', f'--config={path}',
-                         '--config.batch_size=3', f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=120)
+  path.write_text(f'def get_config(arg=None):\n  return {returned}\n')
+  proc = subprocess.run([sys.executable, '-m', 'experiments.run', f'--config={path}', override,
+                         f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR, capture_output=True,
+                        text=True, timeout=120)
   assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+  kind = 'NoneType' if returned == 'None' else 'dict'
   assert proc.stderr.strip().splitlines()[-1] == (
-      f'FATAL: {path}: get_config() returned NoneType, not an ml_collections.ConfigDict')
+      f'FATAL: {path}: get_config() returned {kind}, not an ml_collections.ConfigDict')
 
 
 @pytest.mark.parametrize('name, line', [

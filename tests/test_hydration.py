@@ -266,8 +266,33 @@ def test_an_extraction_budget_past_the_models_context_names_the_field(tok):
   with pytest.raises(ValueError, match=r"config.max_extract_tokens=512 leaves no room for a tool "
                                        r"result in the draft model's context of 512 tokens"):
     hydration.make_extractor(config, None, None, draft, None, tok)
-  config.max_extract_tokens = 511
-  assert hydration.make_extractor(config, None, None, draft, None, tok).max_new_tokens == 511
+  config.max_extract_tokens = 500
+  extractor = hydration.make_extractor(config, None, None, draft, None, tok)
+  assert extractor.max_new_tokens == 500
+
+
+def test_a_prompt_the_extraction_budget_leaves_no_room_for_names_the_field(episode):
+  """Below the context but past what a prompt leaves, the decoder's error (per prompt) is
+  named with config.max_extract_tokens (was: 'prompt of 560 + max_new_tokens=600 ...' alone);
+  other errors pass through as they are."""
+  from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
+  from experiments import hydration  # pylint: disable=import-outside-toplevel
+  config = get_config()
+  config.max_extract_tokens = 600
+
+  def too_long(turn):
+    raise ValueError('prompt of 560 + max_new_tokens=600 + 1 slack token exceeds the context '
+                     'of 1024')
+  with pytest.raises(ValueError, match=r'^config.max_extract_tokens=600 \(tool results up to '
+                                       r'config.max_result_tokens=400\): prompt of 560'):
+    hydration.extract_all(config, too_long, [episode])
+  with pytest.raises(ValueError, match=r'^config.max_extract_tokens=600 .*prompt of 560'):
+    hydration.extract_all(config, too_long, [], warm=episode.turns[0])     # the warm-up call
+
+  def broken(turn):
+    raise ValueError('something else')
+  with pytest.raises(ValueError, match='^something else$'):
+    hydration.extract_all(config, broken, [episode])
 
 
 @pytest.mark.parametrize('result', [[1], 'name', {'name': 'A', 'http': 'GET /'}, {'name': 'A'}])

@@ -24,9 +24,9 @@ baseline never pays). Now:
   `probe_rows` requests (the least behind) and scores them: first with gaps of 1, 2, 4, ...
   K = 0 rounds between probes (the gap restarts at 1 after a round at K >= 1, so a switch to
   K = 0 on a noisy estimate is re-checked soon), then at most every `probe_every` rounds and,
-  once the policy is no longer `cold` (`KPolicy.cold`), only when probing so far cost at most
-  `probe_budget` of the time of the K = 0 rounds since (estimated from the measured call and
-  round costs), so the α estimates keep moving while it
+  once the policy is no longer `cold` (`KPolicy.cold`), only when the probe's estimated cost is
+  at most `probe_budget` of the time of the K = 0 rounds since the last catch-up (both estimated
+  from the measured call and round costs), so the α estimates keep moving while it
   does not speculate at a bounded price. Catching up every
   request every round is what the draft step of an eager K = 0 round did; it costs about as
   much in the draft however it is batched.
