@@ -94,9 +94,7 @@ def _exit_not_a_config() -> None:
     path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
   except Exception:  # pylint: disable=broad-except  # no --config flag, or not parsed yet
     return
-  if not isinstance(value, ml_collections.ConfigDict):
-    sys.exit(f'FATAL: {path}: get_config() returned {type(value).__name__}, not an '
-             f'ml_collections.ConfigDict')
+  _exit_unless_a_config_dict(path, value)
   if 'experiment' not in value:
     sys.exit(f"FATAL: {path}: the config has no 'experiment' field (the module of experiments/ "
              f"that runs it, e.g. 'speculative')")
@@ -110,8 +108,14 @@ def _exit_override_of_a_non_config(argv) -> None:
     value = _config_value(argv)
   except Exception:  # pylint: disable=broad-except  # its own error is reported instead
     return
+  _exit_unless_a_config_dict(_config_path(), value)
+
+
+def _exit_unless_a_config_dict(path, value) -> None:
+  """Ends the program with one line naming the type `path`'s get_config returned, unless
+  `value` is an ml_collections.ConfigDict."""
   if not isinstance(value, ml_collections.ConfigDict):
-    sys.exit(f'FATAL: {_config_path()}: get_config() returned {type(value).__name__}, not an '
+    sys.exit(f'FATAL: {path}: get_config() returned {type(value).__name__}, not an '
              f'ml_collections.ConfigDict')
 
 

@@ -18,7 +18,7 @@ from experiments.speculative import load_pair, ratio
 from jaxspec.data.tool_calls import tool_episodes
 from jaxspec.decoding import SamplingParams
 from jaxspec.decoding.constrained import constrained_generate
-from jaxspec.decoding.generate import MAX_K
+from jaxspec.decoding.generate import MAX_K, ContextOverflowError
 from jaxspec.decoding.constraint import TokenConstraint
 from jaxspec.hydration import ContextSession, ModelExtractor, OracleExtractor, hydrate
 from jaxspec.hydration.schema import record_schema
@@ -110,16 +110,14 @@ def extract_all(config, extractor, episodes, warm=None) -> list:
 
   Raises:
     ValueError: a prompt (demonstrations and a tool result) that config.max_extract_tokens
-      leaves no room for in the extracting model's context, named with the field (the check
-      is the decoder's, per prompt); what `hydrate` raises.
+      leaves no room for in the extracting model's context, named with the field (the
+      decoder's `ContextOverflowError`, per prompt, renamed); what `hydrate` raises.
   """
   try:
     if warm is not None:
       extractor(warm)
     return [hydrate(ep, extractor) for ep in episodes]
-  except ValueError as error:
-    if 'max_new_tokens=' not in str(error):
-      raise
+  except ContextOverflowError as error:     # the decoder's, per prompt: name our field
     raise ValueError(f'config.max_extract_tokens={config.max_extract_tokens} (tool results up '
                      f'to config.max_result_tokens={config.max_result_tokens}): {error}') from None
 

@@ -11,6 +11,7 @@ results.
 """
 
 import os
+import pathlib
 import shutil
 import sys
 
@@ -47,6 +48,18 @@ def check_workdir(workdir) -> None:
                      f'{"not a directory" if not start.is_dir() else "not writable"}')
 
 
+def _remove_empty_parents(run_dir: pathlib.Path, made_from: pathlib.Path) -> None:
+  """Remove the directories between `run_dir` and `made_from` (the nearest one that existed
+  before the run, e.g. WORKDIR/EXPERIMENT) that the run made and left empty."""
+  for parent in run_dir.absolute().parents:
+    if parent == made_from or made_from not in parent.parents:
+      return
+    try:
+      parent.rmdir()                     # only an empty directory: another run's stay
+    except OSError:
+      return
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
@@ -62,6 +75,7 @@ def main(argv):
     module = import_experiment(config.experiment)
     validate(module, config)             # before a run directory is made
     if distributed.is_primary():
+      made_from = nearest_existing(pathlib.Path(_WORKDIR.value) / config.experiment)
       try:
         run_dir = new_run_dir(_WORKDIR.value, config.experiment)
       except OSError as error:     # exists as a file, not a directory, no permission, read-only
@@ -83,6 +97,7 @@ def main(argv):
     removed = ''
     if not results.records:               # nothing measured: leave no empty run directory
       shutil.rmtree(run_dir, ignore_errors=True)
+      _remove_empty_parents(run_dir, made_from)
       removed = f'; nothing was measured, {run_dir} removed'
     # Bad input (a bad value, a missing file named in the config, a learning rate that diverged):
     # one line.

@@ -175,6 +175,28 @@ def test_config_experiment_must_name_an_experiment(tmp_path, name, line):
   assert not any(tmp_path.iterdir())
 
 
+def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path):
+  """A run refused after its run directory was made (here: the extraction budget past the
+  model's context, known once the model loads) removes the run directory and the
+  WORKDIR/EXPERIMENT directories it made (was: an empty WORKDIR/hydration/ stayed); another
+  run's directory beside it stays."""
+  args = [sys.executable, '-m', 'experiments.run', '--config=configs/hydration.py:smoke',
+          '--config.max_extract_tokens=5000']
+  proc = subprocess.run(args + [f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
+  assert proc.stderr.strip().splitlines()[-1].startswith(
+      'FATAL: config.max_extract_tokens=5000 leaves no room'), proc.stderr
+  assert 'nothing was measured' in proc.stderr
+  assert not any(tmp_path.iterdir())
+  other = tmp_path / 'runs' / 'hydration' / 'earlier'
+  other.mkdir(parents=True)
+  proc = subprocess.run(args + [f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert [p.name for p in (tmp_path / 'runs' / 'hydration').iterdir()] == ['earlier']
+
+
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
 def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
   (tmp_path / 'file').write_text('')

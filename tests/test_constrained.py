@@ -15,8 +15,8 @@ from scipy import stats
 from tokenizers import decoders, models, pre_tokenizers
 
 from jaxspec.data import Tokenizer
-from jaxspec.decoding import (NonFiniteLogitsError, SamplingParams, probabilities,
-                              rejection_sample, sample)
+from jaxspec.decoding import (ContextOverflowError, NonFiniteLogitsError, SamplingParams,
+                              probabilities, rejection_sample, sample)
 from jaxspec.decoding.constrained import constrained_generate
 from jaxspec.decoding.constraint import ConstraintError, TokenConstraint
 from jaxspec.models import load_model, shipped
@@ -162,6 +162,11 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
                       (-1, 'stop token id -1 outside')):
     with pytest.raises(ValueError, match=match):
       constrained_generate(draft, draft_params, prompt, None, max_new_tokens=8, stop_token=stop)
+  context = draft.max_seq_len           # a prompt that leaves no room is a ContextOverflowError
+  with pytest.raises(ContextOverflowError, match=rf'prompt of 1 \+ max_new_tokens={context} '
+                                                 rf'\+ 1 slack token exceeds the context'):
+    constrained_generate(draft, draft_params, prompt, None, max_new_tokens=context,
+                         stop_token=tok.eos_id)
   with pytest.raises(ValueError, match=r'speculation length K must be an int in \[1, 16\], '
                                        r'got 17'):
     constrained_generate(target, target_params, prompt, _constraint(SCHEMAS[2]),

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxspec.checks import check_int, check_real, is_int_in
-from jaxspec.decoding import PrefixCachedGenerator, SamplingParams, generate
+from jaxspec.decoding import (ContextOverflowError, PrefixCachedGenerator, SamplingParams,
+                              generate)
 from jaxspec.decoding.steps import LocalSteps
 from jaxspec.models import ModelConfig
 
@@ -16,8 +17,9 @@ from jaxspec.models import ModelConfig
 def test_prompt_longer_than_context(tiny):
   config, params = tiny
   prompt = [5] * (config.max_seq_len - 10)
-  with pytest.raises(ValueError, match=rf'prompt 0 of {len(prompt)} tokens .* exceeds the context '
-                                       rf'of {config.max_seq_len}'):
+  with pytest.raises(ContextOverflowError,
+                     match=rf'prompt 0 of {len(prompt)} tokens .* exceeds the context '
+                           rf'of {config.max_seq_len}'):
     generate(config, params, [prompt], max_new_tokens=20)
 
 
@@ -25,7 +27,7 @@ def test_speculation_slack_counts_against_the_context(tiny):
   config, params = tiny
   prompt = [5] * (config.max_seq_len - 24)
   generate(config, params, [prompt], max_new_tokens=20)           # fits without a draft
-  with pytest.raises(ValueError, match='exceeds the context'):
+  with pytest.raises(ContextOverflowError, match='exceeds the context'):
     generate(config, params, [prompt], max_new_tokens=20, draft=config, draft_params=params, k=8)
 
 

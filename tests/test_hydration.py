@@ -11,6 +11,7 @@ import pytest
 
 from jaxspec.data import Tokenizer
 from jaxspec.data.tool_calls import ToolEpisode, operation_texts, tool_episodes
+from jaxspec.decoding import ContextOverflowError
 from jaxspec.hydration import (INITIAL_STATE, RECORD_SCHEMA, STATE_SCHEMA, ContextSession,
                                Extraction, ModelExtractor, OracleExtractor, StateError,
                                StateStore, hydrate, record_schema, truth_record,
@@ -274,15 +275,16 @@ def test_an_extraction_budget_past_the_models_context_names_the_field(tok):
 def test_a_prompt_the_extraction_budget_leaves_no_room_for_names_the_field(episode):
   """Below the context but past what a prompt leaves, the decoder's error (per prompt) is
   named with config.max_extract_tokens (was: 'prompt of 560 + max_new_tokens=600 ...' alone);
-  other errors pass through as they are."""
+  other errors pass through as they are, a ValueError that mentions max_new_tokens= too (the
+  test was a match on that text)."""
   from configs.hydration import get_config  # pylint: disable=import-outside-toplevel
   from experiments import hydration  # pylint: disable=import-outside-toplevel
   config = get_config()
   config.max_extract_tokens = 600
 
   def too_long(turn):
-    raise ValueError('prompt of 560 + max_new_tokens=600 + 1 slack token exceeds the context '
-                     'of 1024')
+    raise ContextOverflowError('prompt of 560 + max_new_tokens=600 + 1 slack token exceeds the '
+                               'context of 1024')
   with pytest.raises(ValueError, match=r'^config.max_extract_tokens=600 \(tool results up to '
                                        r'config.max_result_tokens=400\): prompt of 560'):
     hydration.extract_all(config, too_long, [episode])
@@ -293,6 +295,11 @@ def test_a_prompt_the_extraction_budget_leaves_no_room_for_names_the_field(episo
     raise ValueError('something else')
   with pytest.raises(ValueError, match='^something else$'):
     hydration.extract_all(config, broken, [episode])
+
+  def other(turn):
+    raise ValueError('max_new_tokens=600 is not what failed')
+  with pytest.raises(ValueError, match='^max_new_tokens=600 is not what failed$'):
+    hydration.extract_all(config, other, [episode])
 
 
 @pytest.mark.parametrize('result', [[1], 'name', {'name': 'A', 'http': 'GET /'}, {'name': 'A'}])

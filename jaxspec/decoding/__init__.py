@@ -6,7 +6,7 @@ from jaxspec.decoding.autoregressive import (decode_autoregressive, decode_step,
                                             prefill_logits)
 from jaxspec.decoding.evicting import (decode_autoregressive_evicting, decode_speculative_evicting,
                                        decode_step_evicting, prefill_evicting, score_tokens)
-from jaxspec.decoding.generate import MAX_K, GenerationResult, generate
+from jaxspec.decoding.generate import MAX_K, ContextOverflowError, GenerationResult, generate
 from jaxspec.decoding.output import (NonFiniteLogitsError, Output, check_valid, commit,
                                      cut_lengths)
 from jaxspec.decoding.prefix_generate import PrefixCachedGenerator
@@ -16,8 +16,8 @@ from jaxspec.decoding.sampling import (INVALID_TOKEN, RowSampling, SamplingParam
 from jaxspec.decoding.speculative import (SpecStats, decode_speculative, draft_tokens,
                                          speculative_round, verify)
 
-__all__ = ['ConstrainedResult', 'ConstraintError', 'INVALID_TOKEN', 'MAX_K',
-           'NonFiniteLogitsError', 'TokenConstraint', 'check_valid',
+__all__ = ['ConstrainedResult', 'ConstraintError', 'ContextOverflowError', 'INVALID_TOKEN',
+           'MAX_K', 'NonFiniteLogitsError', 'TokenConstraint', 'check_valid',
            'constrained_generate', 'GenerationResult', 'Output', 'PrefixCachedGenerator',
            'RowSampling', 'SamplingParams', 'SpecStats', 'commit', 'cut_lengths',
            'decode_autoregressive', 'decode_speculative', 'decode_step', 'draft_tokens',

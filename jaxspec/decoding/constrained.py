@@ -29,7 +29,7 @@ from jaxspec.cache import PageAllocator, pages_needed, rollback
 from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
-from jaxspec.decoding.generate import MAX_K, stop_ids
+from jaxspec.decoding.generate import MAX_K, ContextOverflowError, stop_ids
 from jaxspec.decoding.output import NonFiniteLogitsError, check_valid, draft_failed_message
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import (INVALID_TOKEN, SamplingParams, check_sampling,
@@ -168,7 +168,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   Raises:
     ValueError: bad arguments (a seed that is not a 64-bit int, sampling that is not a
       SamplingParams, a stop_token that is not one id in the vocabulary or differs from the
-      constraint's eos_id too) or a prompt that does not fit the context.
+      constraint's eos_id too).
+    ContextOverflowError: the prompt + max_new_tokens + slack exceeds the target's (or the
+      draft's) context (a ValueError).
     CheckpointError: target_params (draft_params) that are not the config's params (named).
     ConstraintError: the constraint cannot be continued.
     NonFiniteLogitsError: the target's logits were NaN or +inf. (A draft's are not an error:
@@ -213,9 +215,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   capacity = len(prompt) + max_new_tokens + slack
   for config in (target,) if draft is None else (target, draft):
     if capacity > config.max_seq_len:
-      raise ValueError(f'prompt of {len(prompt)} + max_new_tokens={max_new_tokens} + {slack} '
-                       f'slack token{"s" if slack != 1 else ""} exceeds the context of '
-                       f'{config.max_seq_len}')
+      raise ContextOverflowError(
+          f'prompt of {len(prompt)} + max_new_tokens={max_new_tokens} + {slack} '
+          f'slack token{"s" if slack != 1 else ""} exceeds the context of {config.max_seq_len}')
 
   rng = seed_key(seed)
   start = time.perf_counter()

@@ -95,6 +95,14 @@ class GenerationResult:
     return self.accepted / seen if seen else float('nan')
 
 
+class ContextOverflowError(ValueError):
+  """A prompt plus the tokens a request may decode (max_new_tokens and the decoding slack: 1, or
+  K + 1 when speculating) exceeds a model's context (`ModelConfig.max_seq_len`, tokens); the
+  message names the sizes and whose context. A `ValueError`, so callers that catch those keep
+  working; a caller that sets max_new_tokens from its own field catches this one to name the
+  field (e.g. `experiments.hydration.extract_all`)."""
+
+
 def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max_new_tokens',
                    one_request=False):
   if not isinstance(prompts, (list, tuple, np.ndarray, jax.Array)):
@@ -111,7 +119,7 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
       need = len(prompt) + max_new_tokens + slack
       if need > config.max_seq_len:
         whose = 'the' if c == 0 else "the draft's"          # configs: the target, then the draft
-        raise ValueError(
+        raise ContextOverflowError(
             f'{label} of {len(prompt)} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
             f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
             f'context of {config.max_seq_len}')
@@ -131,7 +139,8 @@ def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(
     K + 1 when speculating; at least min_slack), stop: [S] int32 sorted stop ids).
   Raises:
     TypeError: target or draft not a `ModelConfig` (e.g. a `Transformer` module).
-    ValueError: naming the bad value (see `generate`).
+    ValueError: naming the bad value (see `generate`); `ContextOverflowError` for a prompt that
+      does not fit.
   """
   check_model_config(target, 'target')
   if draft is not None:
@@ -242,10 +251,12 @@ def generate(target: ModelConfig, target_params, prompts: Sequence[Sequence[int]
   Returns:
     GenerationResult.
   Raises:
-    ValueError: empty prompts, a prompt that does not fit the context with max_new_tokens and
-      K + 1 slack, K out of range, draft and target vocabularies that differ, bad token ids (a
-      prompt token or stop id outside the vocabulary, a bool prompt token, a stop id that is
-      not an integer), a seed that is not a 64-bit int, sampling that is not a SamplingParams.
+    ValueError: empty prompts, K out of range, draft and target vocabularies that differ, bad
+      token ids (a prompt token or stop id outside the vocabulary, a bool prompt token, a stop
+      id that is not an integer), a seed that is not a 64-bit int, sampling that is not a
+      SamplingParams.
+    ContextOverflowError: a prompt that does not fit a model's context with max_new_tokens and
+      the slack (1, or K + 1 when speculating; a ValueError).
     NonFiniteLogitsError: the target's logits were NaN or +inf for some prompt (its row ended
       with INVALID_TOKEN; e.g. a float16 model that overflows).
     TypeError: target or draft not a `ModelConfig` (e.g. a `Transformer` module).
