@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxspec.decoding import SamplingParams, cut_lengths, generate, prefill
+from jaxspec.decoding import ContextOverflowError, SamplingParams, cut_lengths, generate, prefill
 from jaxspec.engine import Engine, State, compile_counts
 from jaxspec.models import cache_for
 
@@ -226,8 +226,10 @@ def test_bad_input_fails_that_request_only(tiny, alone):
       (dict(prompt_tokens=(t for t in good[1]), max_tokens=5), 'got generator'),
   ]
   for kwargs, message in bad:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as raised:
       engine.add_request(**kwargs)
+    # A prompt past the context, and only that, is the typed ContextOverflowError.
+    assert isinstance(raised.value, ContextOverflowError) == (message == 'exceeds the context')
     engine.step()                                   # the engine keeps serving
   second = engine.add_request(good[1], max_tokens=10, request_id='second')
   engine.run()
@@ -256,7 +258,8 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   with pytest.raises(ValueError, match='max_seq_len=300'):
     Engine(config, params, num_slots=2, num_pages=8, max_seq_len=300)
   short = Engine(config, params, num_slots=2, num_pages=64, max_seq_len=64)
-  with pytest.raises(ValueError, match="request 0: .* = 65 exceeds the engine's max_seq_len=64"):
+  with pytest.raises(ContextOverflowError,
+                     match="request 0: .* = 65 exceeds the engine's max_seq_len=64"):
     short.add_request([5] * 60, max_tokens=4)
   assert short.add_request([5] * 59, max_tokens=4) == 1     # the refused request kept id 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from jaxspec.cache.page_hash import salt_bytes
-from jaxspec.decoding.generate import check_request
+from jaxspec.decoding.generate import ContextOverflowError, check_request
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 
 
@@ -47,8 +47,10 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
   Raises:
     ValueError (or TypeError from the checks it shares with `generate`): an empty prompt, a
       token or stop id outside the vocabulary, max_tokens < 1, prompt + max_tokens + (K + 1)
-      tokens past the engine's max_seq_len or past what the pool holds, more stop ids than
-      `max_stop_tokens`, a salt that is not str or bytes, sampling that is not a SamplingParams.
+      tokens past what the pool holds, more stop ids than `max_stop_tokens`, a salt that is
+      not str or bytes, sampling that is not a SamplingParams.
+    ContextOverflowError (a ValueError): prompt + max_tokens + (K + 1) tokens past a model's
+      context or the engine's max_seq_len.
   """
   _, slack, stop = check_request(engine.target, [prompt_tokens], max_new_tokens=max_tokens,
                                  stop_tokens=stop_tokens, draft=engine.draft,
@@ -62,8 +64,9 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
   prompt, max_tokens = [int(t) for t in prompt_tokens], int(max_tokens)
   span = len(prompt) + max_tokens + slack
   if span > engine.max_seq_len:
-    raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} = '
-                     f'{span} exceeds the engine\'s max_seq_len={engine.max_seq_len}')
+    raise ContextOverflowError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + '
+                               f'{slack} = {span} exceeds the engine\'s '
+                               f'max_seq_len={engine.max_seq_len}')
   need = engine._request_pages(span)
   if need > engine.prefix.num_pages - 1:
     raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '

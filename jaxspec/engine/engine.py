@@ -33,7 +33,7 @@ from jaxspec.cache import PrefixCache, pages_needed
 from jaxspec.cache.host import check_host_fits
 from jaxspec.cache.paged import check_pool_fits
 from jaxspec.checks import check_int, check_seed, seed_key
-from jaxspec.decoding.generate import check_request
+from jaxspec.decoding.generate import ContextOverflowError, check_request
 from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
 from jaxspec.decoding.output import non_finite_message
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
@@ -225,17 +225,19 @@ class Engine:
     Raises:
       ValueError: naming the request and the bad value: an empty prompt, a token or stop id
         outside the vocabulary, a bool prompt token or a stop id that is not an integer,
-        max_tokens < 1, prompt + max_tokens + (K + 1) past the context (or `max_seq_len`) or
-        past what the pool holds, too many stop ids, an id in use or not equal to itself (NaN),
-        a salt that is not str or bytes, sampling that is not a SamplingParams. The request is
-        not queued; the engine and its other requests are unaffected.
+        max_tokens < 1, prompt + max_tokens + (K + 1) past the context or `max_seq_len` (a
+        `ContextOverflowError`) or past what the pool holds, too many stop ids, an id in use
+        or not equal to itself (NaN), a salt that is not str or bytes, sampling that is not a
+        SamplingParams. The request is not queued; the engine and its other requests are
+        unaffected.
     """
     request_id = admission.request_id(self, request_id)
     try:
       prompt, max_tokens, stop, salt, sampling = admission.check(
           self, prompt_tokens, max_tokens, stop_tokens, salt, sampling)
-    except (TypeError, ValueError) as err:
-      raise ValueError(f'request {request_id!r}: {err}') from err
+    except (TypeError, ValueError) as err:   # a prompt past the context keeps its type
+      kind = ContextOverflowError if isinstance(err, ContextOverflowError) else ValueError
+      raise kind(f'request {request_id!r}: {err}') from err
     metrics = RequestMetrics(arrival_s=time.perf_counter(), prompt_tokens=len(prompt))
     request = Request(request_id, prompt, max_tokens, stop, salt, metrics,
                       order=next(self._arrivals), sampling=sampling)
