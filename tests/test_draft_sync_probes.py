@@ -40,7 +40,9 @@ def _lagging_request():
 def test_probe_questions_back_off_while_the_answer_is_no():
   asked = []
 
-  class Never:
+  class Never:            # a `KPolicy` stand-in: what DraftSync reads of one
+    cold = False
+
     def worth_probing(self, ids):
       asked.append(rounds)
       return False
@@ -83,7 +85,9 @@ def test_a_probe_the_budget_refuses_is_not_asked_about():
   against 3 % of 1 s per round."""
   asked = []
 
-  class Never:
+  class Never:            # a `KPolicy` stand-in: what DraftSync reads of one
+    cold = False
+
     def worth_probing(self, ids):
       asked.append(rounds)
       return False
@@ -133,7 +137,9 @@ def test_a_cold_policy_is_probed_outside_the_budget():
 def test_a_refused_probe_is_not_looked_for_until_affordable():
   """Once the budget refuses a probe, the lagging requests are not sorted and priced again
   every round: not until the K = 0 rounds since have cost what affords the refused probe."""
-  class Never:
+  class Never:            # a `KPolicy` stand-in: what DraftSync reads of one
+    cold = False
+
     def worth_probing(self, ids):
       return False
   sync = _budgeted_sync(Never())

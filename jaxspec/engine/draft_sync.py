@@ -118,7 +118,7 @@ class DraftSync:
     probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
                    key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
     if not probe or self.backoff < self.probe_every or self.probe_budget is None or \
-        getattr(self.engine.policy, 'cold', False):
+        (self.engine.policy is not None and self.engine.policy.cold):
       return probe
     cost = self.pending_s(probe)
     if cost <= self.probe_budget * self.zero_s:
