@@ -21,7 +21,7 @@ class Record(KPolicy):
 
   def __init__(self, ks):
     super().__init__()
-    self.ks, self.calls, self.seen = list(ks), 0, []
+    self.ks, self.calls, self.seen, self.probes = list(ks), 0, [], []
 
   @property
   def candidates(self):
@@ -35,6 +35,10 @@ class Record(KPolicy):
   def observe(self, request_id, k, accepted, successes, trials):
     if trials > 0:
       self.seen.append((request_id, k, accepted, successes, trials))
+
+  def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+    self.probes.append((request_id, trials, later_successes, later_trials))
+    super().observe_probe(request_id, successes, trials, later_successes, later_trials)
 
 
 def _prompts(lengths, seed):
@@ -83,6 +87,15 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
     first = len(prompt)                             # index in context of output 1
     expected = hits[first:first + trials].sum()     # predictions of outputs 2 .. trials + 1
     assert sum(s for s, _ in got) == expected
+    # Each probe scored the next run of consecutive outputs; its pairs of neighbours tell β:
+    # later trials Σ hit_j over the pairs, later successes Σ hit_j hit_{j+1}.
+    start = first
+    for _, n, later_successes, later_trials in [p for p in policy.probes if p[0] == rid]:
+      run = hits[start:start + int(n)].astype(int)
+      assert later_trials == run[:-1].sum() and later_successes == (run[:-1] * run[1:]).sum()
+      start += int(n)
+    assert start == first + trials
+  assert sum(p[2] for p in policy.probes) > 0                # some neighbours both hit
 
 
 def test_catch_up_over_prefix_shared_pages_leaves_a_correct_draft(tiny):

@@ -221,3 +221,22 @@ def test_conditional_acceptance_by_position():
   assert [p for p, _ in result] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
   assert [n for _, n in result] == [5, 4, 3]
   assert module.conditional_acceptance([0, 0], 2)[1] == (None, 0)   # nothing reached j = 2
+
+
+def test_a_k0_probe_tells_the_later_proposals_acceptance_too():
+  """A probe's pairs of consecutive scored tokens (`KPolicy.observe_probe`) move β while the
+  policy runs K = 0 (before, β stayed at its prior there: the global α); the first-proposal
+  counts move α as a K = 0 `observe` does."""
+  def tracker():
+    return AlphaTracker(prior=0.5, prior_trials=1.0, global_span=1.0)
+  probed, plain = GoodputK(tracker=tracker()), GoodputK(tracker=tracker())
+  for policy in (probed, plain):
+    policy.setup(4)
+  for _ in range(20):         # first proposals accepted half the time, the next after one always
+    probed.observe_probe('a', 4.0, 8.0, 3.0, 3.0)
+    plain.observe('a', 0, 0, 4.0, 8.0)
+  assert probed.tracker.alpha('a') == pytest.approx(plain.tracker.alpha('a'))
+  assert probed.tracker.later('a') > 0.9 > plain.tracker.later('a')
+  assert probed.tracker.global_later > 0.9 > plain.tracker.global_later
+  probed.observe_probe('a', 0.0, 0.0, 1.0, 1.0)      # nothing scored: nothing observed
+  assert probed.tracker.later('a') > 0.9

@@ -12,6 +12,7 @@ IDS = ['a', 'b']
 
 def _policy(alpha, costs, k_max=1, **kwargs):
   kwargs.setdefault('cold_rounds', 0)        # every round counts (see the cold-rounds test)
+  kwargs.setdefault('switch_rounds', 0)      # (and the switch-rounds test)
   policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs, **kwargs)
   policy.setup(k_max)
   return policy
@@ -100,6 +101,27 @@ def test_an_engines_first_round_of_each_kind_is_not_timed():
   assert policy.host.median(0) == pytest.approx(0.1) and policy.host.median(1) == pytest.approx(0.2)
   with pytest.raises(ValueError, match='cold_rounds must be an int >= 0, got -1'):
     GoodputK(cold_rounds=-1)
+
+
+def test_the_first_rounds_after_a_switch_to_k1_are_not_timed():
+  """The first `switch_rounds` rounds of a K >= 1 stretch that follows K = 0 rounds run slower
+  than the stretch's later ones (cold draft weights and step): they price nothing, in d(K) or
+  h(K); a stretch the engine starts with, and K = 0 rounds after K >= 1 ones, count at once."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5}, switch_rounds=2)
+  policy.round_timing(1, 1.5, 0.2)                  # no K = 0 round before it: counts
+  assert policy.host.median(1) == pytest.approx(0.2)
+  policy.round_timing(0, 1.0, 0.1)                  # K = 0 after K >= 1: counts
+  assert policy.host.median(0) == pytest.approx(0.1)
+  before = policy.live.table(None)
+  policy.round_timing(1, 6.0, 0.9)                  # the stretch's first two: not timed
+  policy.round_timing(1, 6.0, 0.9)
+  assert policy.live.table(None) == before and policy.host.median(1) == pytest.approx(0.2)
+  policy.round_timing(1, 3.0, 0.4)                  # the third and later count
+  assert policy.host.median(1) == pytest.approx(0.3)
+  policy.round_timing(1, 3.0, 0.4)
+  assert policy.live.table(None)[1] == pytest.approx(3.0)    # the median ratio of 1, 2, 2
+  with pytest.raises(ValueError, match='switch_rounds must be an int >= 0, got -1'):
+    GoodputK(switch_rounds=-1)
 
 
 @pytest.mark.parametrize('kwargs, message', [

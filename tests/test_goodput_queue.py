@@ -72,7 +72,7 @@ def test_rounds_with_queue_matches_a_simulation(rooms, queue, slots):
 
 def _policy(alpha, costs, k_max=2):
   policy = GoodputK(tracker=AlphaTracker(prior=alpha, prior_trials=1e9), costs=costs,
-                    stay_margin=0.0, spec_margin=0.0)
+                    stay_margin=0.0, spec_margin=0.0, switch_rounds=0)
   policy.setup(k_max)
   return policy
 
@@ -281,7 +281,7 @@ def test_one_slot_scores_the_decoding_request_alone():
   (`rounds_with_queue` would price the queued rounds at the K chosen now)."""
   costs = {0: 1.0, 1: 1.5, 2: 1.9}
   policy = GoodputK(tracker=AlphaTracker(prior=0.3, prior_trials=4.0, decay=0.99), costs=costs,
-                    spec_margin=0.0, cold_rounds=0)
+                    spec_margin=0.0, cold_rounds=0, switch_rounds=0)
   policy.setup(2)
   for _ in range(20):                          # request 'a' accepts every proposal
     policy.observe('a', 2, 2, 0.0, 1.0)
@@ -324,7 +324,7 @@ def test_per_round_scores_sum_the_capped_expected_tokens():
     n, k_max = int(rng.integers(1, 6)), int(rng.integers(1, 9))
     alphas, later = rng.random(n), rng.random(n)
     rooms = [int(r) for r in rng.integers(1, 12, n)]
-    policy = GoodputK(costs={k: 1.0 + k for k in range(k_max + 1)}, cold_rounds=0)
+    policy = GoodputK(costs={k: 1.0 + k for k in range(k_max + 1)}, cold_rounds=0, switch_rounds=0)
     policy.setup(k_max)
     policy.rooms = rooms
     scores = policy._scores(alphas, later)

@@ -17,7 +17,11 @@ baseline never pays). Now:
   `chunk_size` tokens through the draft alone, rows bucketed like prefill calls. The K policy
   sees the seconds this will take (`KPolicy.sync_s`) before it chooses.
 - A catch-up scores the draft on the last `observe_tokens` tokens of each request it caught up
-  that the target drew at K = 0 (it knows p of each): s = min(1, q(x) / p(x)), E[s] = α.
+  that the target drew at K = 0 (it knows p of each): s = min(1, q(x) / p(x)), E[s] = α; pairs of
+  consecutive scored tokens tell the policy the later proposals' acceptance β too
+  (`KPolicy.observe_probe`: Σ s_j s_{j+1} over Σ s_j, `spec_steps.draft_catch_up`). Without them
+  β stayed at its prior while the policy ran K = 0, which is where it must decide whether to
+  speculate: json accepts a proposal after an accepted one far more often than the first.
 - While the policy stays at K = 0, and only when a better α estimate could change its choice
   (`KPolicy.worth_probing`; a probe that could not is skipped as if taken, and the gap before
   the next question doubles, up to `QUIET` x `probe_every` rounds), a probe catches up
@@ -237,15 +241,17 @@ class DraftSync:
           prob[row, j] = request.token_p[position]
     sampling = rows_lib.sampling(list(enumerate(group)), rows)
     bound = device.bind([engine.caches[1]], table, lengths)[0]
-    successes, trials, failed, engine.caches[1] = spec_steps.draft_catch_up(
+    *scores, failed, engine.caches[1] = spec_steps.draft_catch_up(
         engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
-    successes, trials, failed = np.asarray(successes), np.asarray(trials), np.asarray(failed)
+    successes, trials, later_successes, later_trials = (np.asarray(x) for x in scores)
+    failed = np.asarray(failed)
     self.num_calls += 1
     for row, request in enumerate(group):
       request.draft_computed += int(counts[row])
       request.metrics.draft_failed += int(failed[row])       # a probe of a broken draft
       if trials[row] > 0 and engine.policy is not None:
-        engine.policy.observe(request.id, 0, 0, float(successes[row]), float(trials[row]))
+        engine.policy.observe_probe(request.id, float(successes[row]), float(trials[row]),
+                                    float(later_successes[row]), float(later_trials[row]))
 
   def measure(self, repeats: int) -> dict:
     """Compile and time one catch-up call per row bucket over idle rows (`timing.fastest`);
@@ -261,7 +267,7 @@ class DraftSync:
             engine.draft, engine.draft_params, bound,
             np.zeros((rows, engine.chunk_size), np.int32), np.zeros((rows,), np.int32), zeros,
             zeros, np.zeros((rows, m), np.float32), rows_lib.sampling([], rows))
-        engine.caches[1] = out[3]
+        engine.caches[1] = out[-1]
         np.asarray(out[0])
       return call
 

@@ -99,27 +99,30 @@ class GoodputK(KPolicy):
     cold_rounds: the engine's first live rounds of each group left out of d(K) and h(K)
       (`LiveCosts`): priced in, the cold first K >= 1 round kept K >= 1, and the probes that
       would have shown it pays, out for whole requests at B = 1.
+    switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
+      and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
-      stay_margin or spec_margin < 0, window < 1, cold_rounds not an int >= 0.
+      stay_margin or spec_margin < 0, window < 1, cold_rounds or switch_rounds not an int >= 0.
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, window: int = 16,
                probe_margin: float = 0.05, stay_margin: float = 0.05,
-               spec_margin: float = 0.05, cold_rounds: int = 1):
+               spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2):
     super().__init__()
     margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
     window = check_int('window', window, 1)
     cold_rounds = check_int('cold_rounds', cold_rounds, 0)
+    switch_rounds = check_int('switch_rounds', switch_rounds, 0)
     if tracker is not None and not isinstance(tracker, AlphaTracker):
       raise ValueError(f'tracker must be an AlphaTracker, got {tracker!r}')
     if costs is not None and not isinstance(costs, Mapping):
       raise ValueError(f'costs must be a {{K: seconds}} mapping, got {costs!r}')
-    self.live = LiveCosts(window, cold_rounds)   # d(K) and h(K)
+    self.live = LiveCosts(window, cold_rounds, switch_rounds)   # d(K) and h(K)
     self.tracker = AlphaTracker() if tracker is None else tracker
     self.margin = margin
     self._candidates = None if candidates is None else tuple(sorted(set(candidates)))
@@ -282,16 +285,10 @@ class GoodputK(KPolicy):
   def choose(self, request_ids):
     if not self.live.idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
-    # A K = 0 choice holds while no observation came in, the batch, its row bucket and the
-    # queue are unchanged, rooms have only shrunk and the catch-up and split seconds only grown
-    # (each favours K = 0 further), the live cost ratios stayed near those it was scored with
-    # (`holds.Hold.steady`) and the host seconds h per round rose by less than HOST_RISE of a K = 0
-    # round, for up to `HOLD_ROUNDS` rounds (4x as many when K = 0 led the best K >= 1 by more
-    # than `CLEAR_LEAD`): its host work stays off most K = 0 rounds. Drift and h are compared
-    # with their values at the choice, not binned: a value near a bin edge crossed it every few
-    # rounds and broke most holds. Only a rise of h ends one: h is paid per round, and K >= 1
-    # runs fewer rounds. The ratios are those the cost table uses (prior rounds included): a
-    # raw median can stay put while the padded one moves or a stale group is dropped.
+    # The holds of the class doc. Drift and h are compared with their values at the choice, not
+    # binned (a value near a bin edge crossed it every few rounds and broke most holds); the
+    # ratios are those the cost table uses (prior rounds included): a raw median can stay put
+    # while the padded one moves or a stale group is dropped.
     ratios = self.live.group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
@@ -336,9 +333,7 @@ class GoodputK(KPolicy):
     requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
     shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
     stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
-    the hold (recomputing their medians each round was ~1 % of a K = 0 round at B = 2).
-
-    A held K >= 1 choice is kept under its own rules (`_repeat_spec`)."""
+    the hold. A held K >= 1 choice is kept under its own rules (`_repeat_spec`)."""
     if self._spec_held is not None:
       return self._repeat_spec(request_ids, rows, queued, rooms)
     held = self._held
@@ -359,9 +354,7 @@ class GoodputK(KPolicy):
     cost ratios held steady; else None. What `choose` would also check cannot move against the
     held K: the draft is in sync after a round at K >= 1 (a catch-up before the choice is paid,
     so its seconds fall to 0), and the split can cost anew only when two decoding requests'
-    rooms become equal (`speculation.split_cost`). Rescoring at every admission and near every
-    request's end scored about half the rounds at B = 2, at 0.3-0.6 ms each on the development
-    CPU (`scripts/policy_host_time.py`)."""
+    rooms become equal (`speculation.split_cost`; why not rescore: docs/adaptive_k.md)."""
     spec = self._spec_held
     if spec.rounds >= spec.limit or spec.key.tables != self.live.tables or \
         not spec.spec_stands(request_ids, rows, queued, rooms, self.slots):
@@ -410,10 +403,8 @@ class GoodputK(KPolicy):
     sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
     trials: with few observations (one request, or a batch that has not been probed yet) the
     estimates are loose and a probe is worth its cost; many probes' worth of trials pin them.
-    Raised are the running requests' estimates and the global ones the queue is priced at: at
-    B = 2 the queue holds most of the horizon's tokens, and raising only the running requests'
-    kept a low global α from a code pass (0.37 over 8 trials) through a whole json pass without
-    a probe (0.91 of K = 0, where K = 4 ran 1.10x). Always True while `cold`."""
+    Raised are the running requests' estimates and the global ones the queue is priced at (at
+    B = 2 the queue holds most of the horizon's tokens). Always True while `cold`."""
     if not self.live.idle or self.cold:
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
@@ -436,6 +427,15 @@ class GoodputK(KPolicy):
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
       self.tracker.observe(request_id, successes, trials)
     self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)
+
+  def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+    """`KPolicy.observe_probe`: one observation of both kinds (later trials at position 2)."""
+    if trials <= 0:
+      return
+    self._version += 1
+    weight = later_trials * self._profile[0] if self._profile is not None else None
+    self.tracker.observe(request_id, successes, trials, later_successes, later_trials, weight)
+    self.tracker.observe_depth(0, 0)
 
   def forget(self, request_id):
     self.tracker.forget(request_id)

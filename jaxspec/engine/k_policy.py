@@ -124,6 +124,16 @@ class KPolicy(abc.ABC):
     accepted, and the acceptance observation (successes, trials) described in the module doc
     (trials 0: nothing observed)."""
 
+  def observe_probe(self, request_id: Hashable, successes: float, trials: float,
+                    later_successes: float, later_trials: float) -> None:
+    """A lazy draft's probe (`jaxspec.engine.draft_sync`) scored tokens the target drew at
+    K = 0: first-proposal (successes, trials) as `observe` of a K = 0 round, and over the pairs
+    of consecutive scored tokens later_trials Σ s_j (the first accepted) and later_successes
+    Σ s_j s_{j+1} (the next accepted too), evidence of the later proposals' acceptance β that
+    K = 0 rounds give no other way (`spec_steps.draft_catch_up`). Default: `observe` of the
+    first-proposal counts alone."""
+    self.observe(request_id, 0, 0, successes, trials)
+
   def forget(self, request_id: Hashable) -> None:
     """The request finished: drop its state."""
 

@@ -152,9 +152,18 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
     observe_next: [R, M] int32 the token the target drew after each; observe_p: [R, M] float32
       its probability under the target's p, 0 where nothing is observed.
     sampling: [R] per-row parameters, the rows' requests' (q is processed as p was).
+  Scored tokens that follow each other (observe_at[:, j + 1] = observe_at[:, j] + 1, both
+  scored) also give the later proposals' evidence: a second drafted token is verified only when
+  the first was accepted, and then (greedy: the accepted token is the target's) the draft drafts
+  it from the context it was scored on here, so Σ s_j s_{j+1} / Σ s_j estimates β, the
+  acceptance of a proposal after an accepted one (exact in expectation for greedy rows, whose s
+  are 0 or 1; for sampled rows an approximation that takes the two scores as the acceptances).
+
   Returns:
-    (successes [R] float32 Σ s, trials [R] float32 scored tokens, draft_failed [R] bool: the
-    draft had no distribution (NaN or +inf logits) at a scored token, draft_cache).
+    (successes [R] float32 Σ s, trials [R] float32 scored tokens, later_successes [R] float32
+    Σ s_j s_{j+1} and later_trials [R] float32 Σ s_j over the pairs of consecutive scored tokens,
+    draft_failed [R] bool: the draft had no distribution (NaN or +inf logits) at a scored
+    token, draft_cache).
   """
   logits, draft_cache = chunk_logits(draft, draft_params, draft_cache, tokens, counts, observe_at)
   q = jnp.take_along_axis(probabilities(logits, sampling), observe_next[..., None], axis=-1)
@@ -162,7 +171,11 @@ def draft_catch_up(draft: ModelConfig, draft_params, draft_cache, tokens, counts
   beta = jnp.where(seen, jnp.minimum(1.0, q[..., 0] / jnp.where(seen, observe_p, 1.0)), 0.0)
   failed = jnp.any(seen & jnp.isnan(beta), axis=1)
   beta = jnp.where(jnp.isnan(beta), 0.0, beta)     # a draft with no distribution accepts nothing
-  return beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), failed, draft_cache
+  pair = seen[:, :-1] & seen[:, 1:] & (observe_at[:, 1:] == observe_at[:, :-1] + 1)
+  later_trials = jnp.where(pair, beta[:, :-1], 0.0).sum(axis=1)
+  later_successes = jnp.where(pair, beta[:, :-1] * beta[:, 1:], 0.0).sum(axis=1)
+  return (beta.sum(axis=1), seen.sum(axis=1).astype(jnp.float32), later_successes,
+          later_trials, failed, draft_cache)
 
 
 STEPS = (model_step, model_sync_step, lookup_step, draft_catch_up)
