@@ -89,7 +89,9 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
   whole output frees its slot for the next step. The policy is asked through
   `speculation.choose`, as the engine asks it (rooms, row bucket, queue, its rooms, slots, the
   split admission `speculation.split_cost`, one prefill chunk per prompt), but with no lazy
-  draft: no probes or catch-up seconds of the engine's (a K = 0 round observes a probe here).
+  draft: no probes or catch-up seconds of the engine's (a K = 0 round observes a probe here: its
+  position, and the pair with the one before when the round before scored it,
+  `KPolicy.observe_probe`).
 
   Args:
     sequences: per request, its `acceptance_sequence` (a request emits len + 1 tokens: the
@@ -109,6 +111,7 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
   total = [len(seq) + 1 for seq in sequences]
   waiting, held, decoding = list(range(len(sequences))), [], []
   rounds, prefills, seconds = [], [], 0.0
+  scored = {}          # request -> the position its last K = 0 round scored
   while waiting or held:
     admitted = waiting[:slots - len(held)]
     waiting = waiting[len(admitted):]
@@ -138,8 +141,10 @@ def replay(policy: KPolicy, sequences, costs: dict, max_tokens: int, slots: int 
         run = 0
         while run < cap and seq[p + run]:
           run += 1
-        if k == 0:                                # a probe: one drafted token scored
-          policy.observe(i, 0, 0, float(seq[p]), 1.0)
+        if k == 0:      # a probe: one drafted token scored, with its neighbour if scored too
+          before = float(seq[p - 1]) if scored.get(i) == p - 1 else 0.0
+          policy.observe_probe(i, float(seq[p]), 1.0, before * seq[p], before)
+          scored[i] = p
         elif cap:       # capped at the output's end: no rejection is known past it
           policy.observe(i, cap, run, float(run), float(run + (run < cap)))
         pos[i], emitted[i], out[i] = p + run + 1, emitted[i] + run + 1, run + 1

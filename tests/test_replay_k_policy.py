@@ -8,7 +8,7 @@ import pytest
 
 from jaxspec.engine import Engine
 from jaxspec.engine import rounds as step_rounds
-from jaxspec.engine.k_policy import FixedK, ScheduleK
+from jaxspec.engine.k_policy import FixedK, KPolicy, ScheduleK
 
 _PATH = pathlib.Path(__file__).parent.parent / 'scripts' / 'replay_k_policy.py'
 _SPEC = importlib.util.spec_from_file_location('replay_k_policy', _PATH)
@@ -73,6 +73,26 @@ def test_a_round_cut_by_the_outputs_end_invents_no_rejection():
   policy.setup(4)
   assert _alone(policy, [[1, 1, 1]], {4: 1.0}, 10) == [(4, 3)]
   assert seen == [(2, 2, 2.0, 2.0)]
+
+
+def test_k0_rounds_in_a_row_observe_pairs_as_the_engines_probes():
+  """A K = 0 round scores its position and, when the round before scored the one before it,
+  the pair (`KPolicy.observe_probe`: later trials s_j, later successes s_j s_{j+1}), as a lazy
+  draft's probe scores neighbouring tokens."""
+  seen = []
+
+  class Zero(KPolicy):
+    def choose(self, request_ids):
+      return 0, [0] * len(request_ids)
+
+    def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+      seen.append((successes, trials, later_successes, later_trials))
+
+  policy = Zero()
+  policy.setup(4)
+  assert _alone(policy, [[1, 1, 0, 1, 1]], {0: 1.0}, 10) == [(0, 1)] * 5
+  assert seen == [(1.0, 1.0, 0.0, 0.0), (1.0, 1.0, 1.0, 1.0), (0.0, 1.0, 0.0, 1.0),
+                  (1.0, 1.0, 0.0, 0.0), (1.0, 1.0, 1.0, 1.0)]
 
 
 def test_batched_replay_schedules_as_the_engine(tiny, tiny_draft, monkeypatch):
