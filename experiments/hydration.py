@@ -109,17 +109,19 @@ def extract_all(config, extractor, episodes, warm=None) -> list:
   `warm` if given (it compiles a `ModelExtractor`'s steps).
 
   Raises:
-    ValueError: a prompt (demonstrations and a tool result) that config.max_extract_tokens
-      leaves no room for in the extracting model's context, named with the field (the
-      decoder's `ContextOverflowError`, per prompt, renamed); what `hydrate` raises.
+    ContextOverflowError (a ValueError): a prompt (demonstrations and a tool result) that
+      config.max_extract_tokens leaves no room for in the extracting model's context, named
+      with the field (the decoder's, per prompt, renamed).
+    ValueError: what `hydrate` raises.
   """
   try:
     if warm is not None:
       extractor(warm)
     return [hydrate(ep, extractor) for ep in episodes]
   except ContextOverflowError as error:     # the decoder's, per prompt: name our field
-    raise ValueError(f'config.max_extract_tokens={config.max_extract_tokens} (tool results up '
-                     f'to config.max_result_tokens={config.max_result_tokens}): {error}') from None
+    raise ContextOverflowError(
+        f'config.max_extract_tokens={config.max_extract_tokens} (tool results up to '
+        f'config.max_result_tokens={config.max_result_tokens}): {error}') from None
 
 
 def _measure(session: ContextSession, tokens, repeats: int):

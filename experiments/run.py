@@ -50,8 +50,9 @@ def check_workdir(workdir) -> None:
 
 def _remove_empty_parents(run_dir: pathlib.Path, made_from: pathlib.Path) -> None:
   """Remove the directories between `run_dir` and `made_from` (the nearest one that existed
-  before the run, e.g. WORKDIR/EXPERIMENT) that the run made and left empty."""
-  for parent in run_dir.absolute().parents:
+  before the run, e.g. WORKDIR/EXPERIMENT; both with links and '..' resolved) that the run
+  made and left empty."""
+  for parent in pathlib.Path(os.path.realpath(run_dir)).parents:
     if parent == made_from or made_from not in parent.parents:
       return
     try:
@@ -75,7 +76,9 @@ def main(argv):
     module = import_experiment(config.experiment)
     validate(module, config)             # before a run directory is made
     if distributed.is_primary():
-      made_from = nearest_existing(pathlib.Path(_WORKDIR.value) / config.experiment)
+      # Resolved: a '..' after a folder that does not exist yet is not where the run writes.
+      made_from = nearest_existing(os.path.realpath(pathlib.Path(_WORKDIR.value) /
+                                                    config.experiment))
       try:
         run_dir = new_run_dir(_WORKDIR.value, config.experiment)
       except OSError as error:     # exists as a file, not a directory, no permission, read-only

@@ -195,6 +195,12 @@ def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path)
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert [p.name for p in (tmp_path / 'runs' / 'hydration').iterdir()] == ['earlier']
+  kept = tmp_path / 'kept' / 'sub'     # empty before the run, reached through '..'
+  kept.mkdir(parents=True)
+  proc = subprocess.run(args + [f'--workdir={tmp_path}/new/../kept/sub'], cwd=ROOT_DIR,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert kept.is_dir() and not any(kept.iterdir())   # was: removed with its parent 'kept'
 
 
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])

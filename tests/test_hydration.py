@@ -285,8 +285,9 @@ def test_a_prompt_the_extraction_budget_leaves_no_room_for_names_the_field(episo
   def too_long(turn):
     raise ContextOverflowError('prompt of 560 + max_new_tokens=600 + 1 slack token exceeds the '
                                'context of 1024')
-  with pytest.raises(ValueError, match=r'^config.max_extract_tokens=600 \(tool results up to '
-                                       r'config.max_result_tokens=400\): prompt of 560'):
+  with pytest.raises(ContextOverflowError, match=r'^config.max_extract_tokens=600 \(tool '
+                                                 r'results up to config.max_result_tokens=400\): '
+                                                 r'prompt of 560'):
     hydration.extract_all(config, too_long, [episode])
   with pytest.raises(ValueError, match=r'^config.max_extract_tokens=600 .*prompt of 560'):
     hydration.extract_all(config, too_long, [], warm=episode.turns[0])     # the warm-up call

@@ -215,9 +215,11 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
   capacity = len(prompt) + max_new_tokens + slack
   for config in (target,) if draft is None else (target, draft):
     if capacity > config.max_seq_len:
+      whose = 'the' if config is target else "the draft's"
       raise ContextOverflowError(
           f'prompt of {len(prompt)} + max_new_tokens={max_new_tokens} + {slack} '
-          f'slack token{"s" if slack != 1 else ""} exceeds the context of {config.max_seq_len}')
+          f'slack token{"s" if slack != 1 else ""} exceeds {whose} context of '
+          f'{config.max_seq_len}')
 
   rng = seed_key(seed)
   start = time.perf_counter()
