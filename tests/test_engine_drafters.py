@@ -331,7 +331,7 @@ def test_goodput_follows_alpha_and_the_cost_table():
   assert [_goodput(a, costs) for a in (0.3, 0.9)] == [0, 4]
   # Host work per round (the same at every K) makes a K > 0 round relatively cheaper.
   policy = GoodputK(tracker=AlphaTracker(prior=0.6), costs={0: 1.0, 1: 2.0},
-                    cold_rounds=0)
+                    cold_rounds=0, switch_rounds=0)
   policy.setup(1)
   assert policy.choose(['a'])[0] == 0                        # 1 / 1 > 1.6 / 2
   policy.round_timing(0, 1.0, 10.0)
@@ -345,7 +345,7 @@ def test_goodput_follows_alpha_and_the_cost_table():
   # dear until K >= 1 rounds have run; then all K >= 1 follow their group's median ratio, K = 0's
   # filling in for the first PRIOR_ROUNDS = 3, so one slow round at K >= 1 (the first call of a
   # run is ~2x) does not price K >= 1 out (a K not chosen would never be measured again).
-  policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0}, cold_rounds=0)
+  policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 2.0}, cold_rounds=0, switch_rounds=0)
   policy.setup(2)
   policy.round_timing(0, 3.0, 0.0)                  # one slow K = 0 round: ratio 3, [3, 1, 1]
   assert policy.costs == pytest.approx({0: 1.0, 1: 1.5, 2: 2.0})
