@@ -29,7 +29,7 @@ from jaxspec.cache import PageAllocator, pages_needed, rollback
 from jaxspec.checks import check_int, check_seed, is_int_in, seed_key, token_ids
 from jaxspec.decoding.autoregressive import decode_step, prefill_logits
 from jaxspec.decoding.constraint import TokenConstraint
-from jaxspec.decoding.generate import MAX_K, ContextOverflowError, stop_ids
+from jaxspec.decoding.generate import MAX_K, check_context, stop_ids
 from jaxspec.decoding.output import NonFiniteLogitsError, check_valid, draft_failed_message
 from jaxspec.decoding.rejection import rejection_sample
 from jaxspec.decoding.sampling import (INVALID_TOKEN, SamplingParams, check_sampling,
@@ -212,14 +212,9 @@ def constrained_generate(target: ModelConfig, target_params, prompt: Sequence[in
     check_params(draft, draft_params, 'draft_params')
   vocab = target.vocab_size
   slack = 1 if draft is None else k + 1
+  check_context('prompt', len(prompt), [target] if draft is None else [target, draft],
+                max_new_tokens, slack)
   capacity = len(prompt) + max_new_tokens + slack
-  for config in (target,) if draft is None else (target, draft):
-    if capacity > config.max_seq_len:
-      whose = 'the' if config is target else "the draft's"
-      raise ContextOverflowError(
-          f'prompt of {len(prompt)} + max_new_tokens={max_new_tokens} + {slack} '
-          f'slack token{"s" if slack != 1 else ""} exceeds {whose} context of '
-          f'{config.max_seq_len}')
 
   rng = seed_key(seed)
   start = time.perf_counter()

@@ -115,14 +115,26 @@ def _check_prompts(prompts, configs, max_new_tokens, slack, max_tokens_name='max
     ids = token_ids(prompt, label, min(c.vocab_size for c in configs))
     if not ids:
       raise ValueError(f'{label} is empty')
-    for c, config in enumerate(configs):
-      need = len(prompt) + max_new_tokens + slack
-      if need > config.max_seq_len:
-        whose = 'the' if c == 0 else "the draft's"          # configs: the target, then the draft
-        raise ContextOverflowError(
-            f'{label} of {len(prompt)} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
-            f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
-            f'context of {config.max_seq_len}')
+    check_context(label, len(prompt), configs, max_new_tokens, slack, max_tokens_name)
+
+
+def check_context(label: str, prompt_len: int, configs, max_new_tokens: int, slack: int,
+                  max_tokens_name: str = 'max_new_tokens') -> None:
+  """Raise unless a prompt of `prompt_len` tokens, `max_new_tokens` and `slack` decoding slack
+  (1, or K + 1 when speculating) fit every model's context (configs: the target, then the
+  draft; `ModelConfig.max_seq_len`, tokens).
+
+  Raises:
+    ContextOverflowError: naming `label`, the sizes and whose context.
+  """
+  need = prompt_len + max_new_tokens + slack
+  for c, config in enumerate(configs):
+    if need > config.max_seq_len:
+      whose = 'the' if c == 0 else "the draft's"
+      raise ContextOverflowError(
+          f'{label} of {prompt_len} tokens + {max_tokens_name}={max_new_tokens} + {slack} '
+          f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
+          f'context of {config.max_seq_len}')
 
 
 def check_request(target: ModelConfig, prompts, *, max_new_tokens, stop_tokens=(), draft=None,
