@@ -262,6 +262,12 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "FATAL: --slots takes distinct comma-separated ints >= 1, got '2,2'"),
     (['cost_table_noise.py', '--tables', '0'],             # before the models load
      'FATAL: --tables must be an int >= 1, got 0'),
+    (['trace_k_policy.py', '--workloads', 'json,jsn'],     # before the models load
+     "trace_k_policy.py: error: --workloads 'json,jsn': unknown ['jsn']; known: ['code', "
+     "'json', 'retrieval']"),
+    (['trace_k_policy.py', '--set', 'k1.policy.spec_margin=1'],
+     "trace_k_policy.py: error: --set 'k1.policy.spec_margin=1': want SETTING.PATH=VALUE with "
+     "SETTING in ['k0', 'k2', 'goodput']"),
 ])
 def test_script_arguments_are_refused_before_any_work(args, line):
   proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,

@@ -1,0 +1,33 @@
+"""scripts/trace_k_policy.py: a policy's rounds as runs of one K, with its probes between them."""
+
+import importlib.util
+import pathlib
+import sys
+
+from jaxspec.engine.goodput import GoodputK
+
+_DIR = pathlib.Path(__file__).parent.parent / 'scripts'
+sys.path.insert(0, str(_DIR))           # the script imports its sibling policy_host_time
+_SPEC = importlib.util.spec_from_file_location('trace_k_policy', _DIR / 'trace_k_policy.py')
+trace_k_policy = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(trace_k_policy)
+
+
+def test_rounds_are_run_length_coded_with_probes_between():
+  events = [0, 0, 0, '[1/2 g0.60]', 0, 2, 2, '[3/4]', '[0/1]', 2, 0]
+  assert trace_k_policy.runs_of(events) == 'K0x3 [1/2 g0.60] K0x1 K2x2 [3/4] [0/1] K2x1 K0x1'
+  assert trace_k_policy.runs_of([]) == ''
+
+
+def test_traced_policy_records_choices_holds_and_probes_and_keeps_its_answers():
+  policy = GoodputK(costs={k: 1.0 + k for k in range(3)})
+  policy.setup(2)
+  events = []
+  trace_k_policy._traced(policy, events)
+  k, ks = policy.choose(['a'])                 # α at its prior 0.5 with these costs: K = 0
+  assert (k, ks) == (0, [0]) and events == [0]
+  held = policy.repeat(['a'], policy.rows, policy.queued)
+  assert held == (0, [0]) and events == [0, 0]
+  policy.observe_probe('a', 3.0, 4.0, 2.0, 3.0)
+  assert events == [0, 0, '[3/4 g0.50]']
+  assert policy.tracker.alpha('a') > 0.5      # the probe reached the tracker
