@@ -19,8 +19,12 @@ import ml_collections
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
-  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp)."""
+  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp). A WORKDIR
+  with '..' in it is resolved first (the absolute path is returned): `mkdir(parents=True)` of
+  new/../kept would make a stray new/ to pass through."""
   base = pathlib.Path(workdir) / experiment
+  if '..' in base.parts:
+    base = pathlib.Path(os.path.realpath(base))
   run_id = run_id or datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')
   path, n = base / run_id, 1
   while path.exists():

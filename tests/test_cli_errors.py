@@ -201,6 +201,7 @@ def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path)
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert kept.is_dir() and not any(kept.iterdir())   # was: removed with its parent 'kept'
+  assert not (tmp_path / 'new').exists()             # was: made to pass through, left behind
 
 
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])

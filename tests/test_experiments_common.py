@@ -14,7 +14,7 @@ import pytest
 
 from experiments import common
 from experiments.common import check_fields, empty_cache, import_experiment, parse_workloads
-from experiments.records import Results, read_results
+from experiments.records import Results, new_run_dir, read_results
 from jaxspec.data import WORKLOADS
 from jaxspec.decoding import NonFiniteLogitsError
 from jaxspec.models import ModelConfig
@@ -86,6 +86,14 @@ def test_a_run_records_the_versions_its_prompts_depend_on(tmp_path):
   assert env['packages']['botocore'] == importlib.metadata.version('botocore')
   assert env['packages']['jax'] == importlib.metadata.version('jax')
   assert env['devices'] and env['cpu_count'] >= 1
+
+
+def test_a_run_directory_through_dotdot_makes_no_folder_to_pass_through(tmp_path):
+  (tmp_path / 'kept').mkdir()
+  run_dir = new_run_dir(tmp_path / 'new' / '..' / 'kept', 'exp', run_id='r')
+  assert run_dir == tmp_path.resolve() / 'kept' / 'exp' / 'r' and run_dir.is_dir()
+  assert not (tmp_path / 'new').exists()
+  assert new_run_dir(tmp_path / 'kept', 'exp', run_id='r').name == 'r-2'   # plain: as given
 
 
 def test_an_unknown_experiment_is_named_but_a_missing_dependency_is_not_hidden(monkeypatch):
