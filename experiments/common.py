@@ -146,11 +146,7 @@ def _config_path() -> str:
   try:
     path = str(flags.FLAGS['config'].config_filename or DEFAULT_CONFIG)
   except Exception:  # pylint: disable=broad-except  # not parsed yet (an override failed first)
-    args = sys.argv
-    path = next((a.partition('=')[2] if a.startswith('--config=') else args[i + 1]
-                 for i, a in enumerate(args)
-                 if a.startswith('--config=') or (a == '--config' and i + 1 < len(args))),
-                DEFAULT_CONFIG)
+    path = _config_spec(sys.argv)
   return path.split(':')[0]
 
 
@@ -235,11 +231,19 @@ def load_tokenizer(tokenizer_path, target_path, draft_path=None) -> Tokenizer:
 DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and experiments.sweep
 
 
+def _config_spec(argv, default_config: str = DEFAULT_CONFIG) -> str:
+  """The `path[:variant]` of argv's last `--config=SPEC` or `--config SPEC` (absl keeps the last
+  one), else `default_config`."""
+  specs = [a.partition('=')[2] if a.startswith('--config=') else argv[i + 1]
+           for i, a in enumerate(argv[1:], start=1)
+           if a.startswith('--config=') or (a == '--config' and i + 1 < len(argv))]
+  return specs[-1] if specs else default_config
+
+
 def _config_value(argv, default_config: str = DEFAULT_CONFIG):
-  """What get_config returns for argv's `--config=path[:variant]` (absl: the last one; else
-  `default_config`), called as ml_collections calls it; raises what loading the file raises."""
-  specs = [a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')]
-  path, _, variant = (specs[-1] if specs else default_config).partition(':')
+  """What get_config returns for argv's `--config` path[:variant] (`_config_spec`), called as
+  ml_collections calls it; raises what loading the file raises."""
+  path, _, variant = _config_spec(argv, default_config).partition(':')
   get_config = runpy.run_path(path)['get_config']
   return get_config(variant) if variant else get_config()
 

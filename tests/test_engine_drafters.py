@@ -18,6 +18,7 @@ from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens
 from jaxspec.engine.live_costs import nondecreasing
 from jaxspec.engine.k_policy import KPolicy, ScheduleK
 from jaxspec.engine.spec_steps import host_q
+from jaxspec.engine.speculation import _checked
 
 L, M, K = 8, 24, 3
 SHAPES = dict(num_slots=3, page_size=L, chunk_size=8)   # as tests/test_engine.py: shared compiles
@@ -415,6 +416,20 @@ def test_alpha_tracker_global_estimate_has_a_prior_and_decays_per_round():
     tracker.observe(r, 0.0, 1.0)
   assert 0.8 < tracker.global_alpha < 1.0
 
+
+
+def test_a_policys_choice_is_checked_alike_as_plain_or_numpy_ints():
+  """The engine's check of a policy's (K, caps): plain ints pass as they are, numpy ints as
+  ints, and a bool, a cap above K, a missing cap or a K the policy did not declare are refused
+  either way."""
+  policy = FixedK()
+  policy.setup(4)                                      # candidates (4,)
+  assert _checked(policy, 4, 2, 4, [4, 3]) == (4, [4, 3])
+  out = _checked(policy, 4, 2, np.int64(4), (np.int32(4), 2))
+  assert out == (4, [4, 2]) and all(type(x) is int for x in (out[0], *out[1]))
+  for k, caps in ((True, [1, 1]), (4, [5, 0]), (4, [4]), (np.int64(4), [True, 0]), (3, [3, 3])):
+    with pytest.raises(ValueError, match='chose K='):
+      _checked(policy, 4, 2, k, caps)
 
 def test_bad_engine_arguments(tiny, tiny_draft):
   config, params = tiny

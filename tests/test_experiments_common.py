@@ -88,6 +88,16 @@ def test_a_run_records_the_versions_its_prompts_depend_on(tmp_path):
   assert env['devices'] and env['cpu_count'] >= 1
 
 
+def test_the_last_config_flag_is_the_one_read_in_either_form():
+  """absl keeps the last --config: the FATAL lines' path and the unknown-field check read it too
+  (one of them read the first, and neither read `--config PATH`)."""
+  argv = ['run', '--config=configs/speculative.py', '--config', 'configs/batching.py:smoke']
+  assert common._config_spec(argv) == 'configs/batching.py:smoke'
+  assert common._config_value(argv).batch_size == 2          # the smoke variant's
+  assert common._config_spec(argv[:3]) == 'configs/speculative.py'
+  assert common._config_spec(['run', '--config']) == common.DEFAULT_CONFIG
+
+
 def test_a_run_directory_through_dotdot_makes_no_folder_to_pass_through(tmp_path):
   (tmp_path / 'kept').mkdir()
   run_dir = new_run_dir(tmp_path / 'new' / '..' / 'kept', 'exp', run_id='r')
