@@ -42,7 +42,7 @@ _TRACEBACK = flags.DEFINE_bool('traceback', False, 'Show the traceback of a bad-
 def check_workdir(workdir) -> None:
   """ValueError unless run directories can be made under `workdir`: the nearest existing
   directory on its path is a writable directory."""
-  start = nearest_existing(workdir)
+  start = nearest_existing(os.path.realpath(workdir))   # '..' as `new_run_dir` resolves it
   if not start.is_dir() or not os.access(start, os.W_OK | os.X_OK):
     raise ValueError(f'cannot make a run directory under --workdir={workdir}: {start} is '
                      f'{"not a directory" if not start.is_dir() else "not writable"}')

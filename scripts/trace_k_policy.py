@@ -13,9 +13,13 @@ same engines, so a policy's estimates carry from one workload to the next, as th
 sweep's case. --set overrides an attribute of a built engine (SETTING.PATH=VALUE, as in
 `scripts/policy_host_time.py`). Per pass and workload it prints each setting's tokens/s over the
 first setting's, a static setting's acceptance rate, and for each policy its rounds as runs of
-one K (`K2x8`: eight rounds at K = 2) with every probe between them (`[6/8 g0.62]`: the draft
-accepted 6 of the 8 tokens it was scored on, the global α 0.62 before the probe); then per
-workload the mean over passes and each policy's fraction of the best static setting.
+one K (`K2x8`: eight rounds at K = 2) with every probe between them (`[6/8 g0.62]`: the draft's
+scores summed to 6 over the 8 tokens it was scored on, at greedy the tokens it would have
+proposed, the global α 0.62 before the probe) and every catch-up before a round at K >= 1 that
+scored tokens (`{3/4 g0.70}`, before that round); then per workload each setting's mean speedup
+over the passes and each policy's mean over the best static setting's. (The study's *fraction*
+divides mean tokens/s instead; the mean of per-pass ratios leaves out the machine's drift
+between passes.)
 """
 
 from __future__ import annotations
@@ -55,9 +59,23 @@ def runs_of(events: list) -> str:
   return ' '.join(out)
 
 
-def _traced(policy, events: list) -> None:
-  """Wrap the policy's K choices (`repeat`, `choose`) and probes to append to `events`."""
+def _traced(policy, events: list, draft_sync=None) -> None:
+  """Wrap the policy's K choices (`repeat`, `choose`) and catch-up scores to append to `events`:
+  a K per round, '[s/t gα]' per probe and '{s/t gα}' per catch-up of `draft_sync` (the engine's
+  lazy draft cache, if any) before a round at K >= 1, put before that round's K (the engine
+  chooses K first, then catches the draft up)."""
   choose, repeat, probe = policy.choose, policy.repeat, policy.observe_probe
+  syncing = [False]
+  if draft_sync is not None:
+    before_round = draft_sync.before_round
+
+    def synced(decodes, k):
+      syncing[0] = True
+      try:
+        return before_round(decodes, k)
+      finally:
+        syncing[0] = False
+    draft_sync.before_round = synced
 
   def chosen(request_ids):
     k, ks = choose(request_ids)
@@ -73,7 +91,10 @@ def _traced(policy, events: list) -> None:
   def probed(request_id, successes, trials, later_successes, later_trials):
     tracker = getattr(policy, 'tracker', None)
     alpha = f' g{tracker.global_alpha:.2f}' if tracker is not None else ''
-    events.append(f'[{successes:.0f}/{trials:.0f}{alpha}]')
+    if syncing[0] and events and isinstance(events[-1], int):
+      events.insert(len(events) - 1, f'{{{successes:.0f}/{trials:.0f}{alpha}}}')
+    else:
+      events.append(f'[{successes:.0f}/{trials:.0f}{alpha}]')
     return probe(request_id, successes, trials, later_successes, later_trials)
 
   policy.choose, policy.repeat, policy.observe_probe = chosen, repeated, probed
@@ -95,7 +116,7 @@ def main():
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
   workloads = args.workloads.split(',')
   unknown = [w for w in workloads if w not in WORKLOADS]
-  if unknown or not workloads:
+  if unknown:
     parser.error(f'--workloads {args.workloads!r}: unknown {unknown}; known: {sorted(WORKLOADS)}')
   config = batching_config.get_config()
   config.batch_size, config.settings = args.batch, args.settings
@@ -123,7 +144,7 @@ def main():
   events = {name: [] for name, (e, _) in engines.items() if e.policy is not None and
             batching.describe(settings[name])['k_policy'] != 'fixed'}
   for name in events:
-    _traced(engines[name][0].policy, events[name])
+    _traced(engines[name][0].policy, events[name], engines[name][0].draft_sync)
   base = next(iter(engines))
   speeds = collections.defaultdict(list)
   for p in range(args.passes):

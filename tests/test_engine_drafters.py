@@ -417,7 +417,6 @@ def test_alpha_tracker_global_estimate_has_a_prior_and_decays_per_round():
   assert 0.8 < tracker.global_alpha < 1.0
 
 
-
 def test_a_policys_choice_is_checked_alike_as_plain_or_numpy_ints():
   """The engine's check of a policy's (K, caps): plain ints pass as they are, numpy ints as
   ints, and a bool, a cap above K, a missing cap or a K the policy did not declare are refused
@@ -427,9 +426,13 @@ def test_a_policys_choice_is_checked_alike_as_plain_or_numpy_ints():
   assert _checked(policy, 4, 2, 4, [4, 3]) == (4, [4, 3])
   out = _checked(policy, 4, 2, np.int64(4), (np.int32(4), 2))
   assert out == (4, [4, 2]) and all(type(x) is int for x in (out[0], *out[1]))
-  for k, caps in ((True, [1, 1]), (4, [5, 0]), (4, [4]), (np.int64(4), [True, 0]), (3, [3, 3])):
+  same = _checked(policy, 4, 2, 4, (4, 0))                # a tuple of plain ints: a list back
+  assert same == (4, [4, 0]) and type(same[1]) is list
+  for k, caps in ((True, [1, 1]), (4, [True, 0]), (4, [5, 0]), (4, [4]), (np.int64(4), [True, 0]),
+                  (3, [3, 3])):
     with pytest.raises(ValueError, match='chose K='):
       _checked(policy, 4, 2, k, caps)
+
 
 def test_bad_engine_arguments(tiny, tiny_draft):
   config, params = tiny

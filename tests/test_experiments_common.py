@@ -90,7 +90,7 @@ def test_a_run_records_the_versions_its_prompts_depend_on(tmp_path):
 
 def test_the_last_config_flag_is_the_one_read_in_either_form():
   """absl keeps the last --config: the FATAL lines' path and the unknown-field check read it too
-  (one of them read the first, and neither read `--config PATH`)."""
+  (the first read the first one, the second no `--config PATH`)."""
   argv = ['run', '--config=configs/speculative.py', '--config', 'configs/batching.py:smoke']
   assert common._config_spec(argv) == 'configs/batching.py:smoke'
   assert common._config_value(argv).batch_size == 2          # the smoke variant's
@@ -103,7 +103,8 @@ def test_a_run_directory_through_dotdot_makes_no_folder_to_pass_through(tmp_path
   run_dir = new_run_dir(tmp_path / 'new' / '..' / 'kept', 'exp', run_id='r')
   assert run_dir == tmp_path.resolve() / 'kept' / 'exp' / 'r' and run_dir.is_dir()
   assert not (tmp_path / 'new').exists()
-  assert new_run_dir(tmp_path / 'kept', 'exp', run_id='r').name == 'r-2'   # plain: as given
+  plain = new_run_dir(tmp_path / 'kept', 'exp', run_id='r')     # no '..': the path as given
+  assert plain == tmp_path / 'kept' / 'exp' / 'r-2'
 
 
 def test_an_unknown_experiment_is_named_but_a_missing_dependency_is_not_hidden(monkeypatch):

@@ -28,6 +28,25 @@ def test_traced_policy_records_choices_holds_and_probes_and_keeps_its_answers():
   assert (k, ks) == (0, [0]) and events == [0]
   held = policy.repeat(['a'], policy.rows, policy.queued)
   assert held == (0, [0]) and events == [0, 0]
+  assert policy.repeat(['b'], policy.rows, policy.queued) is None and events == [0, 0]
   policy.observe_probe('a', 3.0, 4.0, 2.0, 3.0)
   assert events == [0, 0, '[3/4 g0.50]']
   assert policy.tracker.alpha('a') > 0.5      # the probe reached the tracker
+
+
+def test_a_catch_up_before_a_round_at_k_ge_1_is_put_before_that_round():
+  """The engine chooses K, then catches the draft up (`DraftSync.before_round`), whose scores
+  reach the policy as probes do: the trace shows them apart and ahead of the round."""
+  policy = GoodputK(costs={k: 1.0 + k for k in range(3)})
+  policy.setup(2)
+
+  class Sync:
+    def before_round(self, decodes, k):
+      policy.observe_probe('a', 1.0, 2.0, 0.0, 1.0)
+  sync, events = Sync(), []
+  trace_k_policy._traced(policy, events, sync)
+  policy.choose(['a'])                          # K = 0 at the prior
+  events.append(2)                              # as if the next choice were K = 2
+  sync.before_round([], 2)
+  policy.observe_probe('a', 1.0, 1.0, 0.0, 0.0)  # a probe: after the round
+  assert trace_k_policy.runs_of(events) == 'K0x1 {1/2 g0.50} K2x1 [1/1 g0.50]'

@@ -244,7 +244,7 @@ class DraftSync:
     bound = device.bind([engine.caches[1]], table, lengths)[0]
     *scores, failed, engine.caches[1] = spec_steps.draft_catch_up(
         engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
-    # One transfer for the five [rows] results (each np.asarray waited on its own).
+    # The five [rows] results' copies start together (each np.asarray waited on its own).
     successes, trials, later_successes, later_trials, failed = jax.device_get((*scores, failed))
     self.num_calls += 1
     for row, request in enumerate(group):
