@@ -98,6 +98,27 @@ def _override(engines, override: str, parser) -> None:
   setattr(owner, path[-1], value)
 
 
+def build_study(args, parser) -> tuple:
+  """(config, settings, engines, tokenizer) for `args.batch`, `args.settings` and `args.set`: the
+  batching study's config at B = args.batch, the settings' engines built as the study builds
+  them (`experiments.batching.build_engines`, not warmed up), each --set applied. Bad settings
+  or overrides end in `parser.error` before any model loads."""
+  config = batching_config.get_config()
+  config.batch_size, config.settings = args.batch, args.settings
+  try:
+    settings = batching.parse_settings(config.settings)
+  except ValueError as error:
+    parser.error(f'--settings: {error}')
+  for override in args.set:           # the setting names, before anything is built
+    _parse_override(override, settings, parser)
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  engines = batching.build_engines(config, settings, target, target_params, draft,
+                                   draft_params)
+  for override in args.set:
+    _override(engines, override, parser)
+  return config, settings, engines, tokenizer
+
+
 def _sync_s(engine) -> float:
   """Seconds the engine's lazy draft cache has spent catching up (0 without one)."""
   return engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
@@ -166,22 +187,10 @@ def main():
   args = parser.parse_args()
   if args.batch < 1 or args.passes < 1:
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
-  config = batching_config.get_config()
-  config.batch_size, config.settings = args.batch, args.settings
-  try:
-    settings = batching.parse_settings(config.settings)
-  except ValueError as error:
-    parser.error(f'--settings: {error}')
-  for override in args.set:           # the setting names, before anything is built
-    _parse_override(override, settings, parser)
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  config, _, engines, tokenizer = build_study(args, parser)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
   prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, n, config.prompt_len,
                                             split='test', seed=0)]
-  engines = batching.build_engines(config, settings, target, target_params, draft,
-                                   draft_params)
-  for override in args.set:
-    _override(engines, override, parser)
   stop = tokenizer.eos_ids
   for name in engines:          # one untimed pass each (first-call host work)
     batching.measure({name: engines[name]}, [p[:config.chunk_size] for p in prompts[:args.batch]],

@@ -35,9 +35,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from configs import batching as batching_config
 from experiments import batching
-from experiments.speculative import load_pair
 from jaxspec.data import make_prompts
 from jaxspec.data.workloads import WORKLOADS
 
@@ -118,19 +116,7 @@ def main():
   unknown = [w for w in workloads if w not in WORKLOADS]
   if unknown:
     parser.error(f'--workloads {args.workloads!r}: unknown {unknown}; known: {sorted(WORKLOADS)}')
-  config = batching_config.get_config()
-  config.batch_size, config.settings = args.batch, args.settings
-  try:
-    settings = batching.parse_settings(config.settings)
-  except ValueError as error:
-    parser.error(f'--settings: {error}')
-  for override in args.set:           # the setting names, before anything is built
-    policy_host_time._parse_override(override, settings, parser)
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  engines = batching.build_engines(config, settings, target, target_params, draft,
-                                   draft_params)
-  for override in args.set:
-    policy_host_time._override(engines, override, parser)
+  config, settings, engines, tokenizer = policy_host_time.build_study(args, parser)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
 
   def prompts_of(workload, repeat):
