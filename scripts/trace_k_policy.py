@@ -43,7 +43,8 @@ import policy_host_time
 
 
 def runs_of(events: list) -> str:
-  """'K0x3 [1/2 g0.60] K2x8' from events: ints (one round at that K) and strings (a probe)."""
+  """'K0x3 [1/2 g0.60] K2x8' from events: ints (one round at that K) and strings (a probe or a
+  catch-up, as printed)."""
   out, last, count = [], None, 0
   for event in events + [None]:
     if isinstance(event, int) and event == last:
