@@ -251,8 +251,8 @@ def _config_value(argv, default_config: str = DEFAULT_CONFIG):
 def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
   """[(field, closest known name or None, the known names at that level)] for every
   `--config.FIELD=VALUE` of argv whose dotted path the config file (`_config_spec`: the last
-  `--config`, else `default_config`) lacks; [] when the file cannot be loaded (its own error is reported
-  instead). ml_collections stops at the first unknown field; this names them all."""
+  `--config`, else `default_config`) lacks; [] when the file cannot be loaded (its own error is
+  reported instead). ml_collections stops at the first unknown field; this names them all."""
   try:
     config = _config_value(argv, default_config)
   except Exception:  # pylint: disable=broad-except
