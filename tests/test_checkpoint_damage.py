@@ -5,6 +5,7 @@ the tracebacks of the restore's reads still in flight."""
 import pathlib
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -56,3 +57,31 @@ def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):
     load_model(path)
   reason = str(error.value).split(f'{path / "params"}: ', 1)[1]    # orbax's part, cut to 400
   assert 'tensorstore_spec' not in reason and len(reason) <= 400
+
+
+def test_quieting_late_reads_drops_only_the_closed_loop_errors(monkeypatch):
+  """The hooks `restore_error` installs drop RuntimeError('Event loop is closed') and pass every
+  other report to the hooks they replaced."""
+  from jaxspec.models import checkpoint
+  seen = []
+  monkeypatch.setattr(sys, 'excepthook', lambda kind, error, tb: seen.append(('except', error)))
+  monkeypatch.setattr(sys, 'unraisablehook', lambda report: seen.append(('raise', report)))
+  checkpoint._quiet_late_reads()
+  closed, other = RuntimeError('Event loop is closed'), RuntimeError('something else')
+  sys.excepthook(RuntimeError, closed, None)
+  sys.excepthook(RuntimeError, other, None)
+  report = types.SimpleNamespace(exc_value=closed)
+  sys.unraisablehook(report)
+  kept = types.SimpleNamespace(exc_value=other)
+  sys.unraisablehook(kept)
+  assert seen == [('except', other), ('raise', kept)]
+
+
+def test_the_asyncio_filter_drops_unread_task_and_future_errors_only():
+  from jaxspec.models import checkpoint
+  import logging
+  def record(msg):
+    return logging.LogRecord('asyncio', logging.ERROR, __file__, 1, msg, None, None)
+  for kind in ('Task', 'Future', '_GatheringFuture'):
+    assert not checkpoint._drop_unretrieved(record(f'{kind} exception was never retrieved\nfuture: x'))
+  assert checkpoint._drop_unretrieved(record('Task was destroyed but it is pending!'))

@@ -376,9 +376,10 @@ def _quiet_late_reads() -> None:
   """After an orbax restore raised: its other array reads still in flight fail or finish
   after the restore's event loop has closed, each reported with a traceback around the one
   error (1-17 of them for a truncated data file, during the next seconds or at exit):
-  RuntimeError('Event loop is closed') through `sys.unraisablehook`, and asyncio's 'Task
-  exception was never retrieved' through the 'asyncio' logger. Installs, once per process, a
-  hook that drops the first kind and passes every other report to the hook it replaced, and a
+  RuntimeError('Event loop is closed') through `sys.unraisablehook` and, from tensorstore's
+  completion threads, through `sys.excepthook` (a bare traceback), and asyncio's 'Task (or
+  Future) exception was never retrieved' through the 'asyncio' logger. Installs, once per process,
+  hooks that drop the first kind and pass every other report to the hooks they replaced, and a
   filter on that logger that drops the second kind."""
   if getattr(sys.unraisablehook, '_drops_closed_loop', False):
     return
@@ -391,14 +392,25 @@ def _quiet_late_reads() -> None:
 
   hook._drops_closed_loop = True
   sys.unraisablehook = hook
+  # tensorstore's completion callbacks call the closed loop's call_soon_threadsafe from its own
+  # threads and print what that raises through sys.excepthook (2026-12-05: in most runs of a
+  # truncated data file, before this hook).
+  previous_except = sys.excepthook
+
+  def excepthook(kind, error, traceback):
+    if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
+      previous_except(kind, error, traceback)
+
+  sys.excepthook = excepthook
   asyncio_log = logging.getLogger('asyncio')
   if _drop_unretrieved not in asyncio_log.filters:
     asyncio_log.addFilter(_drop_unretrieved)
 
 
 def _drop_unretrieved(record: logging.LogRecord) -> bool:
-  """A logging filter: False for asyncio's 'Task exception was never retrieved' reports."""
-  return not str(record.msg).startswith('Task exception was never retrieved')
+  """A logging filter: False for asyncio's 'Task exception was never retrieved' reports (and
+  'Future ...', '_GatheringFuture ...': the class of the object whose error went unread)."""
+  return not str(record.msg).split('\n', 1)[0].endswith(' exception was never retrieved')
 
 
 def orbax_reason(error: Exception, limit: int = 400) -> str:
