@@ -45,6 +45,8 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
 
 def is_int_in(value, low: int, high: int) -> bool:
   """Whether `value` passes `check_int` and lies in [low, high]."""
+  if type(value) is int:       # the common case, without check_int's conversions (a bool is not)
+    return low <= value <= high
   try:
     return low <= check_int('value', value) <= high
   except ValueError:
