@@ -10,6 +10,7 @@ otherwise restores without complaint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -294,7 +295,7 @@ def load_model(path, dtype: str = 'float32'):
   expected = param_shapes(config)
   check_orbax_metadata(path / 'params')
   try:
-    with ocp.StandardCheckpointer() as ckptr:
+    with quiet_late_reads(), ocp.StandardCheckpointer() as ckptr:
       restored = ckptr.restore(path / 'params')
   except Exception as e:  # orbax raises many types for damaged files; name the path
     if out_of_memory(e):              # not damage: the device cannot hold the model
@@ -366,45 +367,62 @@ def check_orbax_metadata(directory: pathlib.Path) -> None:
 
 def restore_error(what: str, directory, error: Exception) -> CheckpointError:
   """The CheckpointError for an orbax restore of `directory` that raised `error`: 'cannot read
-  {what} at {directory}: {orbax_reason(error)}'. Also quiets the restore's reads still in
-  flight (`_quiet_late_reads`), so that the one error is all that is printed."""
-  _quiet_late_reads()
+  {what} at {directory}: {orbax_reason(error)}'. Run the restore inside `quiet_late_reads()`."""
   return CheckpointError(f'cannot read {what} at {directory}: {orbax_reason(error)}')
 
 
-def _quiet_late_reads() -> None:
-  """After an orbax restore raised: its other array reads still in flight fail or finish
-  after the restore's event loop has closed, each reported with a traceback around the one
-  error (1-17 of them for a truncated data file, during the next seconds or at exit):
-  RuntimeError('Event loop is closed') through `sys.unraisablehook` and, from tensorstore's
-  completion threads, through `sys.excepthook` (a bare traceback), and asyncio's 'Task (or
-  Future) exception was never retrieved' through the 'asyncio' logger. Installs, once per process,
-  hooks that drop the first kind and pass every other report to the hooks they replaced, and a
-  filter on that logger that drops the second kind."""
+@contextlib.contextmanager
+def quiet_late_reads():
+  """Context manager around an orbax restore. When a restore raises, its other array reads
+  still in flight fail or finish after its event loop has closed, each reported with a
+  traceback around the one error (1-17 of them for a truncated data file, during the next
+  seconds or at exit): RuntimeError('Event loop is closed') through `sys.unraisablehook` and,
+  from tensorstore's completion threads, through `sys.excepthook` (a bare traceback), and
+  asyncio's 'Task (or Future) exception was never retrieved' through the 'asyncio' logger.
+
+  Installs hooks that drop the first kind and pass every other report to the hooks they
+  replaced, and a filter on that logger that drops the second kind, before the restore starts
+  (installed only after it raised, a read failing in between still printed: 1 run in ~7); keeps
+  them for the rest of the process when the body raises, removes them when it returns."""
+  undo = _install_quiet_hooks()
+  yield              # an error from the body is raised here, and the hooks stay installed
+  undo()
+
+
+def _install_quiet_hooks():
+  """Installs `quiet_late_reads`' hooks and logging filter unless they are installed; returns
+  a function that removes what this call installed (where nothing replaced it since)."""
   if getattr(sys.unraisablehook, '_drops_closed_loop', False):
-    return
-  previous = sys.unraisablehook
+    return lambda: None
+  previous_raise, previous_except = sys.unraisablehook, sys.excepthook
 
   def hook(report):
     error = report.exc_value
     if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
-      previous(report)
+      previous_raise(report)
 
-  hook._drops_closed_loop = True
-  sys.unraisablehook = hook
   # tensorstore's completion callbacks call the closed loop's call_soon_threadsafe from its own
   # threads and print what that raises through sys.excepthook (2026-12-05: in most runs of a
   # truncated data file, before this hook).
-  previous_except = sys.excepthook
-
   def excepthook(kind, error, traceback):
     if not (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'):
       previous_except(kind, error, traceback)
 
-  sys.excepthook = excepthook
+  hook._drops_closed_loop = True
+  sys.unraisablehook, sys.excepthook = hook, excepthook
   asyncio_log = logging.getLogger('asyncio')
-  if _drop_unretrieved not in asyncio_log.filters:
+  added = _drop_unretrieved not in asyncio_log.filters
+  if added:
     asyncio_log.addFilter(_drop_unretrieved)
+
+  def undo():
+    if sys.unraisablehook is hook:
+      sys.unraisablehook = previous_raise
+    if sys.excepthook is excepthook:
+      sys.excepthook = previous_except
+    if added:
+      asyncio_log.removeFilter(_drop_unretrieved)
+  return undo
 
 
 def _drop_unretrieved(record: logging.LogRecord) -> bool:

@@ -17,7 +17,8 @@ from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (_check_all_fit, _check_tree, check_complete,
                                        check_orbax_metadata, floating_dtype,
-                                       out_of_memory, read_config, restore_error)
+                                       out_of_memory, quiet_late_reads, read_config,
+                                       restore_error)
 from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_sums, verify_checksums,
                                       verify_sums)
 from jaxspec.parallel import specs
@@ -71,7 +72,7 @@ def load_sharded(path, mesh: Mesh, *, replicate: bool = False, dtype: str = 'flo
     shardings = specs.named(mesh, specs.param_specs(shapes))
   check_orbax_metadata(path / 'params')
   try:
-    with ocp.StandardCheckpointer() as ckptr:
+    with quiet_late_reads(), ocp.StandardCheckpointer() as ckptr:
       stored = ckptr.metadata(path / 'params').item_metadata.tree
       _check_tree(shapes, stored, f'checkpoint {path}')
       # With checksums, restored in the stored dtype, checked (in one process, where every

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, check_orbax_metadata,
-                                       restore_error, verify_checksums,
+                                       quiet_late_reads, restore_error, verify_checksums,
                                        write_checksums)
 
 
@@ -86,7 +86,7 @@ class TrainState:
                   loss=np.array(0.0, np.float32))
     check_orbax_metadata(self.path / 'state')
     try:
-      with ocp.StandardCheckpointer() as ckptr:
+      with quiet_late_reads(), ocp.StandardCheckpointer() as ckptr:
         state = ckptr.restore(self.path / 'state', target)
     except Exception as e:  # orbax raises many types for damaged files; name the path
       raise restore_error('the training state', self.path / 'state', e) from e
