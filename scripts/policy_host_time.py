@@ -102,7 +102,8 @@ def build_study(args, parser) -> tuple:
   """(config, settings, engines, tokenizer) for `args.batch`, `args.settings` and `args.set`: the
   batching study's config at B = args.batch, the settings' engines built as the study builds
   them (`experiments.batching.build_engines`, not warmed up), each --set applied. Bad settings
-  or overrides end in `parser.error` before any model loads."""
+  or overrides end in `parser.error`: before any model loads, or (a setting the engine refuses)
+  after."""
   config = batching_config.get_config()
   config.batch_size, config.settings = args.batch, args.settings
   try:
@@ -112,8 +113,11 @@ def build_study(args, parser) -> tuple:
   for override in args.set:           # the setting names, before anything is built
     _parse_override(override, settings, parser)
   target, target_params, draft, draft_params, tokenizer = load_pair(config)
-  engines = batching.build_engines(config, settings, target, target_params, draft,
-                                   draft_params)
+  try:
+    engines = batching.build_engines(config, settings, target, target_params, draft,
+                                     draft_params)
+  except ValueError as error:         # a setting the engine refuses (e.g. k past the context)
+    parser.error(f'--settings: {error}')
   for override in args.set:
     _override(engines, override, parser)
   return config, settings, engines, tokenizer

@@ -269,6 +269,9 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
     (['trace_k_policy.py', '--set', 'k1.policy.spec_margin=1'],
      "trace_k_policy.py: error: --set 'k1.policy.spec_margin=1': want SETTING.PATH=VALUE with "
      "SETTING in ['k0', 'k2', 'goodput']"),
+    (['trace_k_policy.py', '--settings', 'k0=k:0;big=k:40'],   # was a traceback (models loaded)
+     "trace_k_policy.py: error: --settings: setting 'big' ({'k': 40}): speculation length K "
+     "must be an int in [1, 16], got k=40"),
 ])
 def test_script_arguments_are_refused_before_any_work(args, line):
   proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,
