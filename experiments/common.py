@@ -153,7 +153,7 @@ def _config_path() -> str:
 def exit_unknown_field(error: Exception, argv) -> None:
   """Ends the program with one line naming the unknown `--config.FIELD` (ml_collections raises
   AttributeError / KeyError for it, at flag definition when the default config file is used)."""
-  bad = [a for a in argv[1:] if a.startswith('--config.')]
+  bad = [a for a, b in zip(argv[1:], _double_dashed(argv)[1:]) if b.startswith('--config.')]
   while isinstance(error, BaseException) and error.args and \
       isinstance(error.args[0], BaseException):                  # AttributeError(KeyError(...))
     error = error.args[0]
@@ -233,11 +233,18 @@ DEFAULT_CONFIG = 'configs/speculative.py'   # --config of experiments.run and ex
 
 def _config_spec(argv, default_config: str = DEFAULT_CONFIG) -> str:
   """The `path[:variant]` of argv's last `--config=SPEC` or `--config SPEC` (absl keeps the last
-  one), else `default_config`."""
+  one; absl also takes `-config`), else `default_config`."""
+  argv = _double_dashed(argv)
   specs = [a.partition('=')[2] if a.startswith('--config=') else argv[i + 1]
            for i, a in enumerate(argv[1:], start=1)
            if a.startswith('--config=') or (a == '--config' and i + 1 < len(argv))]
   return specs[-1] if specs else default_config
+
+
+def _double_dashed(argv) -> list:
+  """argv with absl's single-dash form of the config flags (`-config=...`, `-config.FIELD=...`)
+  written `--config...`, as the readers of argv here look for it."""
+  return [a if i == 0 or not a.startswith('-config') else '-' + a for i, a in enumerate(argv)]
 
 
 def _config_value(argv, default_config: str = DEFAULT_CONFIG):
@@ -260,7 +267,7 @@ def unknown_fields(argv, default_config: str = DEFAULT_CONFIG) -> list:
   if not isinstance(config, ml_collections.ConfigDict):
     return []
   out = []
-  for arg in argv[1:]:
+  for arg in _double_dashed(argv)[1:]:
     if not arg.startswith('--config.'):
       continue
     field = arg[len('--config.'):].split('=', 1)[0]

@@ -31,6 +31,8 @@ def test_unknown_config_field_fails_loudly(tmp_path):
       '--config.repeats=2'],                               # was: after pass 0's records
      'FATAL: config.seed=9223372036854775807 with config.repeats=2: pass 1\'s prompt seed '
      '9223372036854775808 is not a 64-bit int'),
+    (['-config=configs/batching.py:smoke', '-config.nope=1'],   # absl's single-dash form
+     "FATAL: unknown config field 'nope' in ['-config.nope=1']; known there: batch_size, "),
     (['--config=configs/batching.py:smok'],
      "FATAL flags: flag --config=configs/batching.py:smok: Error whilst parsing config file: "
      "ValueError: unknown variant 'smok'"),

@@ -98,6 +98,15 @@ def test_the_last_config_flag_is_the_one_read_in_either_form():
   assert common._config_spec(['run', '--config']) == common.DEFAULT_CONFIG
 
 
+def test_the_single_dash_config_flags_absl_takes_are_read_too():
+  """absl takes `-config=...` and `-config.FIELD=...` as it takes the double-dash forms: the
+  unknown-field check named no known fields for them (it read only `--config`)."""
+  argv = ['run', '-config=configs/batching.py:smoke', '-config.nope=1', '-config.batch_siz=2']
+  assert common._config_spec(argv) == 'configs/batching.py:smoke'
+  found = {field: close for field, close, _ in common.unknown_fields(argv)}
+  assert found == {'nope': None, 'batch_siz': 'batch_size'}
+
+
 def test_a_run_directory_through_dotdot_makes_no_folder_to_pass_through(tmp_path):
   (tmp_path / 'kept').mkdir()
   run_dir = new_run_dir(tmp_path / 'new' / '..' / 'kept', 'exp', run_id='r')
