@@ -19,19 +19,36 @@ import ml_collections
 
 
 def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathlib.Path:
-  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp). A WORKDIR
-  with '..' in it is resolved first (the absolute path is returned): `mkdir(parents=True)` of
-  new/../kept would make a stray new/ to pass through."""
+  """A fresh WORKDIR/EXPERIMENT/RUN_ID directory (RUN_ID defaults to a UTC timestamp;
+  RUN_ID-2, -3, ... when taken). A WORKDIR with '..' in it is resolved first (the absolute path
+  is returned): `mkdir(parents=True)` of new/../kept would make a stray new/ to pass through.
+
+  Safe against other runs making directories beside it: a RUN_ID another run took between the
+  check and the mkdir (two runs started in the same second) moves on to the next suffix, and
+  an EXPERIMENT directory another run's cleanup removed (`experiments.run` removes what a run
+  that measured nothing made) is made again.
+
+  Raises:
+    OSError: the directory cannot be made (a file in the way, no permission).
+  """
   base = pathlib.Path(workdir) / experiment
   if '..' in base.parts:
     base = pathlib.Path(os.path.realpath(base))
   run_id = run_id or datetime.datetime.now(datetime.timezone.utc).strftime('%Y%m%d-%H%M%S')
-  path, n = base / run_id, 1
-  while path.exists():
-    n += 1
-    path = base / f'{run_id}-{n}'
-  path.mkdir(parents=True)
-  return path
+  n, remade = 1, 0
+  while True:
+    path = base / (run_id if n == 1 else f'{run_id}-{n}')
+    try:
+      path.mkdir(parents=True)
+      return path
+    except FileExistsError:               # taken (by another run since the last try, too)
+      n += 1
+    except FileNotFoundError:
+      # mkdir(parents=True) made EXPERIMENT, and another run's cleanup removed it (empty) before
+      # RUN_ID was made in it: make both again (a few times; past that, a real error).
+      remade += 1
+      if remade > 8:
+        raise
 
 
 def _clean(value):

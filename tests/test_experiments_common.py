@@ -116,6 +116,29 @@ def test_a_run_directory_through_dotdot_makes_no_folder_to_pass_through(tmp_path
   assert plain == tmp_path / 'kept' / 'exp' / 'r-2'
 
 
+def test_run_directories_made_at_once_by_other_runs_are_neither_shared_nor_fatal(tmp_path,
+                                                                                monkeypatch):
+  """Two runs started in the same second: the second takes RUN_ID-2 (its check and mkdir were
+  apart, and the mkdir failed). Another run's cleanup removing the empty EXPERIMENT directory
+  between its mkdir and RUN_ID's: made again (it failed with FileNotFoundError)."""
+  (tmp_path / 'exp' / 'r').mkdir(parents=True)
+  (tmp_path / 'exp' / 'r-2').mkdir()
+  assert new_run_dir(tmp_path, 'exp', run_id='r') == tmp_path / 'exp' / 'r-3'
+  mkdir, calls = pathlib.Path.mkdir, []                  # the tries of RUN_ID 'r'
+
+  def cleaned_up_in_between(self, *args, **kwargs):
+    if self.name == 'r':
+      calls.append(self)
+    if calls == [self]:             # EXPERIMENT made, then removed by the other run's cleanup
+      mkdir(self.parent, parents=True)
+      self.parent.rmdir()
+      return mkdir(self)
+    return mkdir(self, *args, **kwargs)
+  monkeypatch.setattr(pathlib.Path, 'mkdir', cleaned_up_in_between)
+  run_dir = new_run_dir(tmp_path / 'other', 'exp', run_id='r')
+  assert run_dir == tmp_path / 'other' / 'exp' / 'r' and run_dir.is_dir() and len(calls) > 1
+
+
 def test_an_unknown_experiment_is_named_but_a_missing_dependency_is_not_hidden(monkeypatch):
   with pytest.raises(ValueError, match="config.experiment='nope' names no module"):
     import_experiment('nope')
