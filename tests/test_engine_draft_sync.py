@@ -2,6 +2,7 @@
 scores the draft on exactly the tokens the target drew at K = 0, catch-ups over prefix-shared
 pages leave a correct draft cache, the policy sees the catch-up seconds."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ class Record(KPolicy):
 
   def __init__(self, ks):
     super().__init__()
-    self.ks, self.calls, self.seen, self.probes = list(ks), 0, [], []
+    self.ks, self.calls, self.seen, self.probes, self.probed_x = list(ks), 0, [], [], []
 
   @property
   def candidates(self):
@@ -36,8 +37,10 @@ class Record(KPolicy):
     if trials > 0:
       self.seen.append((request_id, k, accepted, successes, trials))
 
-  def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+  def observe_probe(self, request_id, successes, trials, later_successes, later_trials,
+                    confidence=None):
     self.probes.append((request_id, trials, later_successes, later_trials))
+    self.probed_x.append(confidence)
     super().observe_probe(request_id, successes, trials, later_successes, later_trials)
 
 
@@ -79,6 +82,9 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
     logits, _ = Transformer(draft).apply(draft_params, np.asarray(context, np.int32)[None],
                                          positions, None)
     hits = np.argmax(np.asarray(logits[0]), axis=-1)[:-1] == np.asarray(context[1:])
+    target_logits, _ = Transformer(config).apply(params, np.asarray(context, np.int32)[None],
+                                                 positions, None)
+    p_drawn = np.asarray(jax.nn.softmax(target_logits[0], axis=-1)).max(axis=-1)  # greedy
     got = [(s, t) for r, k, _, s, t in policy.seen if r == rid]
     assert all(k == 0 for r, k, *_ in policy.seen)
     trials = int(sum(t for _, t in got))
@@ -90,9 +96,12 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
     # Each probe scored the next run of consecutive outputs; its pairs of neighbours tell β:
     # later trials Σ hit_j over the pairs, later successes Σ hit_j hit_{j+1}.
     start = first
-    for _, n, later_successes, later_trials in [p for p in policy.probes if p[0] == rid]:
+    # Its confidence: the target's mean p(token) over the tokens it scored.
+    for (_, n, later_successes, later_trials), confidence in [
+        (p, x) for p, x in zip(policy.probes, policy.probed_x) if p[0] == rid]:
       run = hits[start:start + int(n)].astype(int)
       assert later_trials == run[:-1].sum() and later_successes == (run[:-1] * run[1:]).sum()
+      np.testing.assert_allclose(confidence, p_drawn[start:start + int(n)].mean(), rtol=1e-4)
       start += int(n)
     assert start == first + trials
   assert sum(p[2] for p in policy.probes) > 0                # some neighbours both hit

@@ -85,7 +85,8 @@ def test_k0_rounds_in_a_row_observe_pairs_as_the_engines_probes():
     def choose(self, request_ids):
       return 0, [0] * len(request_ids)
 
-    def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+    def observe_probe(self, request_id, successes, trials, later_successes, later_trials,
+                      confidence=None):
       seen.append((successes, trials, later_successes, later_trials))
 
   policy = Zero()

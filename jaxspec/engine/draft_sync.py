@@ -224,6 +224,7 @@ class DraftSync:
     at = np.zeros((rows, m), np.int32)
     nxt = np.zeros((rows, m), np.int32)
     prob = np.zeros((rows, m), np.float32)
+    top = [[] for _ in range(rows)]        # the target's top probabilities of the scored tokens
     for row, request in enumerate(group):
       start = request.draft_computed
       n = min(engine.chunk_size, request.num_computed - start)
@@ -240,6 +241,7 @@ class DraftSync:
         if position >= 0 and request.token_p[position] > 0:
           nxt[row, j] = context[start + c + 1]
           prob[row, j] = request.token_p[position]
+          top[row].append(request.top_p[position])
     sampling = rows_lib.sampling(list(enumerate(group)), rows)
     bound = device.bind([engine.caches[1]], table, lengths)[0]
     *scores, failed, engine.caches[1] = spec_steps.draft_catch_up(
@@ -252,7 +254,8 @@ class DraftSync:
       request.metrics.draft_failed += int(failed[row])       # a probe of a broken draft
       if trials[row] > 0 and engine.policy is not None:
         engine.policy.observe_probe(request.id, float(successes[row]), float(trials[row]),
-                                    float(later_successes[row]), float(later_trials[row]))
+                                    float(later_successes[row]), float(later_trials[row]),
+                                    float(np.mean(top[row])) if top[row] else None)
 
   def measure(self, repeats: int) -> dict:
     """Compile and time one catch-up call per row bucket over idle rows (`timing.fastest`);

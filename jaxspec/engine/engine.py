@@ -415,14 +415,16 @@ class Engine:
     return result
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
-            token_p=None) -> None:
+            token_p=None, top_p=None) -> None:
     invalid = INVALID_TOKEN in tokens       # the device step ended the row there (not a token)
     if invalid:
       tokens = tokens[:tokens.index(INVALID_TOKEN)]
       token_p = None if token_p is None else token_p[:len(tokens)]
+      top_p = None if top_p is None else top_p[:len(tokens)]
     request.output.extend(tokens)
-    if self.draft_sync is not None:      # only a lazy draft's catch-up reads p(token)
+    if self.draft_sync is not None:      # only a lazy draft's catch-up and policy read them
       request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
+      request.top_p.extend([0.0] * len(tokens) if top_p is None else top_p)
     request.metrics.num_tokens = len(request.output)
     if tokens:           # a request that failed at its first token has none (and no TTFT)
       emitted.setdefault(request.id, []).extend(tokens)

@@ -101,6 +101,8 @@ class GoodputK(KPolicy):
       would have shown it pays, out for whole requests at B = 1.
     switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
       and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
+    use_confidence: move a request's α and β priors, and the queue's, by the target's
+      confidence on its recent tokens (`AlphaTracker.confidence_shift`, `KPolicy.confidences`).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
@@ -111,7 +113,8 @@ class GoodputK(KPolicy):
                candidates: Optional[Sequence[int]] = None,
                costs: Optional[Mapping[int, float]] = None, window: int = 16,
                probe_margin: float = 0.05, stay_margin: float = 0.05,
-               spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2):
+               spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2,
+               use_confidence: bool = True):
     super().__init__()
     margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
@@ -132,6 +135,8 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
+    self._x = {}                            # {request: confidence} as `_alphas` last read them
+    self.use_confidence = bool(use_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
@@ -238,10 +243,14 @@ class GoodputK(KPolicy):
       # per wave.
       t = self.tracker
       profile = self._profile if self._profile is not None else t.profile(self.k_max)
-      queue_later = np.minimum(t.global_later * np.array(profile) + raise_by, 1.0)
+      # The queue at the global estimates, moved by the running requests' mean confidence
+      # (`AlphaTracker.confidence_shift`: the requests of one set arrive together).
+      known = [x for x in self._x.values() if x is not None]
+      shift = t.confidence_shift(sum(known) / len(known)) if known else 0.0
+      queue_later = np.clip((t.global_later + shift) * np.array(profile) + raise_by, 0.0, 1.0)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
-                                          min(t.global_alpha + raise_by, 1.0), queue_later,
-                                          self.slots)
+                                          min(max(t.global_alpha + shift, 0.0) + raise_by, 1.0),
+                                          queue_later, self.slots)
       table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
       # Waves admitted after the horizon's (`later_waves` of them, each like the listed one:
@@ -277,8 +286,12 @@ class GoodputK(KPolicy):
     j - 2; `AlphaTracker.profile`), at most 1. Keeps the profile for `observe`."""
     t = self.tracker
     ids = request_ids or [None]
-    alphas = np.array([t.global_alpha if r is None else t.alpha(r) for r in ids])
-    later = np.array([t.global_later if r is None else t.later(r) / t.shape(r) for r in ids])
+    xs = self.confidences if self.use_confidence and self.confidences is not None and \
+        len(self.confidences) == len(ids) else [None] * len(ids)
+    self._x = dict(zip(ids, xs))
+    alphas = np.array([t.global_alpha if r is None else t.alpha(r, x) for r, x in zip(ids, xs)])
+    later = np.array([t.global_later if r is None else t.later(r, x) / t.shape(r)
+                      for r, x in zip(ids, xs)])
     self._profile = t.profile(self.k_max)
     return alphas, np.minimum(later[:, None] * np.array(self._profile)[None], 1.0)
 
@@ -423,18 +436,21 @@ class GoodputK(KPolicy):
       # request's `shape` (the profile of its last choice: one per round, not per row).
       n = max(0, min(int(accepted), int(k)))
       weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
-      self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight)
+      self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight,
+                           confidence=self._x.get(request_id))
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
-      self.tracker.observe(request_id, successes, trials)
+      self.tracker.observe(request_id, successes, trials, confidence=self._x.get(request_id))
     self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)
 
-  def observe_probe(self, request_id, successes, trials, later_successes, later_trials):
+  def observe_probe(self, request_id, successes, trials, later_successes, later_trials,
+                    confidence=None):
     """`KPolicy.observe_probe`: one observation of both kinds (later trials at position 2)."""
     if trials <= 0:
       return
     self._version += 1
     weight = later_trials * self._profile[0] if self._profile is not None else None
-    self.tracker.observe(request_id, successes, trials, later_successes, later_trials, weight)
+    self.tracker.observe(request_id, successes, trials, later_successes, later_trials, weight,
+                         confidence if self.use_confidence else None)
     self.tracker.observe_depth(0, 0)
 
   def forget(self, request_id):

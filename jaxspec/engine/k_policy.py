@@ -65,6 +65,9 @@ class KPolicy(abc.ABC):
       unknown); slots: the engine's batch slots (None when unknown).
     rows: the row count of the coming round's device call (the engine's decode row bucket
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
+    confidences: per request of the coming `choose`, the target's mean top probability (max
+      softmax) over its recent tokens drawn at K = 0 (`jaxspec.engine.speculation.confidence`;
+      None where unknown, and None without a lazy draft cache, which alone records it).
   """
 
   needs_costs = False
@@ -76,6 +79,7 @@ class KPolicy(abc.ABC):
   queued: Optional[int] = None
   queue_rooms: Optional[Sequence[int]] = None
   slots: Optional[int] = None
+  confidences: Optional[Sequence[Optional[float]]] = None
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -125,13 +129,14 @@ class KPolicy(abc.ABC):
     (trials 0: nothing observed)."""
 
   def observe_probe(self, request_id: Hashable, successes: float, trials: float,
-                    later_successes: float, later_trials: float) -> None:
+                    later_successes: float, later_trials: float,
+                    confidence: Optional[float] = None) -> None:
     """A lazy draft's probe (`jaxspec.engine.draft_sync`) scored tokens the target drew at
     K = 0: first-proposal (successes, trials) as `observe` of a K = 0 round, and over the pairs
     of consecutive scored tokens later_trials Σ s_j (the first accepted) and later_successes
     Σ s_j s_{j+1} (the next accepted too), evidence of the later proposals' acceptance β that
-    K = 0 rounds give no other way (`spec_steps.draft_catch_up`). Default: `observe` of the
-    first-proposal counts alone."""
+    K = 0 rounds give no other way (`spec_steps.draft_catch_up`); confidence: the target's mean
+    top probability over the scored tokens. Default: `observe` of the first-proposal counts alone."""
     self.observe(request_id, 0, 0, successes, trials)
 
   def forget(self, request_id: Hashable) -> None:

@@ -143,6 +143,14 @@ def horizon(engine, decodes) -> tuple:
   return split, num_queued(engine, decodes), rooms, engine.num_slots
 
 
+def confidence(request, tokens: int = 16) -> Optional[float]:
+  """The target's mean top probability over the last `tokens` of the request's outputs drawn at
+  K = 0 (its `top_p`, recorded with a lazy draft cache), None when it has none
+  (`KPolicy.confidences`)."""
+  known = [p for p in getattr(request, 'top_p', ()) if p > 0][-tokens:]
+  return sum(known) / len(known) if known else None
+
+
 def num_queued(engine, decodes) -> int:
   """Requests still prefilling or waiting for a slot (`decodes`: the running ones decoding)."""
   return len(engine.scheduler.waiting) + len(engine.scheduler.running) - len(decodes)
@@ -186,6 +194,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       return k, caps
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
+  policy.confidences = [confidence(r) for r in decodes] if draft_sync is not None else None
   policy.rows, policy.queued = rows, queued
   policy.queue_rooms, policy.slots = queue_rooms, slots
   policy.split_s, policy.split_tokens = split
