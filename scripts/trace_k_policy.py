@@ -87,14 +87,14 @@ def _traced(policy, events: list, draft_sync=None) -> None:
       events.append(int(out[0]))
     return out
 
-  def probed(request_id, successes, trials, later_successes, later_trials):
+  def probed(request_id, successes, trials, later_successes, later_trials, confidence=None):
     tracker = getattr(policy, 'tracker', None)
     alpha = f' g{tracker.global_alpha:.2f}' if tracker is not None else ''
     if syncing[0] and events and isinstance(events[-1], int):
       events.insert(len(events) - 1, f'{{{successes:.0f}/{trials:.0f}{alpha}}}')
     else:
       events.append(f'[{successes:.0f}/{trials:.0f}{alpha}]')
-    return probe(request_id, successes, trials, later_successes, later_trials)
+    return probe(request_id, successes, trials, later_successes, later_trials, confidence)
 
   policy.choose, policy.repeat, policy.observe_probe = chosen, repeated, probed
 

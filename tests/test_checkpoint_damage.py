@@ -108,5 +108,6 @@ def test_the_asyncio_filter_drops_unread_task_and_future_errors_only():
   def record(msg):
     return logging.LogRecord('asyncio', logging.ERROR, __file__, 1, msg, None, None)
   for kind in ('Task', 'Future', '_GatheringFuture'):
-    assert not checkpoint._drop_unretrieved(record(f'{kind} exception was never retrieved\nfuture: x'))
+    report = record(f'{kind} exception was never retrieved\nfuture: x')
+    assert not checkpoint._drop_unretrieved(report)
   assert checkpoint._drop_unretrieved(record('Task was destroyed but it is pending!'))

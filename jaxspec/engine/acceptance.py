@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import numpy as np
+
 from jaxspec.checks import check_real
 
 
@@ -106,16 +108,39 @@ class AlphaTracker:
     s = self._sums.get(request_id)
     return prior if s is None else self._ratio(s[2], s[3], prior)
 
+  def estimates(self, request_ids, confidences, k_max: int) -> tuple:
+    """(α [n], β [n, k_max], profile) float64 arrays and list for the goodput policy: each
+    request's `alpha` and, for proposal j = 2..k_max + 1 (column j - 2), its `later` over its
+    `shape` times the global `profile(k_max)` at j, at most 1; a request id None stands for a
+    request with no observation (the global estimates). confidences: one per request (None:
+    unknown), as `confidence_shift` takes them."""
+    alphas = np.array([self.global_alpha if r is None else self.alpha(r, x)
+                       for r, x in zip(request_ids, confidences)])
+    later = np.array([self.global_later if r is None else self.later(r, x) / self.shape(r)
+                      for r, x in zip(request_ids, confidences)])
+    profile = self.profile(k_max)
+    return alphas, np.minimum(later[:, None] * np.array(profile)[None], 1.0), profile
+
+  def queue_estimates(self, confidences, profile, raise_by: float = 0.0) -> tuple:
+    """(α, β [len(profile)]) of a queued request: the global estimates moved by the running
+    requests' mean confidence (`confidence_shift`; the requests of one set arrive together)
+    and raised by `raise_by`, in [0, 1]; β at each later position times `profile`."""
+    known = [x for x in confidences if x is not None]
+    shift = self.confidence_shift(sum(known) / len(known)) if known else 0.0
+    later = (_unit(self.global_later + shift) * np.array(profile)) + raise_by
+    return _unit(_unit(self.global_alpha + shift) + raise_by), np.clip(later, 0.0, 1.0)
+
   def confidence_shift(self, confidence: Optional[float]) -> float:
     """How much higher than the global α a request's α is expected to be, from the target's
-    confidence x on its recent tokens (the mean p(token) it drew them with; None: 0): b (x -
-    x_g), x_g the mean x behind the global α's observations and b >= 0 the slope of observed
-    acceptance on x (weighted least squares over the observations that came with an x, shrunk
-    toward 0 by `prior_trials` pseudo-trials of variance `SLOPE_VAR`). A target sure of its next
-    token is one the draft matches more often: on the shipped pair's held-out prompts (greedy)
-    mean p(token) 0.74 / 0.53 / 0.26 on json / retrieval / code went with α 0.80 / 0.69 / 0.61,
-    correlation 0.69 over the requests (scripts/confidence_vs_alpha.py). It moves the estimate
-    of a request that has no observation of its own when the prompt set changes, where the
+    confidence x on its recent tokens (its mean top probability max softmax(logits); None: 0):
+    b (x - x_g), x_g the mean x behind the global α's observations and b >= 0 the slope of
+    observed acceptance on x (weighted least squares over the observations that came with an x,
+    fading `SLOPE_SPAN` x slower than the global sums, shrunk toward 0 by `prior_trials`
+    pseudo-trials of x variance `SLOPE_VAR`). A target sure of its next token is one the draft
+    matches more often: on the shipped pair's held-out prompts (greedy, 32 each) mean top
+    probability 0.74 / 0.53 / 0.26 on json / retrieval / code went with α 0.80 / 0.69 / 0.61,
+    correlation 0.69 over the requests (`scripts/confidence_vs_alpha.py`). It moves the
+    estimate of a request with no observation of its own when the prompt set changes, where the
     global α, fed only by rare probes at K = 0, still stands at the last set's."""
     w, sx = self._level
     if confidence is None or w <= 0.0:

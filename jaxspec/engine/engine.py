@@ -419,8 +419,7 @@ class Engine:
     invalid = INVALID_TOKEN in tokens       # the device step ended the row there (not a token)
     if invalid:
       tokens = tokens[:tokens.index(INVALID_TOKEN)]
-      token_p = None if token_p is None else token_p[:len(tokens)]
-      top_p = None if top_p is None else top_p[:len(tokens)]
+      token_p, top_p = (None if v is None else v[:len(tokens)] for v in (token_p, top_p))
     request.output.extend(tokens)
     if self.draft_sync is not None:      # only a lazy draft's catch-up and policy read them
       request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
@@ -438,8 +437,7 @@ class Engine:
     elif request.room <= 0:
       self._finish(request, 'length', now)
 
-  def _finish(self, request: Request, reason: str, now: float,
-              error: Optional[str] = None) -> None:
+  def _finish(self, request: Request, reason: str, now: float, error: Optional[str] = None):
     if self.policy is not None:
       self.policy.forget(request.id)
     self.scheduler.remove(request, failed=reason == 'error')

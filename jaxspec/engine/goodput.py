@@ -39,8 +39,7 @@ class GoodputK(KPolicy):
   `LiveCosts` (`live`) from the start-up tables and the live rounds (`round_timing`). Without h
   a K > 0 round looks relatively dearer than it is when host work is a large part of a round;
   a K >= 1 round's host work is the larger (it scores K more often, observes every row, emits
-  more tokens). E_i is capped by what request i
-  may still emit (`KPolicy.rooms`).
+  more tokens). E_i is capped by what request i may still emit (`KPolicy.rooms`).
 
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
@@ -241,15 +240,11 @@ class GoodputK(KPolicy):
       # admission and the last wave's tail included (`makespan.rounds_with_queue`); the rounds
       # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
       # per wave.
-      t = self.tracker
-      profile = self._profile if self._profile is not None else t.profile(self.k_max)
-      # The queue at the global estimates, moved by the running requests' mean confidence
-      # (`AlphaTracker.confidence_shift`: the requests of one set arrive together).
-      known = [x for x in self._x.values() if x is not None]
-      shift = t.confidence_shift(sum(known) / len(known)) if known else 0.0
-      queue_later = np.clip((t.global_later + shift) * np.array(profile) + raise_by, 0.0, 1.0)
-      rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue,
-                                          min(max(t.global_alpha + shift, 0.0) + raise_by, 1.0),
+      profile = self._profile if self._profile is not None else \
+          self.tracker.profile(self.k_max)
+      queue_alpha, queue_later = self.tracker.queue_estimates(self._x.values(), profile,
+                                                              raise_by)
+      rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue, queue_alpha,
                                           queue_later, self.slots)
       table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
@@ -281,19 +276,15 @@ class GoodputK(KPolicy):
     return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
 
   def _alphas(self, request_ids) -> tuple:
-    """(α [n], β [n, K_max]) of the requests (the global ones when there are none): β_ij the
-    request's β over its `AlphaTracker.shape` times the global profile of proposal j (column
-    j - 2; `AlphaTracker.profile`), at most 1. Keeps the profile for `observe`."""
-    t = self.tracker
+    """`AlphaTracker.estimates` of the requests at their `KPolicy.confidences` (unless
+    `use_confidence` is off); keeps the profile for `observe` and the confidences for it and
+    the queue's pricing."""
     ids = request_ids or [None]
     xs = self.confidences if self.use_confidence and self.confidences is not None and \
         len(self.confidences) == len(ids) else [None] * len(ids)
     self._x = dict(zip(ids, xs))
-    alphas = np.array([t.global_alpha if r is None else t.alpha(r, x) for r, x in zip(ids, xs)])
-    later = np.array([t.global_later if r is None else t.later(r, x) / t.shape(r)
-                      for r, x in zip(ids, xs)])
-    self._profile = t.profile(self.k_max)
-    return alphas, np.minimum(later[:, None] * np.array(self._profile)[None], 1.0)
+    alphas, later, self._profile = self.tracker.estimates(ids, xs, self.k_max)
+    return alphas, later
 
   def choose(self, request_ids):
     if not self.live.idle:
@@ -308,7 +299,7 @@ class GoodputK(KPolicy):
     host = self.host.of(0) / self.live.unit_s()
     spec = self._spec_held
     if spec is not None and spec.steady(ratios) and spec.rounds < spec.limit and \
-        spec.key == self._spec_key(request_ids, queue, spec.k):
+        spec.key == holds.spec_key(self, request_ids, queue, spec.k):
       # A K >= 1 choice is kept for up to `_spec_hold_rounds` rounds of the same batch, queue,
       # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
       # that would change what K and K + 1 gain; one above it only lowers what larger K gain):
@@ -330,7 +321,7 @@ class GoodputK(KPolicy):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     self._last_k = k
     self._held = None
-    self._spec_held = holds.Hold(self._spec_key(request_ids, queue, k), ratios, k=k,
+    self._spec_held = holds.Hold(holds.spec_key(self, request_ids, queue, k), ratios, k=k,
                                  limit=self._spec_hold_rounds()) if k else None
     if k == 0:       # a clear lead holds 4x longer
       best = max((g for c, g in scores.items() if c), default=0.0)
@@ -387,13 +378,6 @@ class GoodputK(KPolicy):
     slot, where `_scores` prices per round in plain Python (a few µs) and a request's estimates
     move fast (a 32-token request lives ~12 rounds)."""
     return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
-
-  def _spec_key(self, request_ids, queue, k: int) -> holds.Key:
-    """What a hold of K = k >= 1 requires unchanged (`choose`)."""
-    return holds.Key(tuple(request_ids), queue, self.rows, sync_s=self.sync_s,
-                     split_s=self.split_s, tables=self.live.tables,
-                     rooms=None if self.rooms is None else
-                     tuple(min(r, k + 2) for r in self.rooms))
 
   HOLD_ROUNDS = 8
   CLEAR_LEAD = 0.1

@@ -26,6 +26,15 @@ class Key(NamedTuple):
   rooms: Optional[tuple] = None
 
 
+def spec_key(policy, request_ids, queue: tuple, k: int) -> Key:
+  """What a hold of K = k >= 1 requires unchanged (`GoodputK.choose`): the policy's batch, row
+  bucket, catch-up and split seconds and cost tables as set for this choice, and its rooms as
+  far as they cap K + 1."""
+  rooms = None if policy.rooms is None else tuple(min(r, k + 2) for r in policy.rooms)
+  return Key(tuple(request_ids), queue, policy.rows, sync_s=policy.sync_s,
+             split_s=policy.split_s, tables=policy.live.tables, rooms=rooms)
+
+
 class Hold:
   """A kept choice: its key (what must stay unchanged), the live cost ratios (K = 0's, K >= 1's)
   it was scored with, K, and for K = 0 the limits of what may move: `limit` rounds, the host

@@ -1,0 +1,89 @@
+"""The target's confidence (its top probability at K = 0) moves the goodput policy's α priors:
+`AlphaTracker.confidence_shift`, `speculation.confidence`, and the measuring script."""
+
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from jaxspec.engine import speculation
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+
+
+def _fed(pairs, repeats: int = 40, **kwargs) -> AlphaTracker:
+  """A tracker that saw `repeats` rounds of 8-trial observations (x, α) from `pairs`."""
+  tracker = AlphaTracker(**kwargs)
+  for i in range(repeats):
+    for j, (x, alpha) in enumerate(pairs):
+      tracker.observe(j, 8 * alpha, 8, confidence=x)
+  return tracker
+
+
+def test_a_confident_target_raises_a_new_requests_alpha_and_an_unsure_one_lowers_it():
+  tracker = _fed([(0.3, 0.5), (0.7, 0.9)])
+  assert tracker.confidence_shift(None) == 0.0
+  low, high = tracker.confidence_shift(0.3), tracker.confidence_shift(0.7)
+  assert low < 0 < high and high - low == pytest.approx(0.4, abs=0.05)   # slope ~1, shrunk
+  g = tracker.global_alpha
+  assert tracker.alpha('new', 0.7) == pytest.approx(min(g + high, 1.0))
+  assert tracker.alpha('new', 0.3) < g < tracker.alpha('new', 0.7)
+  assert tracker.alpha('new') == g and tracker.later('new', 0.7) > tracker.later('new')
+
+
+def test_no_shift_without_confidences_or_against_a_falling_relation():
+  tracker = AlphaTracker()
+  for i in range(20):
+    tracker.observe(i, 6.0, 8)                         # no confidence given
+  assert tracker.confidence_shift(0.9) == 0.0
+  falling = _fed([(0.3, 0.9), (0.7, 0.5)])             # clipped: the slope is >= 0
+  assert falling.confidence_shift(0.9) == 0.0 and falling.confidence_shift(0.1) == 0.0
+  flat = _fed([(0.5, 0.6), (0.5, 0.8)])                # one x only: nothing to fit a slope on
+  assert abs(flat.confidence_shift(0.9)) < 1e-9
+
+
+def test_the_shift_is_measured_from_the_confidence_the_global_alpha_stands_at():
+  # A fit over two sets, then a long stretch of the confident set alone: the global α is that
+  # set's, so a request as confident as it is not moved, and an unsure one is moved down.
+  tracker = _fed([(0.3, 0.5), (0.7, 0.9)])
+  for i in range(200):
+    tracker.observe(i % 2, 8 * 0.9, 8, confidence=0.7)
+  assert tracker.global_alpha > 0.85
+  assert abs(tracker.confidence_shift(0.7)) < 0.03 and tracker.confidence_shift(0.3) < -0.2
+
+
+def test_speculation_confidence_averages_the_known_top_probabilities():
+  request = types.SimpleNamespace(top_p=[0.0, 0.5, 0.0, 0.7])   # 0: a token drawn at K >= 1
+  assert speculation.confidence(request) == pytest.approx(0.6)
+  assert speculation.confidence(types.SimpleNamespace(top_p=[0.0])) is None
+  assert speculation.confidence(types.SimpleNamespace(top_p=[0.1] * 4 + [0.9] * 16)) == \
+      pytest.approx(0.9)                                          # the last 16 known
+  assert speculation.confidence(types.SimpleNamespace(id=1, room=3)) is None
+
+
+def test_goodput_prices_new_requests_by_their_confidence_unless_turned_off():
+  policy = GoodputK(tracker=_fed([(0.3, 0.3), (0.7, 0.8)]))
+  policy.setup(4)
+  policy.confidences = [0.3, 0.7]
+  alphas, later = policy._alphas(['a', 'b'])
+  assert alphas[0] < policy.tracker.global_alpha < alphas[1] and later[0, 0] < later[1, 0]
+  off = GoodputK(tracker=policy.tracker, use_confidence=False)
+  off.setup(4)
+  off.confidences = [0.3, 0.7]
+  alphas, _ = off._alphas(['a', 'b'])
+  assert alphas[0] == alphas[1] == policy.tracker.global_alpha
+
+
+def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft):
+  sys.path.insert(0, 'scripts')
+  import confidence_vs_alpha  # pylint: disable=import-outside-toplevel
+  config, params = tiny
+  _, draft_params = tiny_draft
+  prompts = [[5, 9, 12, 3], [7, 7, 30, 2, 8, 11]]
+  same = confidence_vs_alpha.request_stats(config, params, config, params, prompts, 6, set())
+  assert [(a, m) for a, _, m in same] == [(1.0, 6), (1.0, 6)]     # the target as its own draft
+  assert all(0.0 < x <= 1.0 for _, x, _ in same)
+  other = confidence_vs_alpha.request_stats(config, params, config, draft_params, prompts, 6,
+                                            set())
+  assert [x for _, x, _ in other] == pytest.approx([x for _, x, _ in same])
+  assert np.mean([a for a, _, _ in other]) < 1.0                  # the perturbed draft misses
