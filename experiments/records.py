@@ -42,6 +42,8 @@ def new_run_dir(workdir, experiment: str, run_id: Optional[str] = None) -> pathl
       path.mkdir(parents=True)
       return path
     except FileExistsError:               # taken (by another run since the last try, too)
+      if not os.path.lexists(path):       # a parent in the way (a dangling link): not taken
+        raise
       n += 1
     except FileNotFoundError:
       # mkdir(parents=True) made EXPERIMENT, and another run's cleanup removed it (empty) before

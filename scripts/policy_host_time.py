@@ -101,9 +101,9 @@ def _override(engines, override: str, parser) -> None:
 def build_study(args, parser) -> tuple:
   """(config, settings, engines, tokenizer) for `args.batch`, `args.settings` and `args.set`: the
   batching study's config at B = args.batch, the settings' engines built as the study builds
-  them (`experiments.batching.build_engines`, not warmed up), each --set applied. Bad settings
-  or overrides end in `parser.error`: before any model loads, or (a setting the engine refuses)
-  after."""
+  them (`experiments.batching.build_engines`, warmed up), each --set applied. Bad settings or
+  overrides, a setting the engine refuses included (`experiments.batching.validate`), end in
+  `parser.error` before any model loads."""
   config = batching_config.get_config()
   config.batch_size, config.settings = args.batch, args.settings
   try:
@@ -112,12 +112,13 @@ def build_study(args, parser) -> tuple:
     parser.error(f'--settings: {error}')
   for override in args.set:           # the setting names, before anything is built
     _parse_override(override, settings, parser)
-  target, target_params, draft, draft_params, tokenizer = load_pair(config)
   try:
-    engines = batching.build_engines(config, settings, target, target_params, draft,
-                                     draft_params)
-  except ValueError as error:         # a setting the engine refuses (e.g. k past the context)
+    batching.validate(config)         # a setting the engine refuses (e.g. k out of range)
+  except ValueError as error:
     parser.error(f'--settings: {error}')
+  target, target_params, draft, draft_params, tokenizer = load_pair(config)
+  engines = batching.build_engines(config, settings, target, target_params, draft,
+                                   draft_params)
   for override in args.set:
     _override(engines, override, parser)
   return config, settings, engines, tokenizer

@@ -271,7 +271,7 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
     (['trace_k_policy.py', '--set', 'k1.policy.spec_margin=1'],
      "trace_k_policy.py: error: --set 'k1.policy.spec_margin=1': want SETTING.PATH=VALUE with "
      "SETTING in ['k0', 'k2', 'goodput']"),
-    (['trace_k_policy.py', '--settings', 'k0=k:0;big=k:40'],   # was a traceback (models loaded)
+    (['trace_k_policy.py', '--settings', 'k0=k:0;big=k:40'],   # was: a traceback, models loaded
      "trace_k_policy.py: error: --settings: setting 'big' ({'k': 40}): speculation length K "
      "must be an int in [1, 16], got k=40"),
 ])

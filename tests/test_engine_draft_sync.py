@@ -96,7 +96,7 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
     # Each probe scored the next run of consecutive outputs; its pairs of neighbours tell β:
     # later trials Σ hit_j over the pairs, later successes Σ hit_j hit_{j+1}.
     start = first
-    # Its confidence: the target's mean p(token) over the tokens it scored.
+    # Its confidence: the target's mean max softmax probability over the tokens it scored.
     for (_, n, later_successes, later_trials), confidence in [
         (p, x) for p, x in zip(policy.probes, policy.probed_x) if p[0] == rid]:
       run = hits[start:start + int(n)].astype(int)

@@ -139,6 +139,13 @@ def test_run_directories_made_at_once_by_other_runs_are_neither_shared_nor_fatal
   assert run_dir == tmp_path / 'other' / 'exp' / 'r' and run_dir.is_dir() and len(calls) > 1
 
 
+def test_a_dangling_link_in_place_of_the_experiment_dir_is_an_error_not_a_loop(tmp_path):
+  # mkdir(parents=True) raises FileExistsError for the link, which is not a taken RUN_ID.
+  (tmp_path / 'exp').symlink_to(tmp_path / 'gone')
+  with pytest.raises(FileExistsError):
+    new_run_dir(tmp_path, 'exp', run_id='r')
+
+
 def test_an_unknown_experiment_is_named_but_a_missing_dependency_is_not_hidden(monkeypatch):
   with pytest.raises(ValueError, match="config.experiment='nope' names no module"):
     import_experiment('nope')

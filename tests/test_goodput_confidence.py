@@ -1,7 +1,8 @@
 """The target's confidence (its top probability at K = 0) moves the goodput policy's α priors:
 `AlphaTracker.confidence_shift`, `speculation.confidence`, and the measuring script."""
 
-import sys
+import math
+import pathlib
 import types
 
 import numpy as np
@@ -52,11 +53,51 @@ def test_the_shift_is_measured_from_the_confidence_the_global_alpha_stands_at():
   assert abs(tracker.confidence_shift(0.7)) < 0.03 and tracker.confidence_shift(0.3) < -0.2
 
 
+def test_queued_requests_are_priced_at_the_running_ones_confidence():
+  tracker = _fed([(0.3, 0.5), (0.7, 0.9)])
+  g, b, profile = tracker.global_alpha, tracker.global_later, [1.0, 0.5]
+  alpha, later = tracker.queue_estimates([None, None], profile, raise_by=0.1)   # as before
+  assert alpha == pytest.approx(min(g + 0.1, 1.0))
+  np.testing.assert_allclose(later, np.minimum(b * np.array(profile) + 0.1, 1.0))
+  shift = tracker.confidence_shift(0.6)
+  assert tracker.queue_estimates([0.5, 0.7, None], profile)[0] == pytest.approx(g + shift)
+  low = tracker.queue_estimates([0.3], profile)[0]
+  assert low < g
+  # Raised (the optimistic pricing of `worth_probing`): moved up only, never down.
+  assert tracker.queue_estimates([0.3], profile, raise_by=0.05)[0] == pytest.approx(g + 0.05)
+
+
+def test_a_bad_confidence_or_no_shrinkage_moves_nothing_and_raises_nothing():
+  tracker = _fed([(0.3, 0.5), (0.7, 0.9)])
+  assert tracker.confidence_shift(math.nan) == 0.0
+  assert tracker.alpha('new', math.nan) == tracker.global_alpha
+  level = list(tracker._level)
+  tracker.observe('x', 4.0, 8, confidence=math.inf)        # counted as no confidence
+  assert tracker._level[0] < level[0] and tracker._level[1] < level[1]    # faded, nothing added
+  bare = AlphaTracker(prior_trials=0.0)                    # no shrinkage: one x, no spread
+  bare.observe('a', 6.0, 8, confidence=0.5)
+  assert bare.confidence_shift(0.9) == 0.0
+
+
+def test_goodput_feeds_the_confidences_it_priced_with_into_the_fit():
+  policy = GoodputK()
+  policy.setup(4)
+  policy.confidences = [0.8]
+  policy._alphas(['a'])
+  policy.observe('a', 2, 2, 2.0, 2.0)                       # a K = 2 round: one first trial
+  assert policy.tracker._fit[0] == 1.0 and policy.tracker._fit[1] == pytest.approx(0.8)
+  off = GoodputK(use_confidence=False)
+  off.setup(4)
+  assert not off.wants_confidences and policy.wants_confidences
+  off.observe_probe('a', 6.0, 8.0, 3.0, 5.0, confidence=0.8)
+  assert off.tracker._level == [0.0, 0.0] and off.tracker._fit == [0.0] * 5
+
+
 def test_speculation_confidence_averages_the_known_top_probabilities():
-  request = types.SimpleNamespace(top_p=[0.0, 0.5, 0.0, 0.7])   # 0: a token drawn at K >= 1
+  request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: a token drawn at K >= 1
   assert speculation.confidence(request) == pytest.approx(0.6)
-  assert speculation.confidence(types.SimpleNamespace(top_p=[0.0])) is None
-  assert speculation.confidence(types.SimpleNamespace(top_p=[0.1] * 4 + [0.9] * 16)) == \
+  assert speculation.confidence(types.SimpleNamespace(max_p=[0.0])) is None
+  assert speculation.confidence(types.SimpleNamespace(max_p=[0.1] * 4 + [0.9] * 16)) == \
       pytest.approx(0.9)                                          # the last 16 known
   assert speculation.confidence(types.SimpleNamespace(id=1, room=3)) is None
 
@@ -74,8 +115,8 @@ def test_goodput_prices_new_requests_by_their_confidence_unless_turned_off():
   assert alphas[0] == alphas[1] == policy.tracker.global_alpha
 
 
-def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft):
-  sys.path.insert(0, 'scripts')
+def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft, monkeypatch):
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / 'scripts'))
   import confidence_vs_alpha  # pylint: disable=import-outside-toplevel
   config, params = tiny
   _, draft_params = tiny_draft

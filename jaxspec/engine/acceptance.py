@@ -113,7 +113,7 @@ class AlphaTracker:
     request's `alpha` and, for proposal j = 2..k_max + 1 (column j - 2), its `later` over its
     `shape` times the global `profile(k_max)` at j, at most 1; a request id None stands for a
     request with no observation (the global estimates). confidences: one per request (None:
-    unknown), as `confidence_shift` takes them."""
+    unknown), as `confidence_shift` takes them (ignored for the id None)."""
     alphas = np.array([self.global_alpha if r is None else self.alpha(r, x)
                        for r, x in zip(request_ids, confidences)])
     later = np.array([self.global_later if r is None else self.later(r, x) / self.shape(r)
@@ -123,33 +123,37 @@ class AlphaTracker:
 
   def queue_estimates(self, confidences, profile, raise_by: float = 0.0) -> tuple:
     """(α, β [len(profile)]) of a queued request: the global estimates moved by the running
-    requests' mean confidence (`confidence_shift`; the requests of one set arrive together)
-    and raised by `raise_by`, in [0, 1]; β at each later position times `profile`."""
-    known = [x for x in confidences if x is not None]
+    requests' mean confidence (`confidence_shift`; the requests of one set arrive together;
+    with raise_by > 0, an optimistic pricing, only upward) and raised by `raise_by`, in
+    [0, 1]; β at each later position times `profile`. Without confidences: min(global α +
+    raise_by, 1) and min(global β x profile + raise_by, 1)."""
+    known = [x for x in confidences if x is not None and math.isfinite(x)]
     shift = self.confidence_shift(sum(known) / len(known)) if known else 0.0
+    shift = max(shift, 0.0) if raise_by > 0 else shift
     later = (_unit(self.global_later + shift) * np.array(profile)) + raise_by
     return _unit(_unit(self.global_alpha + shift) + raise_by), np.clip(later, 0.0, 1.0)
 
   def confidence_shift(self, confidence: Optional[float]) -> float:
     """How much higher than the global α a request's α is expected to be, from the target's
-    confidence x on its recent tokens (its mean top probability max softmax(logits); None: 0):
-    b (x - x_g), x_g the mean x behind the global α's observations and b >= 0 the slope of
-    observed acceptance on x (weighted least squares over the observations that came with an x,
-    fading `SLOPE_SPAN` x slower than the global sums, shrunk toward 0 by `prior_trials`
-    pseudo-trials of x variance `SLOPE_VAR`). A target sure of its next token is one the draft
+    confidence x on its recent tokens (its mean top probability max softmax(logits); None or
+    not finite: 0): b (x - x_g), x_g the mean x of the observations behind the global α that
+    came with one (their sums fade with the global ones, on every observation) and b >= 0 the
+    slope of observed acceptance on x (weighted least squares over those observations, fading
+    `SLOPE_SPAN` x slower, and only on observations with an x: without probes the fit keeps
+    what it had; shrunk toward 0 by `prior_trials` pseudo-trials of x variance `SLOPE_VAR`). A target sure of its next token is one the draft
     matches more often: on the shipped pair's held-out prompts (greedy, 32 each) mean top
     probability 0.74 / 0.53 / 0.26 on json / retrieval / code went with α 0.80 / 0.69 / 0.61,
     correlation 0.69 over the requests (`scripts/confidence_vs_alpha.py`). It moves the
     estimate of a request with no observation of its own when the prompt set changes, where the
     global α, fed only by rare probes at K = 0, still stands at the last set's."""
     w, sx = self._level
-    if confidence is None or w <= 0.0:
+    if confidence is None or not math.isfinite(confidence) or w <= 0.0:
       return 0.0
     n, fx, fy, fxx, fxy = self._fit
-    if n <= 0.0:
+    spread = max(fxx - fx * fx / n, 0.0) + self.prior_trials * self.SLOPE_VAR if n > 0 else 0.0
+    if spread <= 1e-12 * max(n, 1.0):     # no spread of x to fit on (and no shrinkage)
       return 0.0
-    sxx, sxy = fxx - fx * fx / n, fxy - fx * fy / n
-    slope = min(max(sxy / (sxx + self.prior_trials * self.SLOPE_VAR), 0.0), 1.0)
+    slope = min(max((fxy - fx * fy / n) / spread, 0.0), 1.0)
     return slope * (confidence - sx / w)
 
   SLOPE_VAR = 0.01    # variance of x of a pseudo-trial of slope 0 (`confidence_shift`)
@@ -163,8 +167,8 @@ class AlphaTracker:
     global ones by decay^(1/max(n, global_span)) first (n requests tracked): the first
     proposal's when observed, the later ones' always. `later_weight`: the sum of `profile`'s
     values at the positions of the later trials (None: 1 each), kept alike for `shape`.
-    `confidence`: the target's mean p(token) on the request's recent tokens (None: unknown),
-    for `confidence_shift`.
+    `confidence`: the target's mean max softmax probability on the request's recent tokens
+    (None or not finite: unknown), for `confidence_shift`.
 
     Raises:
       ValueError: a count that is not a finite number (one NaN would stay in the global sums

@@ -109,7 +109,7 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
   Returns:
     (window [B, 1] int32 the sampled token, emitted [B] int32 0 or 1, token_p [B] float32 the
     probability p(token) it was drawn with (1 for greedy rows; a lazy draft cache scores its
-    draft against it later, `jaxspec.engine.draft_sync`), top_p [B] float32 the model's own
+    draft against it later, `jaxspec.engine.draft_sync`), max_p [B] float32 the model's own
     top probability max softmax(logits) whatever the sampling (its confidence, which goes with
     the draft's acceptance: `jaxspec.engine.acceptance.AlphaTracker.confidence_shift`),
     target_cache).
@@ -118,8 +118,8 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
   p = probabilities(logits, sampling)
   window = sample(rng, p)[:, None]
   emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
-  top_p = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
-  return window, emitted, jnp.take_along_axis(p, window, axis=1)[:, 0], top_p, target_cache
+  max_p = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
+  return window, emitted, jnp.take_along_axis(p, window, axis=1)[:, 0], max_p, target_cache
 
 
 def compile_counts() -> dict:

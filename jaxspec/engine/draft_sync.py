@@ -241,7 +241,7 @@ class DraftSync:
         if position >= 0 and request.token_p[position] > 0:
           nxt[row, j] = context[start + c + 1]
           prob[row, j] = request.token_p[position]
-          top[row].append(request.top_p[position])
+          top[row].append(request.max_p[position])
     sampling = rows_lib.sampling(list(enumerate(group)), rows)
     bound = device.bind([engine.caches[1]], table, lengths)[0]
     *scores, failed, engine.caches[1] = spec_steps.draft_catch_up(

@@ -37,7 +37,8 @@ class Round:
     successes, trials: [B] float64, the round's acceptance observation per row for the K policy
       (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
     token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
-    top_p: [B] float32 the target's max softmax probability in a K = 0 round (None otherwise).
+    max_p: [B] float32 the target's max softmax probability, from `plain_round` (a lazy draft's
+      K = 0 round; None otherwise).
     draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal, or in a
       K = 0 round at the position it scores (None: no draft model ran this round).
   """
@@ -50,18 +51,18 @@ class Round:
   trials: np.ndarray
   token_p: Optional[np.ndarray] = None
   draft_failed: Optional[np.ndarray] = None
-  top_p: Optional[np.ndarray] = None
+  max_p: Optional[np.ndarray] = None
 
 
 def plain_round(engine, caches, pending, room, stop, rng, sampling):
   """A K = 0 round of the target alone: `device.decode_round`. Returns (Round, [target cache])
   (the engine keeps any cache it did not bind, e.g. a lazy draft's)."""
-  window, emitted, token_p, top_p, target_cache = device.decode_round(
+  window, emitted, token_p, max_p, target_cache = device.decode_round(
       engine.target, engine.target_params, caches[0], pending, room, stop, rng, sampling)
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-               np.zeros((b,)), np.asarray(token_p), top_p=np.asarray(top_p)), [target_cache]
+               np.zeros((b,)), np.asarray(token_p), max_p=np.asarray(max_p)), [target_cache]
 
 
 def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):

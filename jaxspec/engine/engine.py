@@ -415,15 +415,15 @@ class Engine:
     return result
 
   def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
-            token_p=None, top_p=None) -> None:
+            token_p=None, max_p=None) -> None:
     invalid = INVALID_TOKEN in tokens       # the device step ended the row there (not a token)
     if invalid:
       tokens = tokens[:tokens.index(INVALID_TOKEN)]
-      token_p, top_p = (None if v is None else v[:len(tokens)] for v in (token_p, top_p))
+      token_p, max_p = (None if v is None else v[:len(tokens)] for v in (token_p, max_p))
     request.output.extend(tokens)
     if self.draft_sync is not None:      # only a lazy draft's catch-up and policy read them
       request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
-      request.top_p.extend([0.0] * len(tokens) if top_p is None else top_p)
+      request.max_p.extend([0.0] * len(tokens) if max_p is None else max_p)
     request.metrics.num_tokens = len(request.output)
     if tokens:           # a request that failed at its first token has none (and no TTFT)
       emitted.setdefault(request.id, []).extend(tokens)
@@ -437,7 +437,7 @@ class Engine:
     elif request.room <= 0:
       self._finish(request, 'length', now)
 
-  def _finish(self, request: Request, reason: str, now: float, error: Optional[str] = None):
+  def _finish(self, request: Request, reason: str, now: float, error: str | None = None) -> None:
     if self.policy is not None:
       self.policy.forget(request.id)
     self.scheduler.remove(request, failed=reason == 'error')

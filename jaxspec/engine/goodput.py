@@ -58,17 +58,16 @@ class GoodputK(KPolicy):
   horizon would price its rounds, at the global α, at the K chosen for the decoding request.
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
-  when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while nothing it depends on
-  moved: no new observation, the same requests, row bucket and queue, the K >= 1 / K = 0 live
-  cost ratio within ~10 % and their common level within ~35 % of those at the choice, and host
-  time not up by 5 % of a round. A choice of K >= 1 is held for up to `SPEC_HOLD_ROUNDS` rounds
-  (`ONE_SLOT_HOLD_ROUNDS` with one slot, whose per-round score takes a few µs) of the same
-  batch, queue and costs while no room falls below K + 2; `repeat`, which the engine asks
-  first, also keeps it through finishes, with more than one slot through admissions from the
-  queue, through rooms falling below K + 2 as long as one stays above, and through equal rooms
+  when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while no new observation came and
+  the requests, row bucket, queue, cost ratios (K >= 1 / K = 0 within ~10 %, their level within
+  ~35 %) and host time (up by < 5 % of a round) stand; the requests' confidences move every
+  K = 0 round and are read again when the hold ends. A choice of K >= 1 is held for up to
+  `SPEC_HOLD_ROUNDS` rounds (`ONE_SLOT_HOLD_ROUNDS` with one slot) of the same batch, queue and
+  costs while no room falls below K + 2, and `repeat` keeps it through finishes, admissions
+  from the queue (more than one slot), rooms below K + 2 while one stays above, and equal rooms
   when the choice priced a split (`_repeat_spec`). A scoring costs 0.1-0.6 ms of host time on
-  the development CPU right after a device call (the horizon's numpy work at K_max = 8 the
-  dear end), 3-15 % of a 4-8 ms round at B = 1-4 if it ran every round.
+  the development CPU (the horizon's numpy work at K_max = 8 the dear end), 3-15 % of a 4-8 ms
+  round at B = 1-4 if it ran every round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -135,7 +134,7 @@ class GoodputK(KPolicy):
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
     self._x = {}                            # {request: confidence} as `_alphas` last read them
-    self.use_confidence = bool(use_confidence)
+    self.wants_confidences = bool(use_confidence)   # `KPolicy.wants_confidences`
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
@@ -221,8 +220,8 @@ class GoodputK(KPolicy):
 
   def _scores(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
-    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests are priced at the
-    global estimates plus `raise_by` (capped at 1), as `worth_probing` raises the running
+    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests at
+    `AlphaTracker.queue_estimates`, raised by `raise_by` as `worth_probing` raises the running
     ones'."""
     rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
         else None
@@ -236,10 +235,8 @@ class GoodputK(KPolicy):
     queue = self.queue_rooms
     if rooms is not None and queue is not None and (self.slots or 0) > 1 and \
         len(rooms) <= self.slots:
-      # Requests wait: the time until they are done too, a freed slot idling one round per
-      # admission and the last wave's tail included (`makespan.rounds_with_queue`); the rounds
-      # run the full batch, and K >= 1 pays the catch-up once and the split admissions once
-      # per wave.
+      # Requests wait: the time until they are done too (`makespan.rounds_with_queue`); the
+      # rounds run the full batch; K >= 1 pays the catch-up once, the split once per wave.
       profile = self._profile if self._profile is not None else \
           self.tracker.profile(self.k_max)
       queue_alpha, queue_later = self.tracker.queue_estimates(self._x.values(), profile,
@@ -275,14 +272,15 @@ class GoodputK(KPolicy):
     best = max(scores.values())
     return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
 
-  def _alphas(self, request_ids) -> tuple:
+  def _alphas(self, request_ids, confident: bool = True) -> tuple:
     """`AlphaTracker.estimates` of the requests at their `KPolicy.confidences` (unless
-    `use_confidence` is off); keeps the profile for `observe` and the confidences for it and
-    the queue's pricing."""
+    `use_confidence` is off, or not `confident`); keeps the profile for `observe` and the
+    confidences (if `confident`) for it and the queue's pricing."""
     ids = request_ids or [None]
-    xs = self.confidences if self.use_confidence and self.confidences is not None and \
-        len(self.confidences) == len(ids) else [None] * len(ids)
-    self._x = dict(zip(ids, xs))
+    xs = self.confidences if confident and self.wants_confidences and \
+        self.confidences is not None and len(self.confidences) == len(ids) else [None] * len(ids)
+    if confident:
+      self._x = dict(zip(ids, xs))
     alphas, later, self._profile = self.tracker.estimates(ids, xs, self.k_max)
     return alphas, later
 
@@ -303,8 +301,7 @@ class GoodputK(KPolicy):
       # A K >= 1 choice is kept for up to `_spec_hold_rounds` rounds of the same batch, queue,
       # costs, live cost ratios and rooms as far as they cap K + 1 (a shrinking room below
       # that would change what K and K + 1 gain; one above it only lowers what larger K gain):
-      # the estimates move by one round's observations, and a scoring over the horizon costs
-      # 0.1-0.6 ms of host time, 3-15 % of a round at B = 1-4 on the development CPU.
+      # the estimates move by one round's observations (a scoring's cost: the class doc).
       spec.rounds += 1
       return spec.k, [spec.k] * len(request_ids)
     inputs = holds.Key(tuple(request_ids), queue, self.rows, version=self._version)
@@ -333,7 +330,8 @@ class GoodputK(KPolicy):
   def repeat(self, request_ids, rows, queued, rooms=None):
     """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
     the estimates are unchanged and the cost ratios and host time have not moved (None
-    otherwise). The rest `choose` checks cannot move against K = 0 meanwhile: with the same
+    otherwise; the confidences, which move every round, are not checked). The rest `choose`
+    checks cannot move against K = 0 meanwhile: with the same
     requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
     shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
     stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
@@ -401,13 +399,15 @@ class GoodputK(KPolicy):
     trials: with few observations (one request, or a batch that has not been probed yet) the
     estimates are loose and a probe is worth its cost; many probes' worth of trials pin them.
     Raised are the running requests' estimates and the global ones the queue is priced at (at
-    B = 2 the queue holds most of the horizon's tokens). Always True while `cold`."""
+    B = 2 the queue holds most of the horizon's tokens), each moved by its confidence only
+    upward: a slope fitted wrong must not stop the probes that would correct it. Always True
+    while `cold`."""
     if not self.live.idle or self.cold:
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
-    sd = math.sqrt(g * (1 - g) / max(n, 1.0))
-    up = self.probe_margin + 2 * sd
-    alphas, later = self._alphas(request_ids)
+    up = self.probe_margin + 2 * math.sqrt(g * (1 - g) / max(n, 1.0))    # + 2 sd
+    plain = self._alphas(request_ids, confident=False)
+    alphas, later = (np.maximum(a, b) for a, b in zip(self._alphas(request_ids), plain))
     return self._pick(self._scored(np.minimum(alphas + up, 1.0),
                                    np.minimum(later + up, 1.0), raise_by=up)) >= 1
 
@@ -434,7 +434,7 @@ class GoodputK(KPolicy):
     self._version += 1
     weight = later_trials * self._profile[0] if self._profile is not None else None
     self.tracker.observe(request_id, successes, trials, later_successes, later_trials, weight,
-                         confidence if self.use_confidence else None)
+                         confidence if self.wants_confidences else None)
     self.tracker.observe_depth(0, 0)
 
   def forget(self, request_id):

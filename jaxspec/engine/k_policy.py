@@ -67,7 +67,9 @@ class KPolicy(abc.ABC):
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
     confidences: per request of the coming `choose`, the target's mean top probability (max
       softmax) over its recent tokens drawn at K = 0 (`jaxspec.engine.speculation.confidence`;
-      None where unknown, and None without a lazy draft cache, which alone records it).
+      None where unknown, and None without a lazy draft cache, which alone records it, or
+      unless `wants_confidences`: gathering them costs host time).
+    wants_confidences: whether the policy reads `confidences` (default False).
   """
 
   needs_costs = False
@@ -80,6 +82,7 @@ class KPolicy(abc.ABC):
   queue_rooms: Optional[Sequence[int]] = None
   slots: Optional[int] = None
   confidences: Optional[Sequence[Optional[float]]] = None
+  wants_confidences = False
 
   def __init__(self):
     self.k_max: Optional[int] = None

@@ -164,7 +164,7 @@ class Request:
       lazily (`jaxspec.engine.draft_sync`; 0 at every admission).
     token_p: with a lazy draft cache, per emitted token, the target probability p(token) it was
       drawn with where known (rounds at K = 0), else 0 (empty otherwise).
-    top_p: alike, the target's max softmax probability at that step (its confidence).
+    max_p: alike, the target's max softmax probability at that step (its confidence).
     order: admission sequence number (lower = older = higher priority).
   """
 
@@ -181,10 +181,10 @@ class Request:
   num_computed: int = 0
   draft_computed: int = 0
   token_p: list = dataclasses.field(default_factory=list)
-  top_p: list = dataclasses.field(default_factory=list)
   order: int = -1
   sampling: SamplingParams = SamplingParams()
   finish_reason: Optional[str] = None
+  max_p: list = dataclasses.field(default_factory=list)
 
   @property
   def context(self) -> list:

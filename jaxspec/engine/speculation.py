@@ -144,10 +144,11 @@ def horizon(engine, decodes) -> tuple:
 
 
 def confidence(request, tokens: int = 16) -> Optional[float]:
-  """The target's mean top probability over the last `tokens` of the request's outputs drawn at
-  K = 0 (its `top_p`, recorded with a lazy draft cache), None when it has none
-  (`KPolicy.confidences`)."""
-  known = [p for p in getattr(request, 'top_p', ()) if p > 0][-tokens:]
+  """The target's mean max softmax probability over the last `tokens` (>= 1) of the request's
+  outputs drawn at K = 0 (its `max_p`, recorded with a lazy draft cache; read from the end), None
+  when it has none (`KPolicy.confidences`)."""
+  known = list(itertools.islice((p for p in reversed(getattr(request, 'max_p', ())) if p > 0),
+                                max(1, tokens)))
   return sum(known) / len(known) if known else None
 
 
@@ -194,7 +195,8 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       return k, caps
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
-  policy.confidences = [confidence(r) for r in decodes] if draft_sync is not None else None
+  policy.confidences = [confidence(r) for r in decodes] \
+      if draft_sync is not None and policy.wants_confidences else None
   policy.rows, policy.queued = rows, queued
   policy.queue_rooms, policy.slots = queue_rooms, slots
   policy.split_s, policy.split_tokens = split
