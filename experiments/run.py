@@ -22,7 +22,7 @@ from experiments.common import (DEFAULT_CONFIG, exit_config_error, exit_unknown_
                                 import_experiment, parse_flags, validate, warn_if_busy)
 from experiments.records import DiscardedResults, Results, new_run_dir
 from jaxspec.checks import nearest_existing
-from jaxspec.models.checkpoint import out_of_memory
+from jaxspec.models.restore_errors import out_of_memory
 from jaxspec.parallel import distributed
 
 try:  # with the default config file, overrides are applied here, at definition

@@ -62,11 +62,11 @@ def test_a_damaged_manifest_is_named_in_a_few_hundred_characters(saved):
 def test_quieting_late_reads_drops_only_the_closed_loop_errors(monkeypatch):
   """The hooks `quiet_late_reads` installs drop RuntimeError('Event loop is closed') and pass every
   other report to the hooks they replaced."""
-  from jaxspec.models import checkpoint
+  from jaxspec.models import restore_errors
   seen = []
   monkeypatch.setattr(sys, 'excepthook', lambda kind, error, tb: seen.append(('except', error)))
   monkeypatch.setattr(sys, 'unraisablehook', lambda report: seen.append(('raise', report)))
-  checkpoint._install_quiet_hooks()
+  restore_errors._install_quiet_hooks()
   closed, other = RuntimeError('Event loop is closed'), RuntimeError('something else')
   sys.excepthook(RuntimeError, closed, None)
   sys.excepthook(RuntimeError, other, None)
@@ -82,32 +82,32 @@ def test_late_read_hooks_are_in_place_during_a_restore_and_stay_only_if_it_raise
   restore raised printed a traceback when they came later), removes them when the body returns
   and keeps them when it raises."""
   import logging
-  from jaxspec.models import checkpoint
+  from jaxspec.models import restore_errors
   own_raise, own_except = (lambda report: None), (lambda kind, error, tb: None)
   monkeypatch.setattr(sys, 'unraisablehook', own_raise)
   monkeypatch.setattr(sys, 'excepthook', own_except)
   log = logging.getLogger('asyncio')
   monkeypatch.setattr(log, 'filters', [])
   installed = lambda: (sys.unraisablehook is not own_raise and sys.excepthook is not own_except
-                       and checkpoint._drop_unretrieved in log.filters)
-  with checkpoint.quiet_late_reads():
+                       and restore_errors._drop_unretrieved in log.filters)
+  with restore_errors.quiet_late_reads():
     assert installed()
   assert sys.unraisablehook is own_raise and sys.excepthook is own_except and not log.filters
   with pytest.raises(ValueError, match='restore failed'):
-    with checkpoint.quiet_late_reads():
+    with restore_errors.quiet_late_reads():
       raise ValueError('restore failed')
   assert installed()
-  with checkpoint.quiet_late_reads():      # already installed: left as they are after the body
+  with restore_errors.quiet_late_reads():      # already installed: left as they are after the body
     pass
   assert installed()
 
 
 def test_the_asyncio_filter_drops_unread_task_and_future_errors_only():
-  from jaxspec.models import checkpoint
+  from jaxspec.models import restore_errors
   import logging
   def record(msg):
     return logging.LogRecord('asyncio', logging.ERROR, __file__, 1, msg, None, None)
   for kind in ('Task', 'Future', '_GatheringFuture'):
     report = record(f'{kind} exception was never retrieved\nfuture: x')
-    assert not checkpoint._drop_unretrieved(report)
-  assert checkpoint._drop_unretrieved(record('Task was destroyed but it is pending!'))
+    assert not restore_errors._drop_unretrieved(report)
+  assert restore_errors._drop_unretrieved(record('Task was destroyed but it is pending!'))

@@ -16,9 +16,9 @@ from jax.sharding import Mesh, NamedSharding
 from jaxspec.models import hf, param_shapes
 # pylint: disable-next=protected-access
 from jaxspec.models.checkpoint import (_check_all_fit, _check_tree, check_complete,
-                                       check_orbax_metadata, floating_dtype,
-                                       out_of_memory, quiet_late_reads, read_config,
-                                       restore_error)
+                                       floating_dtype, read_config)
+from jaxspec.models.restore_errors import (check_orbax_metadata, out_of_memory,
+                                           quiet_late_reads, restore_error)
 from jaxspec.models.checksums import (CHECKSUMS, CheckpointError, listed_sums, verify_checksums,
                                       verify_sums)
 from jaxspec.parallel import specs

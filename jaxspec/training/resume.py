@@ -13,9 +13,9 @@ from typing import Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, check_orbax_metadata,
-                                       quiet_late_reads, restore_error, verify_checksums,
+from jaxspec.models.checkpoint import (CHECKSUMS, CheckpointError, verify_checksums,
                                        write_checksums)
+from jaxspec.models.restore_errors import check_orbax_metadata, quiet_late_reads, restore_error
 
 
 class TrainState:
