@@ -2,20 +2,25 @@
 call, the K choice (`speculation.choose`: the policy, probes and catch-ups) and gathering the
 queue and split inputs (`speculation.horizon`), against plain continuous batching, in one run.
 
-    python scripts/policy_host_time.py [--batch 4] [--workload code]
+    python scripts/policy_host_time.py [--batch 4] [--workload code | json,code,retrieval]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
         [--set 'goodput.draft_sync.probe_every=None' ...] [--per_pass] [--costs]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
 each, greedy), then stepped in turn (`experiments.batching.measure`, the order shuffled every
-round) for --passes passes. --set overrides an attribute of a built engine before the runs
+round) for --passes passes. Each pass runs the --workload list in order on that pass's prompts
+(`experiments.batching.prompt_seed`: a new draw each pass), as each repeat of the sweep does:
+with 'json,code,retrieval' a policy meets the workload changes the sweep's cells meet (after a
+K >= 1 stretch on json, the code prompts' prefill fills the draft's cache too and the probes
+start early again). --set overrides an attribute of a built engine before the runs
 (SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
 settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
-overhead into probes and the rest. --per_pass also prints each pass (what one stretch at K >= 1
-costs: prefill calls, catch-ups, rounds with an idle row). Per setting it prints tokens/s as a
-ratio to the first setting (mean over passes), decode rounds per pass, the mean microseconds per
-round of each part, the rounds per K, and for a lazy draft cache its catch-up calls and
+overhead into probes and the rest. --per_pass also prints each pass and workload (what one
+stretch at K >= 1 costs: prefill calls and their milliseconds, catch-ups, rounds with an idle
+row). Per setting and workload it prints tokens/s as a ratio to the first setting (mean over
+passes), decode rounds per pass, the mean microseconds per round of each part, the prefill
+calls' milliseconds per pass, the rounds per K, and for a lazy draft cache its catch-up calls and
 milliseconds per pass and the tokens its catch-ups scored per pass (what the policy learns of α
 while it runs K = 0). --costs also prints, per setting, the median seconds of its decode
 calls of the full batch's row bucket (B rows computed) at each K it ran, and for a policy that
@@ -45,6 +50,7 @@ from configs import batching as batching_config
 from experiments import batching
 from experiments.speculative import load_pair
 from jaxspec.data import make_prompts
+from jaxspec.data.workloads import WORKLOADS
 from jaxspec.engine import engine as engine_lib
 
 
@@ -124,26 +130,57 @@ def build_study(args, parser) -> tuple:
   return config, settings, engines, tokenizer
 
 
-def _sync_s(engine) -> float:
-  """Seconds the engine's lazy draft cache has spent catching up (0 without one)."""
-  return engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
+def _sync_marks(engine) -> tuple:
+  """(catch-up calls, seconds) the engine's lazy draft cache has run so far ((0, 0) without
+  one)."""
+  sync = engine.draft_sync
+  return (sync.num_calls, sync.seconds) if sync is not None else (0, 0.0)
 
 
-def _timed_decode(totals: collections.Counter, calls: dict, engine):
-  """The engine's decode call wrapped to add its wall seconds to totals['device'] and, when it
-  computes the full batch's row bucket, to calls[K] (K its `k` keyword)."""
-  function = engine._call_decode
+def _instrument(engine, name, totals, current, calls) -> None:
+  """Wrap the engine's calls to add to totals[(name, current workload)]: its decode calls'
+  seconds ('device', and `calls` per K of the full row bucket), its prefill calls' ('prefill',
+  'prefills'), its decode rounds with an idle row ('part_rounds') and the tokens its catch-ups
+  scored ('probe_tokens'); `current` = [setting, workload] is set for each step."""
+  def counters():
+    return totals[(name, current[1])]
+  decode = engine._call_decode
 
-  def call(*args, **kwargs):
+  def call_decode(*args, **kwargs):
     start = time.perf_counter()
     try:
-      return function(*args, **kwargs)
+      return decode(*args, **kwargs)
     finally:
       seconds = time.perf_counter() - start
-      totals['device'] += seconds
+      counters()['device'] += seconds
       if len(args[0]) == engine.num_slots:            # args[0]: the call's page table
         calls[kwargs.get('k', 0)].append(seconds)
-  return call
+  engine._call_decode = call_decode
+  prefill = engine._call_prefill
+
+  def call_prefill(*args, **kwargs):
+    counters()['prefills'] += 1
+    return _timed(counters(), 'prefill', prefill)(*args, **kwargs)
+  engine._call_prefill = call_prefill
+  layout = engine._decode_layout
+
+  def counted(decodes):
+    counters()['part_rounds'] += len(decodes) < engine.num_slots    # a round with an idle row
+    return layout(decodes)
+  engine._decode_layout = counted
+  step = engine.step
+
+  def stepped():
+    current[0] = name
+    return step()
+  engine.step = stepped
+  if engine.draft_sync is not None and engine.policy is not None:
+    observe_probe = engine.policy.observe_probe
+
+    def probed(request_id, successes, trials, *args, **kwargs):
+      counters()['probe_tokens'] += trials             # a catch-up's scores: drawn at K = 0
+      return observe_probe(request_id, successes, trials, *args, **kwargs)
+    engine.policy.observe_probe = probed
 
 
 def _print_costs(name, engine, calls, priced, unit) -> None:
@@ -159,24 +196,47 @@ def _print_costs(name, engine, calls, priced, unit) -> None:
   print(line)
 
 
-def _print_pass(p, runs, base, engines, totals, marks) -> None:
-  """One line per setting of pass p (`--per_pass`): tokens/s against `base`, engine ms,
-  prefill calls, rounds at K >= 1, catch-up ms and rounds with an idle row in this pass."""
+def _print_pass(p, workload, runs, base, totals, marks, engines) -> None:
+  """One line per setting of pass p's run of `workload` (`--per_pass`): tokens/s against
+  `base`, engine ms, prefill calls and ms, rounds at K >= 1, catch-up ms and decode rounds with
+  an idle row; `marks` {setting: (its counters, its catch-up (calls, seconds))} before the run."""
   for name, run in runs.items():
     spec = sum(n for k, n in run['rounds_by_k'].items() if int(k) >= 1)
-    part = totals[name]['part_rounds'] - marks[name][0]['part_rounds']
-    sync_ms = (_sync_s(engines[name][0]) - marks[name][1]) * 1e3
-    print(f'pass {p} {name:>10}: {run["tokens_per_s"] / runs[base]["tokens_per_s"]:.3f}x, '
-          f'{run["engine_s"] * 1e3:.0f} ms, {run["prefill_steps"]} prefill calls, {spec} rounds '
-          f'at K >= 1, catch-ups {sync_ms:.1f} ms, {part} rounds with an idle row')
+    counted, (_, sync_s) = marks[name]
+    t = totals[(name, workload)]
+    sync_ms = (_sync_marks(engines[name][0])[1] - sync_s) * 1e3
+    print(f'pass {p} {workload:>9} {name:>10}: '
+          f'{run["tokens_per_s"] / runs[base]["tokens_per_s"]:.3f}x, '
+          f'{run["engine_s"] * 1e3:.0f} ms, {run["prefill_steps"]} prefill calls '
+          f'{(t["prefill"] - counted["prefill"]) * 1e3:.1f} ms, {spec} rounds at K >= 1, '
+          f'catch-ups {sync_ms:.1f} ms, {t["part_rounds"] - counted["part_rounds"]} rounds with '
+          f'an idle row')
+
+
+def _summary_line(name, engine, t, rounds_by_k, speeds, base_speeds, passes) -> str:
+  """A setting's line of one workload: tokens/s against the base (mean of the passes' ratios),
+  rounds, the parts' microseconds per round, prefill ms, rounds per K and catch-ups, per pass."""
+  rounds = max(1, sum(rounds_by_k.values()))
+  ratio = statistics.mean(a / b for a, b in zip(speeds, base_speeds))
+  line = (f'{name:>10}: {ratio:.3f}x, {rounds / passes:.0f} rounds/pass, per round: '
+          f'device {t["device"] / rounds * 1e6:.0f} us, choose {t["choose"] / rounds * 1e6:.0f}'
+          f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; prefill {t["prefills"] / passes:.1f}'
+          f' calls/pass, {t["prefill"] / passes * 1e3:.1f} ms/pass; rounds by K '
+          f'{dict(sorted(rounds_by_k.items()))}')
+  if engine.draft_sync is not None:
+    line += (f'; catch-ups {t["catch_ups"] / passes:.1f}/pass, '
+             f'{t["catch_up_s"] / passes * 1e3:.1f} ms/pass, scoring '
+             f'{t["probe_tokens"] / passes:.1f} tokens/pass')
+  return line
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument('--batch', type=int, default=4, help='engine slots B')
-  parser.add_argument('--workload', default='code', choices=['json', 'code', 'retrieval'],
-                      help='held-out prompts of this workload')
+  parser.add_argument('--workload', default='code',
+                      help='held-out prompts of this workload, or a comma-separated list run in '
+                           'order each pass (json,code,retrieval: as the sweep)')
   parser.add_argument('--passes', type=int, default=6, help='timed passes over the prompts')
   parser.add_argument('--settings', default='k0=k:0;goodput=k:8,k_policy:goodput',
                       help="the study's settings string; the first is the ratios' base")
@@ -192,80 +252,66 @@ def main():
   args = parser.parse_args()
   if args.batch < 1 or args.passes < 1:
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
+  workloads = args.workload.split(',')
+  unknown = [w for w in workloads if w not in WORKLOADS]
+  if unknown:
+    parser.error(f'--workload {args.workload!r}: unknown {unknown}; known: {sorted(WORKLOADS)}')
   config, _, engines, tokenizer = build_study(args, parser)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
-  prompts = [p.tokens for p in make_prompts(args.workload, tokenizer, n, config.prompt_len,
-                                            split='test', seed=0)]
+
+  def prompts_of(workload, p):
+    return [q.tokens for q in make_prompts(workload, tokenizer, n, config.prompt_len,
+                                           split='test', seed=batching.prompt_seed(config, p))]
   stop = tokenizer.eos_ids
+  warm = prompts_of(workloads[0], 0)
   for name in engines:          # one untimed pass each (first-call host work)
-    batching.measure({name: engines[name]}, [p[:config.chunk_size] for p in prompts[:args.batch]],
+    batching.measure({name: engines[name]}, [q[:config.chunk_size] for q in warm[:args.batch]],
                      max_tokens=4, stop_tokens=stop)
 
-  totals = {name: collections.Counter() for name in engines}
-  current = [None]
+  # totals[(setting, workload)]: seconds of each part, rounds, catch-ups, scored tokens.
+  totals = collections.defaultdict(collections.Counter)
+  current = [None, None]
   speculation = engine_lib.speculation
   choose, horizon = speculation.choose, speculation.horizon
-  speculation.choose = lambda *a, **k: _timed(totals[current[0]], 'choose', choose)(*a, **k)
-  speculation.horizon = lambda *a, **k: _timed(totals[current[0]], 'horizon', horizon)(*a, **k)
-  before = {}
+  speculation.choose = lambda *a, **k: _timed(totals[tuple(current)], 'choose', choose)(*a, **k)
+  speculation.horizon = lambda *a, **k: _timed(totals[tuple(current)], 'horizon', horizon)(*a,
+                                                                                         **k)
   by_k = {name: collections.defaultdict(list) for name in engines}
   priced = {name: dict(e.policy.live.idle.get(None) or {})
             if getattr(e.policy, 'live', None) is not None else None
             for name, (e, _) in engines.items()}
   for name, (engine, _) in engines.items():
-    engine._call_decode = _timed_decode(totals[name], by_k[name], engine)
-    layout = engine._decode_layout
-
-    def counted(decodes, layout=layout, engine=engine, t=totals[name]):
-      t['part_rounds'] += len(decodes) < engine.num_slots    # a round with an idle row
-      return layout(decodes)
-    engine._decode_layout = counted
-    step = engine.step
-
-    def stepped(step=step, name=name):
-      current[0] = name
-      return step()
-    engine.step = stepped
-    sync = engine.draft_sync
-    before[name] = (dict(engine.k_rounds), sync.num_calls if sync else 0,
-                    sync.seconds if sync else 0.0)
-    if sync is not None and engine.policy is not None:
-      observe = engine.policy.observe
-
-      def probed(request_id, k, accepted, successes, trials, observe=observe, t=totals[name]):
-        if k == 0:                          # a catch-up's scores: tokens drawn at K = 0
-          t['probe_tokens'] += trials
-        return observe(request_id, k, accepted, successes, trials)
-      engine.policy.observe = probed
+    _instrument(engine, name, totals, current, by_k[name])
   speeds = collections.defaultdict(list)
+  rounds_by_k = collections.defaultdict(collections.Counter)
   base = next(iter(engines))
   try:
     for p in range(args.passes):
-      marks = {n: (collections.Counter(totals[n]), _sync_s(e)) for n, (e, _) in engines.items()}
-      runs = batching.measure(engines, prompts, max_tokens=32, stop_tokens=stop, seed=p)
-      for name, run in runs.items():
-        speeds[name].append(run['tokens_per_s'])
-      if args.per_pass:
-        _print_pass(p, runs, base, engines, totals, marks)
+      for w, workload in enumerate(workloads):
+        current[1] = workload
+        prompts = prompts_of(workload, p)
+        marks = {n: (collections.Counter(totals[(n, workload)]), _sync_marks(e))
+                 for n, (e, _) in engines.items()}
+        runs = batching.measure(engines, prompts, max_tokens=32, stop_tokens=stop,
+                                seed=p * len(workloads) + w)
+        for name, run in runs.items():
+          t = totals[(name, workload)]
+          speeds[(name, workload)].append(run['tokens_per_s'])
+          calls, seconds = (a - b for a, b in zip(_sync_marks(engines[name][0]),
+                                                  marks[name][1]))
+          t['catch_ups'] += calls
+          t['catch_up_s'] += seconds
+          rounds_by_k[(name, workload)].update({int(k): r for k, r in
+                                                run['rounds_by_k'].items()})
+        if args.per_pass:
+          _print_pass(p, workload, runs, base, totals, marks, engines)
   finally:
     speculation.choose, speculation.horizon = choose, horizon
-  print(f'B = {args.batch}, {args.workload}, {args.passes} passes; tokens/s against {base}')
-  for name, (engine, _) in engines.items():
-    ks, calls, seconds = before[name]
-    rounds_by_k = {k: n - ks.get(k, 0) for k, n in sorted(engine.k_rounds.items())
-                   if n > ks.get(k, 0)}
-    rounds = sum(rounds_by_k.values())
-    t = totals[name]
-    ratio = statistics.mean(a / b for a, b in zip(speeds[name], speeds[base]))
-    line = (f'{name:>10}: {ratio:.3f}x, {rounds / args.passes:.0f} rounds/pass, per round: '
-            f'device {t["device"] / rounds * 1e6:.0f} us, choose {t["choose"] / rounds * 1e6:.0f}'
-            f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; rounds by K {rounds_by_k}')
-    sync = engine.draft_sync
-    if sync is not None:
-      line += (f'; catch-ups {(sync.num_calls - calls) / args.passes:.1f}/pass, '
-               f'{(sync.seconds - seconds) / args.passes * 1e3:.1f} ms/pass, scoring '
-               f'{t["probe_tokens"] / args.passes:.1f} tokens/pass')
-    print(line)
+  for workload in workloads:
+    print(f'B = {args.batch}, {workload}, {args.passes} passes; tokens/s against {base}')
+    for name, (engine, _) in engines.items():
+      print(_summary_line(name, engine, totals[(name, workload)], rounds_by_k[(name, workload)],
+                          speeds[(name, workload)], speeds[(base, workload)], args.passes))
   if args.costs:        # one scale: the first warm-up K = 0 round of any setting
     unit_of = next((n for n, (e, _) in engines.items() if 0 in e.step_costs), None)
     if unit_of is None:

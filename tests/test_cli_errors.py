@@ -259,6 +259,9 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
     (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups
      "--set 'nope.policy.spec_margin=1': want SETTING.PATH=VALUE with SETTING in"),
+    (['policy_host_time.py', '--workload', 'code,cod'],     # before the models load
+     "policy_host_time.py: error: --workload 'code,cod': unknown ['cod']; known: ['code', "
+     "'json', 'retrieval']"),
     (['engine_throughput.py', '--k', '17'],                # was: after loading the models
      'FATAL: --k: speculation length K must be in [1, 16], got 17'),
     (['memory_mappings.py', '--slots', '2,2'],             # the same shape twice counts nothing

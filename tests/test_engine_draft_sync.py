@@ -107,6 +107,37 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
   assert sum(p[2] for p in policy.probes) > 0                # some neighbours both hit
 
 
+def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny, tiny_draft):
+  # Prefill draws the first token: its max softmax probability is the request's first max_p,
+  # so the policy prices the request's first decode round with a confidence (was None).
+  config, params = tiny
+  draft, draft_params = tiny_draft
+
+  class Seen(Record):
+    wants_confidences = True
+    first_seen = {}
+
+    def choose(self, request_ids):
+      for rid, x in zip(request_ids, self.confidences):
+        self.first_seen.setdefault(rid, x)
+      return super().choose(request_ids)
+
+  policy = Seen([0])
+  engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K, k_policy=policy,
+                  drafter=ModelDrafter(probe_every=None), **SHAPES)
+  prompts = _prompts([6, 11], seed=2)                 # 11: two prefill chunks, a later start
+  ids = [engine.add_request(p, max_tokens=4) for p in prompts]
+  outs = engine.run()
+  for rid, prompt in zip(ids, prompts):
+    context = prompt + outs[rid].tokens
+    positions = np.arange(len(context), dtype=np.int32)[None]
+    logits, _ = Transformer(config).apply(params, np.asarray(context, np.int32)[None],
+                                          positions, None)
+    top = np.asarray(jax.nn.softmax(logits[0], axis=-1)).max(axis=-1)
+    # Where prefill drew output 1 (the request's first round knew only that one).
+    np.testing.assert_allclose(policy.first_seen[rid], top[len(prompt) - 1], rtol=1e-4)
+
+
 def test_catch_up_over_prefix_shared_pages_leaves_a_correct_draft(tiny):
   # The second request finds the first's prompt pages in the prefix cache; their draft half was
   # never written (the first prefilled the target only). With draft = target, every proposal is

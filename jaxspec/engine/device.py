@@ -87,12 +87,21 @@ def prefill_chunk(target: ModelConfig, draft, target_params, draft_params, targe
     sampling: each row's request's parameters ([R] arrays; traced, so any mix shares a compile).
   Returns:
     (next_token [R] int32 drawn from the target at each row's last new token: the request's first
-    token when this chunk ends its prompt; target_cache, draft_cache).
+    token when this chunk ends its prompt; max_p [R] float32 the target's top probability there,
+    as `decode_round` gives it (the first token's confidence); target_cache, draft_cache).
   """
   last, target_cache = prefill_logits(target, target_params, target_cache, tokens, counts)
   if draft is not None:
     _, draft_cache = prefill_logits(draft, draft_params, draft_cache, tokens, counts)
-  return sample(rng, probabilities(last, sampling)), target_cache, draft_cache
+  return sample(rng, probabilities(last, sampling)), top_probability(last), target_cache, \
+      draft_cache
+
+
+def top_probability(logits):
+  """max softmax(logits) over the last axis, float32 (the model's own confidence, whatever the
+  sampling): [..., V] -> [...]."""
+  logits = logits.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames=('target',), donate_argnames=('target_cache',))
@@ -118,8 +127,8 @@ def decode_round(target: ModelConfig, target_params, target_cache, pending, room
   p = probabilities(logits, sampling)
   window = sample(rng, p)[:, None]
   emitted, _ = cut_lengths(window, jnp.ones_like(room), stop, room)
-  max_p = 1.0 / jnp.sum(jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True)), axis=-1)
-  return window, emitted, jnp.take_along_axis(p, window, axis=1)[:, 0], max_p, target_cache
+  return window, emitted, jnp.take_along_axis(p, window, axis=1)[:, 0], top_probability(logits), \
+      target_cache
 
 
 def compile_counts() -> dict:

@@ -280,8 +280,7 @@ class Engine:
   # ---------------------------------------------------------------- stepping
 
   def step(self) -> list:
-    """One engine step: schedule, one prefill chunk per prefilling request, one decode round
-    for every decoding request.
+    """One step: schedule, one prefill chunk per prefilling request, one decode round for all.
 
     Returns:
       [(request_id, new token ids)] for every request that emitted tokens in this step
@@ -383,14 +382,15 @@ class Engine:
     return min(b for b in self.decode_buckets if b >= len(decodes)), list(range(len(decodes)))
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
-    # A lazy draft sits out prefill too, unless the engine is speculating (`DraftSync.eager`).
+    """(first tokens [R] int32, their max_p [R] float32; None without a lazy draft, which sits
+    out prefill too unless the engine speculates: `DraftSync.eager`)."""
     draft = self.draft if self.draft_sync is None or self.draft_sync.eager else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
-    first, target_cache, draft_cache = device.prefill_chunk(
+    first, max_p, target_cache, draft_cache = device.prefill_chunk(
         self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],
         tokens, counts, self._next_rng(), sampling)
     self.caches = [target_cache] + ([draft_cache] if draft else self.caches[1:])
-    return np.asarray(first)
+    return np.asarray(first), (np.asarray(max_p) if self.draft_sync is not None else None)
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
                    contexts=None):

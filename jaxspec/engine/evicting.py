@@ -236,7 +236,7 @@ class EvictingEngine(Engine):
         self.target, self.target_params, cache, self.eviction, jnp.asarray(tokens, jnp.int32),
         jnp.asarray(counts, jnp.int32), self._next_rng(), sampling, group=self.prefill_group)
     self.caches = [cache]
-    return np.asarray(first)
+    return np.asarray(first), None
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
                    contexts=None):

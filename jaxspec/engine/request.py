@@ -164,7 +164,8 @@ class Request:
       lazily (`jaxspec.engine.draft_sync`; 0 at every admission).
     token_p: with a lazy draft cache, per emitted token, the target probability p(token) it was
       drawn with where known (rounds at K = 0), else 0 (empty otherwise).
-    max_p: alike, the target's max softmax probability at that step (its confidence).
+    max_p: alike, the target's max softmax probability at that step (its confidence), for the
+      first token (from prefill) and rounds at K = 0, else 0.
     order: admission sequence number (lower = older = higher priority).
   """
 

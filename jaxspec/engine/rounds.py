@@ -30,7 +30,7 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
   table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, engine.pages_per_seq,
                                                            engine.chunk_size)
   drafted = engine.draft_sync is not None and engine.draft_sync.eager
-  first = engine._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
+  first, max_p = engine._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
       [(row, request) for row, (request, _) in layout], rows))
   now = time.perf_counter()
   for row, (request, chunk) in layout:
@@ -43,7 +43,8 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
     engine.scheduler.commit(request)   # its prompt pages can be shared from now on
     request.state = State.DECODE
     if not request.output:           # a resumed request's pending token is its last output
-      engine._emit(request, [int(first[row])], now, emitted)
+      engine._emit(request, [int(first[row])], now, emitted,
+                   max_p=None if max_p is None else [float(max_p[row])])
 
 def decode_round(engine, decodes, emitted: dict) -> None:
   """One decode round over every decoding request (`decodes`, oldest first): the K policy

@@ -145,8 +145,9 @@ def horizon(engine, decodes) -> tuple:
 
 def confidence(request, tokens: int = 16) -> Optional[float]:
   """The target's mean max softmax probability over the last `tokens` (>= 1) of the request's
-  outputs drawn at K = 0 (its `max_p`, recorded with a lazy draft cache; read from the end), None
-  when it has none (`KPolicy.confidences`)."""
+  outputs drawn by prefill or at K = 0 (its `max_p`, recorded with a lazy draft cache; read from
+  the end), None when it has none (`KPolicy.confidences`). The first token's, from prefill, is
+  what the first decode round of a new request is priced with."""
   known = list(itertools.islice((p for p in reversed(getattr(request, 'max_p', ())) if p > 0),
                                 max(1, tokens)))
   return sum(known) / len(known) if known else None
