@@ -138,6 +138,21 @@ def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny,
     np.testing.assert_allclose(policy.first_seen[rid], top[len(prompt) - 1], rtol=1e-4)
 
 
+def test_prefill_calls_feed_the_live_ratio_that_prices_a_split(tiny, tiny_draft):
+  config, params = tiny
+  draft, draft_params = tiny_draft
+  engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K,
+                  k_policy=GoodputK(), **SHAPES)
+  engine.warm_up(cost_repeats=1)
+  assert engine.prefill_costs and engine.prefill_live.value == 1.0
+  for p in _prompts([5, 13, 7], seed=3):
+    engine.add_request(p, max_tokens=3)
+  engine.run()
+  # One ratio per prefill call (13 tokens: two chunks), each live seconds over its bucket's.
+  assert len(engine.prefill_live._ratios) >= 2
+  assert all(r > 0 for r in engine.prefill_live._ratios)
+
+
 def test_catch_up_over_prefix_shared_pages_leaves_a_correct_draft(tiny):
   # The second request finds the first's prompt pages in the prefix cache; their draft half was
   # never written (the first prefilled the target only). With draft = target, every proposal is

@@ -11,6 +11,7 @@ import pytest
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
 from jaxspec.engine.k_policy import FixedK
+from jaxspec.engine.live_costs import LiveRatio
 from jaxspec.engine.speculation import choose, horizon
 
 
@@ -125,7 +126,7 @@ def test_horizon_lists_the_queue_in_admission_order():
   # A resumed request (it has output) emits nothing at its prefill: all its room is decoded.
   waiting = collections.deque([req(4), req(1), req(6, output=[3]), req(8)])
   engine = types.SimpleNamespace(
-      policy=object(), prefill_costs={}, chunk_size=8, num_slots=4,
+      policy=object(), prefill_costs={}, chunk_size=8, num_slots=4, prefill_live=LiveRatio(),
       scheduler=types.SimpleNamespace(running=run, waiting=waiting))
   decodes = [r for r in run if r.decoding]
   split, queued, rooms, slots = horizon(engine, decodes)
@@ -134,6 +135,38 @@ def test_horizon_lists_the_queue_in_admission_order():
   assert queued == 5 and rooms == [6, 3, 6] and slots == 4 and split == (0.0, 0)
   engine.policy = None
   assert horizon(engine, decodes) == ((0.0, 0), None, None, None)
+
+
+def test_horizon_prices_the_split_at_the_live_prefill_calls_ratio():
+  # Two decoding requests of equal room finish together at K = 0 and admit the two waiting
+  # ones in one call: one chunk x (2 x t(1) - t(2)) = 0.5 s by the table; live prefill calls
+  # that ran 1.4x the table make it 0.7 s.
+  def req(room, decoding=True):
+    return types.SimpleNamespace(room=room, max_tokens=room, prefill_tokens=[0] * 4,
+                                 decoding=decoding, output=[])
+  run, waiting = [req(6), req(6)], collections.deque([req(5, False), req(5, False)])
+  live = LiveRatio()
+  engine = types.SimpleNamespace(
+      policy=object(), prefill_costs={1: 1.0, 2: 1.5}, chunk_size=8, num_slots=2,
+      prefill_live=live, scheduler=types.SimpleNamespace(running=run, waiting=waiting))
+  assert horizon(engine, run)[0] == (pytest.approx(0.5), 10)
+  for seconds in (1.4, 2.1, 1.4):                  # 1-row, 2-row and 1-row calls: 1.4x each
+    live.add(seconds, engine.prefill_costs[1 if seconds < 2 else 2])
+  assert horizon(engine, run)[0] == (pytest.approx(0.7), 10)
+
+
+def test_live_ratio_is_a_padded_median_that_skips_what_is_not_a_time():
+  live = LiveRatio(window=3)
+  assert live.value == 1.0
+  live.add(300.0, 1.0)                             # a call that recompiled: the median holds
+  assert live.value == 1.0
+  for bad in ((1.0, 0.0), (float('nan'), 1.0), (1.0, float('inf')), (-1.0, 1.0)):
+    live.add(*bad)
+  assert live.value == 1.0 and len(live._ratios) == 1
+  live.add(1.2, 1.0)
+  live.add(1.3, 1.0)
+  live.add(1.25, 1.0)                              # the window drops the 300
+  assert live.value == pytest.approx(1.25)
 
 
 def test_k0_hold_is_longer_after_a_clear_lead():

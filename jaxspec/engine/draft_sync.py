@@ -41,7 +41,6 @@ After a round at K >= 1 the draft holds what the target holds (the invariant of
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 
@@ -49,7 +48,7 @@ import jax
 import numpy as np
 
 from jaxspec.engine import device, spec_steps, timing
-from jaxspec.engine.live_costs import padded_median
+from jaxspec.engine.live_costs import LiveRatio
 from jaxspec.engine import rows as rows_lib
 
 
@@ -67,17 +66,18 @@ class DraftSync:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
-    live_ratio: the median of the last RATIO_WINDOW catch-ups' wall time over their estimate
-      from `costs`, padded with 1.0 up to 3 (1 before any): a median, so one call that
-      recompiled (after `jax.clear_caches()`, e.g. by `jaxspec.executables.release_near_limit`)
-      or met a GC pause does not price every later catch-up hundreds of times too high, as an
-      exponential average of its seconds-long ratio did.
+    live_ratio: the catch-ups' wall time over their estimate from `costs` (`LiveRatio` over
+      the last RATIO_WINDOW).
     eager: whether prefill chunks fill the draft's cache too (the last decode round ran at
       K >= 1: a request admitted while the engine speculates would need its prompt caught up
       before its first round, in a call of its own).
   """
 
   RATIO_WINDOW = 8
+
+  @property
+  def live_ratio(self) -> float:
+    return self.live.value
 
   def __init__(self, engine, drafter):
     self.engine = engine
@@ -89,8 +89,7 @@ class DraftSync:
     self.zero_s = 0.0            # estimated seconds of the K = 0 rounds since the last catch-up
     self.num_calls = 0
     self.seconds = 0.0
-    self.live_ratio = 1.0
-    self._ratios = collections.deque(maxlen=self.RATIO_WINDOW)
+    self.live = LiveRatio(self.RATIO_WINDOW)
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
     self._forced = False         # every request of the coming round has one token left
     self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
@@ -211,9 +210,7 @@ class DraftSync:
         group = [r for r in group if r.draft_computed < r.num_computed]
     spent = time.perf_counter() - start
     self.seconds += spent
-    if estimate > 0:     # host work and live pages: the table alone underestimates
-      self._ratios.append(spent / estimate)
-      self.live_ratio = padded_median(self._ratios, 1.0, 3)
+    self.live.add(spent, estimate)   # host work and live pages: the table underestimates
 
   def _call(self, group) -> None:
     engine, m = self.engine, self.observe_tokens

@@ -39,6 +39,7 @@ from jaxspec.decoding.output import non_finite_message
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
 from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
+from jaxspec.engine.live_costs import LiveRatio
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
 from jaxspec.engine.scheduler import Scheduler
 from jaxspec.models import ModelConfig, cache_for, check_params
@@ -97,8 +98,8 @@ class Engine:
       chunks (the same at every K), a draft model's extra step after a fully accepted round,
       prompt lookup's host search. Empty until measured.
     prefill_costs: {rows: seconds} one prefill call per row bucket, timed by `warm_up` for a K
-      policy that needs a cost table (else empty): what a K policy is told lock-step
-      admissions save (`speculation.split_cost`).
+      policy that needs a cost table (else empty); times `prefill_live` (a `LiveRatio` of the
+      live calls), what lock-step admissions save (`speculation.split_cost`, `horizon`).
     step_costs: {K: seconds} the full batch's row (`row_costs[num_slots]`), t(K) of a round
       over all B slots.
     drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
@@ -164,6 +165,7 @@ class Engine:
       self.k_rounds: collections.Counter = collections.Counter()
       self.row_costs: dict = {}
       self.prefill_costs: dict = {}
+      self.prefill_live = LiveRatio()
       self._schedule_s = 0.0       # host seconds of the last step's scheduling
       configs = [target] if draft is None else [target, draft]
       context = min(c.max_seq_len for c in configs)
@@ -196,8 +198,7 @@ class Engine:
                                  prefill_rows=prefill_rows, apply_plan=self._apply_plan)
       self.outputs: dict[Hashable, RequestOutput] = {}
       self._live: dict[Hashable, Request] = {}
-      self._ids = itertools.count()
-      self._arrivals = itertools.count()
+      self._ids, self._arrivals = itertools.count(), itertools.count()
       self._rng = seed_key(seed)
       self.num_steps = 0
 
@@ -307,8 +308,7 @@ class Engine:
     """
     if max_steps is not None:
       max_steps = check_int('max_steps', max_steps, 0)
-    before = set(self.outputs)
-    steps = 0
+    before, steps = set(self.outputs), 0
     while self.has_unfinished() and (max_steps is None or steps < max_steps):
       self.step()
       steps += 1

@@ -30,9 +30,12 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
   table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, engine.pages_per_seq,
                                                            engine.chunk_size)
   drafted = engine.draft_sync is not None and engine.draft_sync.eager
+  start = time.perf_counter()
   first, max_p = engine._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
       [(row, request) for row, (request, _) in layout], rows))
   now = time.perf_counter()
+  if engine.prefill_costs:           # live calls against the table that prices a split
+    engine.prefill_live.add(now - start, engine.prefill_costs.get(rows, 0.0))
   for row, (request, chunk) in layout:
     if drafted and request.draft_computed == request.num_computed:   # no gap before it
       request.draft_computed += len(chunk)

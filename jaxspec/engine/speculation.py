@@ -126,14 +126,16 @@ def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],
 
 def horizon(engine, decodes) -> tuple:
   """(split, queued, queue_rooms, slots) for `choose`: `split_cost` of the engine's decoding and
-  waiting requests; the requests still prefilling or waiting for a slot, their count and their
+  waiting requests, its seconds times how much slower live prefill calls run than the table
+  (`Engine.prefill_live`: 1.10–1.27x in the batching study's interleaved runs); the requests still prefilling or waiting for a slot, their count and their
   decode tokens (room - 1: the prefill emits one, except a resumed request's; prefilling first,
   then in admission order, at most `num_slots`; none with no token to decode); and the slot
   count. ((0.0, 0), None, None, None) without a policy."""
   if engine.policy is None:
     return (0.0, 0), None, None, None
   scheduler = engine.scheduler
-  split = split_cost(decodes, scheduler.waiting, engine.prefill_costs, engine.chunk_size)
+  seconds, tokens = split_cost(decodes, scheduler.waiting, engine.prefill_costs, engine.chunk_size)
+  split = seconds * engine.prefill_live.value, tokens
   decoding = {id(r) for r in decodes}
   queue = [r for r in scheduler.running if id(r) not in decoding]
   queue.extend(itertools.islice(scheduler.waiting, max(0, engine.num_slots - len(queue))))
