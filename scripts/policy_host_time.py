@@ -101,7 +101,10 @@ def _override(engines, override: str, parser) -> None:
   if _kind(old) == 'number' and isinstance(old, int) and old >= 1 and value is not None and \
       not (isinstance(value, int) and value >= 1):
     parser.error(f'--set {override!r}: {".".join(path)} is a count ({old!r}): want an int >= 1')
-  setattr(owner, path[-1], value)
+  try:
+    setattr(owner, path[-1], value)
+  except AttributeError:           # a property without a setter (e.g. draft_sync.live_ratio)
+    parser.error(f'--set {override!r}: {".".join(path)} cannot be set')
 
 
 def build_study(args, parser) -> tuple:
@@ -254,8 +257,9 @@ def main():
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
   workloads = args.workload.split(',')
   unknown = [w for w in workloads if w not in WORKLOADS]
-  if unknown:
-    parser.error(f'--workload {args.workload!r}: unknown {unknown}; known: {sorted(WORKLOADS)}')
+  if unknown or len(set(workloads)) < len(workloads):
+    parser.error(f'--workload {args.workload!r}: ' + (
+        f'unknown {unknown}; known: {sorted(WORKLOADS)}' if unknown else 'a workload twice'))
   config, _, engines, tokenizer = build_study(args, parser)
   n = max(config.requests_per_slot * args.batch, config.min_requests)
 

@@ -12,7 +12,8 @@ seconds are the start-up table of a B-slot engine (`Engine.row_costs`, idle rows
 prefill call's `Engine.prefill_costs`. Left out against an engine run: host time, and live
 rounds costing more than idle ones (at B = 2 the replay puts static K = 1-4 4-30 % above
 K = 0, where the study measured 0.85-1.06x: the policy's live ratios and h(K) see that, this
-replay does not); the lazy draft's catch-up seconds (the policy is told 0, so it returns
+replay does not, nor the live prefill calls' ratio that scales the split,
+`Engine.prefill_live`); the lazy draft's catch-up seconds (the policy is told 0, so it returns
 to K >= 1 more readily); the engine probes only now and then, here every K = 0 round gives the
 policy a one-token probe observation; and a round cut by the output's end is observed only up
 to it (the engine sees what the draft did past a stop token). Prints, per workload, each

@@ -259,6 +259,8 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "FATAL: --out: cannot save the tokenizer to /proc/version/tok.json: /proc/version is a file"),
     (['policy_host_time.py', '--set', 'nope.policy.spec_margin=1'],   # was: after the warm-ups
      "--set 'nope.policy.spec_margin=1': want SETTING.PATH=VALUE with SETTING in"),
+    (['policy_host_time.py', '--workload', 'code,code'],    # would count each run twice
+     "policy_host_time.py: error: --workload 'code,code': a workload twice"),
     (['policy_host_time.py', '--workload', 'code,cod'],     # before the models load
      "policy_host_time.py: error: --workload 'code,cod': unknown ['cod']; known: ['code', "
      "'json', 'retrieval']"),

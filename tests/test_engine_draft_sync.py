@@ -118,8 +118,8 @@ def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny,
     first_seen = {}
 
     def choose(self, request_ids):
-      for rid, x in zip(request_ids, self.confidences):
-        self.first_seen.setdefault(rid, x)
+      for rid, x, n in zip(request_ids, self.confidences, self.confidence_tokens):
+        self.first_seen.setdefault(rid, (x, n))
       return super().choose(request_ids)
 
   policy = Seen([0])
@@ -135,7 +135,9 @@ def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny,
                                           positions, None)
     top = np.asarray(jax.nn.softmax(logits[0], axis=-1)).max(axis=-1)
     # Where prefill drew output 1 (the request's first round knew only that one).
-    np.testing.assert_allclose(policy.first_seen[rid], top[len(prompt) - 1], rtol=1e-4)
+    x, n = policy.first_seen[rid]
+    np.testing.assert_allclose(x, top[len(prompt) - 1], rtol=1e-4)
+    assert n == 1
 
 
 def test_prefill_calls_feed_the_live_ratio_that_prices_a_split(tiny, tiny_draft):

@@ -93,6 +93,24 @@ def test_goodput_feeds_the_confidences_it_priced_with_into_the_fit():
   assert off.tracker._level == [0.0, 0.0] and off.tracker._fit == [0.0] * 5
 
 
+def test_the_fit_takes_only_confidences_of_enough_tokens_and_pricing_takes_all():
+  # A new request's confidence rests on its first token (from prefill): priced with it, but
+  # its observations stay out of the slope fit until FIT_TOKENS tokens back it.
+  priced = GoodputK(tracker=_fed([(0.3, 0.3), (0.7, 0.8)]))
+  policy = GoodputK()                                       # nothing fitted yet
+  for p in (priced, policy):
+    p.setup(4)
+    p.confidences, p.confidence_tokens = [0.9, 0.2], [1, GoodputK.FIT_TOKENS]
+  alphas, _ = priced._alphas(['new', 'old'])
+  assert alphas[0] > priced.tracker.global_alpha > alphas[1]      # both priced
+  policy._alphas(['new', 'old'])
+  policy.observe('new', 2, 2, 2.0, 2.0)                     # a K = 2 round, both accepted
+  assert policy.tracker._fit == [0.0] * 5                   # no x entered the fit
+  policy.observe('old', 2, 0, 0.0, 2.0)
+  assert policy.tracker._fit[0] > 0 and \
+      policy.tracker._fit[1] == pytest.approx(0.2 * policy.tracker._fit[0])
+
+
 def test_speculation_confidence_averages_the_known_top_probabilities():
   request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: a token drawn at K >= 1
   assert speculation.confidence(request) == pytest.approx(0.6)

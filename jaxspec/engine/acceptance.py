@@ -140,12 +140,13 @@ class AlphaTracker:
     came with one (their sums fade with the global ones, on every observation) and b >= 0 the
     slope of observed acceptance on x (weighted least squares over those observations, fading
     `SLOPE_SPAN` x slower, and only on observations with an x: without probes the fit keeps
-    what it had; shrunk toward 0 by `prior_trials` pseudo-trials of x variance `SLOPE_VAR`). A target sure of its next token is one the draft
-    matches more often: on the shipped pair's held-out prompts (greedy, 32 each) mean top
-    probability 0.74 / 0.53 / 0.26 on json / retrieval / code went with α 0.80 / 0.69 / 0.61,
-    correlation 0.69 over the requests (`scripts/confidence_vs_alpha.py`). It moves the
-    estimate of a request with no observation of its own when the prompt set changes, where the
-    global α, fed only by rare probes at K = 0, still stands at the last set's."""
+    what it had; shrunk toward 0 by `prior_trials` pseudo-trials of x variance `SLOPE_VAR`). A
+    target sure of its next token is one the draft matches more often: on the shipped pair's
+    held-out prompts (greedy, 32 each) mean top probability 0.74 / 0.53 / 0.26 on json /
+    retrieval / code went with α 0.80 / 0.69 / 0.61, correlation 0.69 over the requests
+    (`scripts/confidence_vs_alpha.py`). It moves the estimate of a request with no observation
+    of its own when the prompt set changes, where the global α, fed only by rare probes at
+    K = 0, still stands at the last set's."""
     w, sx = self._level
     if confidence is None or not math.isfinite(confidence) or w <= 0.0:
       return 0.0

@@ -66,18 +66,14 @@ class DraftSync:
     costs: {rows: seconds} one catch-up call per row bucket (`measure`; empty before).
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
-    live_ratio: the catch-ups' wall time over their estimate from `costs` (`LiveRatio` over
-      the last RATIO_WINDOW).
+    live: the catch-ups' wall time over their estimate from `costs` (a `LiveRatio` over the
+      last RATIO_WINDOW); live_ratio: its value.
     eager: whether prefill chunks fill the draft's cache too (the last decode round ran at
       K >= 1: a request admitted while the engine speculates would need its prompt caught up
       before its first round, in a call of its own).
   """
 
   RATIO_WINDOW = 8
-
-  @property
-  def live_ratio(self) -> float:
-    return self.live.value
 
   def __init__(self, engine, drafter):
     self.engine = engine
@@ -96,6 +92,10 @@ class DraftSync:
     self._due = None             # (decodes, probe) of this round's `probe_due`
 
   QUIET = 8   # the longest gap between two questions to the policy, in probe_every units
+
+  @property
+  def live_ratio(self) -> float:
+    return self.live.value
 
   # ------------------------------------------------------------ round hooks
 

@@ -98,8 +98,8 @@ class Engine:
       chunks (the same at every K), a draft model's extra step after a fully accepted round,
       prompt lookup's host search. Empty until measured.
     prefill_costs: {rows: seconds} one prefill call per row bucket, timed by `warm_up` for a K
-      policy that needs a cost table (else empty); times `prefill_live` (a `LiveRatio` of the
-      live calls), what lock-step admissions save (`speculation.split_cost`, `horizon`).
+      policy that needs a cost table (else empty); prefill_live: the live calls' `LiveRatio` to
+      it. Their product is what lock-step admissions save (`speculation.horizon`).
     step_costs: {K: seconds} the full batch's row (`row_costs[num_slots]`), t(K) of a round
       over all B slots.
     drafter: the `Drafter` (None without speculation); policy: the `KPolicy` (None without).
@@ -382,8 +382,8 @@ class Engine:
     return min(b for b in self.decode_buckets if b >= len(decodes)), list(range(len(decodes)))
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
-    """(first tokens [R] int32, their max_p [R] float32; None without a lazy draft, which sits
-    out prefill too unless the engine speculates: `DraftSync.eager`)."""
+    """(first tokens [R] int32, max_p [R] float32 or None without a lazy draft). A lazy draft
+    sits out prefill too, unless the engine speculates (`DraftSync.eager`)."""
     draft = self.draft if self.draft_sync is None or self.draft_sync.eager else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, max_p, target_cache, draft_cache = device.prefill_chunk(

@@ -7,7 +7,6 @@ per-request α estimates and measured round costs (host side, numpy). The interf
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Mapping, Optional, Sequence
 
 import numpy as np
@@ -17,7 +16,7 @@ from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
 from jaxspec.engine.makespan import expected_tokens, round_tokens  # noqa: F401 (re-exported)
 from jaxspec.engine.k_policy import KPolicy
-from jaxspec.engine.live_costs import HostSeconds, LiveCosts
+from jaxspec.engine.live_costs import HostSeconds, LiveCosts, checked_table
 
 
 class GoodputK(KPolicy):
@@ -133,7 +132,7 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self._x = {}                            # {request: confidence} as `_alphas` last read them
+    self._x = self._fit_x = {}              # {request: confidence} priced, fitted (`_alphas`)
     self.wants_confidences = bool(use_confidence)   # `KPolicy.wants_confidences`
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
@@ -175,18 +174,7 @@ class GoodputK(KPolicy):
       ValueError: a candidate K missing, a time that is not > 0.
     """
     tables = {None: costs, **(by_rows or {})}
-    for table in tables.values():
-      if not isinstance(table, Mapping):
-        raise ValueError(f'a cost table must be a {{K: seconds}} mapping, got {table!r}')
-      missing = [k for k in self.candidates if k not in table]
-      if missing:
-        raise ValueError(f'cost table {dict(table)} misses K in {missing}')
-      bad = {k: t for k, t in table.items()
-             if isinstance(t, bool) or
-             not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
-      if bad:
-        raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
-    self.live.set_tables({rows: {k: float(table[k]) for k in self.candidates}
+    self.live.set_tables({rows: checked_table(table, self.candidates)
                           for rows, table in tables.items()})
     self._version += 1
 
@@ -275,12 +263,18 @@ class GoodputK(KPolicy):
   def _alphas(self, request_ids, confident: bool = True) -> tuple:
     """`AlphaTracker.estimates` of the requests at their `KPolicy.confidences` (unless
     `use_confidence` is off, or not `confident`); keeps the profile for `observe` and the
-    confidences (if `confident`) for it and the queue's pricing."""
+    confidences (if `confident`) for the queue's pricing and, those of at least `FIT_TOKENS`
+    tokens (`KPolicy.confidence_tokens`), for `observe`'s fit: a noisy x flattens a fitted
+    slope (errors in variables), and a request at K >= 1 from its admission adds every round's
+    observation at its first token's."""
     ids = request_ids or [None]
     xs = self.confidences if confident and self.wants_confidences and \
         self.confidences is not None and len(self.confidences) == len(ids) else [None] * len(ids)
     if confident:
+      ns = self.confidence_tokens if self.confidence_tokens is not None and \
+          len(self.confidence_tokens) == len(ids) else [self.FIT_TOKENS] * len(ids)
       self._x = dict(zip(ids, xs))
+      self._fit_x = {i: x for i, x, n in zip(ids, xs, ns) if n >= self.FIT_TOKENS}
     alphas, later, self._profile = self.tracker.estimates(ids, xs, self.k_max)
     return alphas, later
 
@@ -384,8 +378,8 @@ class GoodputK(KPolicy):
   ONE_SLOT_HOLD_ROUNDS = 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   COLD_TRIALS = 12   # global first-proposal trials (4 the default prior's) to be warm (`cold`)
-  PRIOR_ROUNDS = LiveCosts.PRIOR_ROUNDS
-  STALE_ROUNDS = LiveCosts.STALE_ROUNDS
+  FIT_TOKENS = 4     # tokens a request's confidence averages at least to enter the fit
+  PRIOR_ROUNDS, STALE_ROUNDS = LiveCosts.PRIOR_ROUNDS, LiveCosts.STALE_ROUNDS
 
   @property
   def cold(self) -> bool:
@@ -421,9 +415,9 @@ class GoodputK(KPolicy):
       n = max(0, min(int(accepted), int(k)))
       weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
       self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight,
-                           confidence=self._x.get(request_id))
+                           confidence=self._fit_x.get(request_id))
     else:            # a K = 0 probe scores one-token drafts: first-proposal observations
-      self.tracker.observe(request_id, successes, trials, confidence=self._x.get(request_id))
+      self.tracker.observe(request_id, successes, trials, confidence=self._fit_x.get(request_id))
     self.tracker.observe_depth(k, accepted)      # positions j >= 2 (K = 0, 1: fading only)
 
   def observe_probe(self, request_id, successes, trials, later_successes, later_trials,

@@ -66,9 +66,11 @@ class KPolicy(abc.ABC):
     rows: the row count of the coming round's device call (the engine's decode row bucket
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
     confidences: per request of the coming `choose`, the target's mean top probability (max
-      softmax) over its recent tokens drawn at K = 0 (`jaxspec.engine.speculation.confidence`;
+      softmax) over its recent tokens drawn by prefill or at K = 0 (`speculation.confidence`;
       None where unknown, and None without a lazy draft cache, which alone records it, or
       unless `wants_confidences`: gathering them costs host time).
+    confidence_tokens: per request, how many tokens its confidence averages (set with
+      `confidences`; 1 for a new request's, its first token's from prefill).
     wants_confidences: whether the policy reads `confidences` (default False).
   """
 
@@ -82,6 +84,7 @@ class KPolicy(abc.ABC):
   queue_rooms: Optional[Sequence[int]] = None
   slots: Optional[int] = None
   confidences: Optional[Sequence[Optional[float]]] = None
+  confidence_tokens: Optional[Sequence[int]] = None
   wants_confidences = False
 
   def __init__(self):

@@ -1,10 +1,10 @@
 """What the goodput K policy (`jaxspec.engine.goodput`) measures while the engine runs, host
 side: a decode round's cost t(K) = d(K) + h(K) kept up to date from live rounds (`LiveCosts`),
 the host seconds per round of each kind of round (`HostSeconds`), medians over a window of
-recent rounds, padded with a prior while there are few of them (`padded_median`), how much slower
-a kind of call runs live than its start-up table (`LiveRatio`), the least-squares non-decreasing
-fit of a cost table (`nondecreasing`) and the line through a
-measured table's K >= 1 entries (`line_through`)."""
+recent rounds, padded with a prior while there are few of them (`padded_median`), how much
+slower a kind of call runs live than its start-up table (`LiveRatio`), a cost table checked
+(`checked_table`), the least-squares non-decreasing fit of a cost table (`nondecreasing`) and
+the line through a measured table's K >= 1 entries (`line_through`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import collections
 import math
 import numbers
 import statistics
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 
 def padded_median(samples, prior: float, rounds: int) -> float:
@@ -20,26 +20,47 @@ def padded_median(samples, prior: float, rounds: int) -> float:
   return statistics.median(list(samples) + [prior] * max(0, rounds - len(samples)))
 
 
+def checked_table(table, candidates) -> dict:
+  """{K: float seconds} of a cost table `table` for every K in `candidates`.
+
+  Raises:
+    ValueError: a table that is not a mapping, misses a candidate or has a time that is not a
+      finite number > 0 (named).
+  """
+  if not isinstance(table, Mapping):
+    raise ValueError(f'a cost table must be a {{K: seconds}} mapping, got {table!r}')
+  missing = [k for k in candidates if k not in table]
+  if missing:
+    raise ValueError(f'cost table {dict(table)} misses K in {missing}')
+  bad = {k: t for k, t in table.items() if isinstance(t, bool) or
+         not (isinstance(t, numbers.Real) and math.isfinite(t) and t > 0)}
+  if bad:
+    raise ValueError(f'cost table times must be finite and > 0 seconds, got {bad}')
+  return {k: float(table[k]) for k in candidates}
+
+
 class LiveRatio:
   """How much slower a kind of call runs live than its start-up table says: the median of the
-  last `window` (live seconds / table seconds) ratios, padded with 1.0 up to 3 values (`value`,
-  1.0 before any). A median, so one call that recompiled (after `jax.clear_caches()`, e.g. by
-  `jaxspec.executables.release_near_limit`) or met a pause does not price every later call
-  hundreds of times too high, as an exponential average of its seconds-long ratio did. Used for
+  last `window` (live seconds / table seconds) ratios, padded with 1.0 up to min(3, window)
+  values (`value`, 1.0 before any). A median, so one call that recompiled (after
+  `jax.clear_caches()`, e.g. by `jaxspec.executables.release_near_limit`) or met a pause does
+  not price every later call hundreds of times too high, as an exponential average of its
+  seconds-long ratio did. Used for
   a lazy draft's catch-ups (`DraftSync`) and the prefill calls that price a split
   (`speculation.horizon`): live calls run after other calls that pushed their data out of the
   CPU's caches, and the table times them back to back."""
 
   def __init__(self, window: int = 8):
-    self._ratios = collections.deque(maxlen=window)
+    self._ratios = collections.deque(maxlen=max(1, int(window)))
+    self._pad = min(3, self._ratios.maxlen)
     self.value = 1.0
 
   def add(self, seconds: float, table_s: float) -> None:
     """Count one live call of `seconds` whose table estimate was `table_s` (skipped unless both
-    are finite and the estimate > 0)."""
-    if table_s > 0 and math.isfinite(table_s) and 0 <= seconds < math.inf:
+    are finite and > 0)."""
+    if 0 < table_s < math.inf and 0 < seconds < math.inf:
       self._ratios.append(seconds / table_s)
-      self.value = padded_median(self._ratios, 1.0, 3)
+      self.value = padded_median(self._ratios, 1.0, self._pad)
 
 
 def nondecreasing(values: Sequence[float]) -> list:

@@ -30,11 +30,13 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
   table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, engine.pages_per_seq,
                                                            engine.chunk_size)
   drafted = engine.draft_sync is not None and engine.draft_sync.eager
+  sampling = rows_lib.sampling([(row, request) for row, (request, _) in layout], rows)
   start = time.perf_counter()
-  first, max_p = engine._call_prefill(table, lengths, tokens, counts, rows_lib.sampling(
-      [(row, request) for row, (request, _) in layout], rows))
+  first, max_p = engine._call_prefill(table, lengths, tokens, counts, sampling)
   now = time.perf_counter()
-  if engine.prefill_costs:           # live calls against the table that prices a split
+  # Live calls against the table that prices a split (timed without the draft: a call that
+  # fills it too, while the engine speculates, counts its extra 1-5 % as what admissions cost).
+  if engine.prefill_costs:
     engine.prefill_live.add(now - start, engine.prefill_costs.get(rows, 0.0))
   for row, (request, chunk) in layout:
     if drafted and request.draft_computed == request.num_computed:   # no gap before it
@@ -48,6 +50,7 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
     if not request.output:           # a resumed request's pending token is its last output
       engine._emit(request, [int(first[row])], now, emitted,
                    max_p=None if max_p is None else [float(max_p[row])])
+
 
 def decode_round(engine, decodes, emitted: dict) -> None:
   """One decode round over every decoding request (`decodes`, oldest first): the K policy

@@ -127,10 +127,11 @@ def split_cost(decodes, waiting: Sequence, prefill_costs: Mapping[int, float],
 def horizon(engine, decodes) -> tuple:
   """(split, queued, queue_rooms, slots) for `choose`: `split_cost` of the engine's decoding and
   waiting requests, its seconds times how much slower live prefill calls run than the table
-  (`Engine.prefill_live`: 1.10–1.27x in the batching study's interleaved runs); the requests still prefilling or waiting for a slot, their count and their
-  decode tokens (room - 1: the prefill emits one, except a resumed request's; prefilling first,
-  then in admission order, at most `num_slots`; none with no token to decode); and the slot
-  count. ((0.0, 0), None, None, None) without a policy."""
+  (`Engine.prefill_live`: 1.10-1.27x in the batching study's interleaved runs); the requests
+  still prefilling or waiting for a slot, their count and their decode tokens (room - 1: the
+  prefill emits one, except a resumed request's; prefilling first, then in admission order, at
+  most `num_slots`; none with no token to decode); and the slot count. ((0.0, 0), None, None,
+  None) without a policy."""
   if engine.policy is None:
     return (0.0, 0), None, None, None
   scheduler = engine.scheduler
@@ -145,13 +146,18 @@ def horizon(engine, decodes) -> tuple:
   return split, num_queued(engine, decodes), rooms, engine.num_slots
 
 
+def known_max_p(request, tokens: int = 16) -> list:
+  """The target's max softmax probabilities of the last `tokens` (>= 1) of the request's outputs
+  drawn by prefill or at K = 0 (its `max_p`, recorded with a lazy draft cache; read from the
+  end, so the newest first); [] when it has none."""
+  return list(itertools.islice((p for p in reversed(getattr(request, 'max_p', ())) if p > 0),
+                               max(1, tokens)))
+
+
 def confidence(request, tokens: int = 16) -> Optional[float]:
-  """The target's mean max softmax probability over the last `tokens` (>= 1) of the request's
-  outputs drawn by prefill or at K = 0 (its `max_p`, recorded with a lazy draft cache; read from
-  the end), None when it has none (`KPolicy.confidences`). The first token's, from prefill, is
-  what the first decode round of a new request is priced with."""
-  known = list(itertools.islice((p for p in reversed(getattr(request, 'max_p', ())) if p > 0),
-                                max(1, tokens)))
+  """The mean of `known_max_p` (`KPolicy.confidences`), None when it has none. The first
+  token's, from prefill, is what the first decode round of a new request is priced with."""
+  known = known_max_p(request, tokens)
   return sum(known) / len(known) if known else None
 
 
@@ -198,8 +204,10 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       return k, caps
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
-  policy.confidences = [confidence(r) for r in decodes] \
+  known = [known_max_p(r) for r in decodes] \
       if draft_sync is not None and policy.wants_confidences else None
+  policy.confidences = None if known is None else [sum(p) / len(p) if p else None for p in known]
+  policy.confidence_tokens = None if known is None else [len(p) for p in known]
   policy.rows, policy.queued = rows, queued
   policy.queue_rooms, policy.slots = queue_rooms, slots
   policy.split_s, policy.split_tokens = split
