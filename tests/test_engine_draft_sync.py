@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import Engine
+from jaxspec.engine.acceptance import AlphaTracker
 from jaxspec.engine.drafters import ModelDrafter
 from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import KPolicy
@@ -70,7 +71,7 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
   draft, draft_params = tiny_draft
   policy = Record([0])
   engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K, k_policy=policy,
-                  drafter=ModelDrafter(probe_every=3, probe_rows=2, probe_budget=None,
+                  drafter=ModelDrafter(probe_every=4, probe_rows=2, probe_budget=None,
                                           observe_tokens=L), **SHAPES)
   prompts = _prompts([6, 11], seed=1)
   ids = [engine.add_request(p, max_tokens=17) for p in prompts]
@@ -101,10 +102,14 @@ def test_probe_scores_the_draft_on_what_the_target_drew(tiny, tiny_draft):
         (p, x) for p, x in zip(policy.probes, policy.probed_x) if p[0] == rid]:
       run = hits[start:start + int(n)].astype(int)
       assert later_trials == run[:-1].sum() and later_successes == (run[:-1] * run[1:]).sum()
-      np.testing.assert_allclose(confidence, p_drawn[start:start + int(n)].mean(), rtol=1e-4)
+      if n < AlphaTracker.FIT_TOKENS:                     # too few tokens to fit on
+        assert confidence is None
+      else:
+        np.testing.assert_allclose(confidence, p_drawn[start:start + int(n)].mean(), rtol=1e-4)
       start += int(n)
     assert start == first + trials
   assert sum(p[2] for p in policy.probes) > 0                # some neighbours both hit
+  assert any(x is not None for x in policy.probed_x)         # a probe of enough tokens
 
 
 def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny, tiny_draft):

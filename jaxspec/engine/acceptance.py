@@ -159,6 +159,7 @@ class AlphaTracker:
 
   SLOPE_VAR = 0.01    # variance of x of a pseudo-trial of slope 0 (`confidence_shift`)
   SLOPE_SPAN = 4.0    # the fit's sums fade this many times slower than the global ones
+  FIT_TOKENS = 4      # tokens a confidence averages at least to be fitted (fewer: too noisy)
 
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
               later_trials: float = 0.0, later_weight: Optional[float] = None,

@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from jaxspec.engine import device, spec_steps, timing
+from jaxspec.engine.acceptance import AlphaTracker
 from jaxspec.engine.live_costs import LiveRatio
 from jaxspec.engine import rows as rows_lib
 
@@ -252,7 +253,8 @@ class DraftSync:
       if trials[row] > 0 and engine.policy is not None:
         engine.policy.observe_probe(request.id, float(successes[row]), float(trials[row]),
                                     float(later_successes[row]), float(later_trials[row]),
-                                    float(np.mean(top[row])) if top[row] else None)
+                                    float(np.mean(top[row]))
+                                    if len(top[row]) >= AlphaTracker.FIT_TOKENS else None)
 
   def measure(self, repeats: int) -> dict:
     """Compile and time one catch-up call per row bucket over idle rows (`timing.fastest`);

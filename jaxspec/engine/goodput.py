@@ -378,7 +378,7 @@ class GoodputK(KPolicy):
   ONE_SLOT_HOLD_ROUNDS = 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   COLD_TRIALS = 12   # global first-proposal trials (4 the default prior's) to be warm (`cold`)
-  FIT_TOKENS = 4     # tokens a request's confidence averages at least to enter the fit
+  FIT_TOKENS = AlphaTracker.FIT_TOKENS   # a request's confidence enters the fit from this many
   PRIOR_ROUNDS, STALE_ROUNDS = LiveCosts.PRIOR_ROUNDS, LiveCosts.STALE_ROUNDS
 
   @property

@@ -142,8 +142,8 @@ class KPolicy(abc.ABC):
     of consecutive scored tokens later_trials Σ s_j (the first accepted) and later_successes
     Σ s_j s_{j+1} (the next accepted too), evidence of the later proposals' acceptance β that
     K = 0 rounds give no other way (`spec_steps.draft_catch_up`); confidence: the target's mean
-    top probability over the scored tokens. Default: `observe` of the first-proposal counts
-    alone."""
+    top probability over the scored tokens (None over fewer than `AlphaTracker.FIT_TOKENS`: too
+    noisy to fit acceptance on). Default: `observe` of the first-proposal counts alone."""
     self.observe(request_id, 0, 0, successes, trials)
 
   def forget(self, request_id: Hashable) -> None:
