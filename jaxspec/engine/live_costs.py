@@ -45,10 +45,9 @@ class LiveRatio:
   values (`value`, 1.0 before any). A median, so one call that recompiled (after
   `jax.clear_caches()`, e.g. by `jaxspec.executables.release_near_limit`) or met a pause does
   not price every later call hundreds of times too high, as an exponential average of its
-  seconds-long ratio did. Used for
-  a lazy draft's catch-ups (`DraftSync`) and the prefill calls that price a split
-  (`speculation.horizon`): live calls run after other calls that pushed their data out of the
-  CPU's caches, and the table times them back to back."""
+  seconds-long ratio did. Used for a lazy draft's catch-ups (`DraftSync`) and the prefill calls
+  that price a split (`speculation.horizon`): live calls run after other calls that pushed their
+  data out of the CPU's caches, and the table times them back to back."""
 
   def __init__(self, window: int = 8):
     self._ratios = collections.deque(maxlen=max(1, int(window)))

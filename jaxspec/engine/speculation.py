@@ -157,8 +157,11 @@ def known_max_p(request, tokens: int = 16) -> list:
 def confidence(request, tokens: int = 16) -> Optional[float]:
   """The mean of `known_max_p` (`KPolicy.confidences`), None when it has none. The first
   token's, from prefill, is what the first decode round of a new request is priced with."""
-  known = known_max_p(request, tokens)
-  return sum(known) / len(known) if known else None
+  return _mean(known_max_p(request, tokens))
+
+
+def _mean(values: list) -> Optional[float]:
+  return sum(values) / len(values) if values else None
 
 
 def num_queued(engine, decodes) -> int:
@@ -206,7 +209,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   policy.rooms = [r.room for r in decodes]
   known = [known_max_p(r) for r in decodes] \
       if draft_sync is not None and policy.wants_confidences else None
-  policy.confidences = None if known is None else [sum(p) / len(p) if p else None for p in known]
+  policy.confidences = None if known is None else [_mean(p) for p in known]
   policy.confidence_tokens = None if known is None else [len(p) for p in known]
   policy.rows, policy.queued = rows, queued
   policy.queue_rooms, policy.slots = queue_rooms, slots
