@@ -145,6 +145,43 @@ def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny,
     assert n == 1
 
 
+def test_rounds_at_k_ge_1_report_the_confidence_of_every_token_they_emit(tiny, tiny_draft):
+  # A request that runs at K >= 1 from admission: its confidence at each choice is the target's
+  # mean top probability over its last (at most 16) outputs, those drawn by the verify passes
+  # included (before, only its first token's, from prefill: one token at every choice).
+  config, params = tiny
+  draft, draft_params = tiny_draft
+
+  class Seen(Record):
+    wants_confidences = True
+    chosen = []
+
+    def choose(self, request_ids):
+      self.chosen.extend(zip(request_ids, self.confidences, self.confidence_tokens, self.rooms))
+      return super().choose(request_ids)
+
+  policy = Seen([K])                                   # K >= 1 every round (0 a candidate)
+  engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K, k_policy=policy,
+                  drafter=ModelDrafter(probe_every=None), **SHAPES)
+  prompts, max_tokens = _prompts([6, 9], seed=4), 24
+  ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+  outs = engine.run()
+  assert engine.k_rounds[0] == 0 and engine.k_rounds[K] > 0
+  for rid, prompt in zip(ids, prompts):
+    context = prompt + outs[rid].tokens
+    positions = np.arange(len(context), dtype=np.int32)[None]
+    logits, _ = Transformer(config).apply(params, np.asarray(context, np.int32)[None],
+                                          positions, None)
+    top = np.asarray(jax.nn.softmax(logits[0], axis=-1)).max(axis=-1)
+    drawn = top[len(prompt) - 1:]                      # where output i was drawn
+    choices = [(x, n, room) for r, x, n, room in policy.chosen if r == rid]
+    assert max(n for _, n, _ in choices) == 16         # more than prefill's one token
+    for x, n, room in choices:
+      emitted = max_tokens - room
+      assert n == min(emitted, 16)
+      np.testing.assert_allclose(x, drawn[emitted - n:emitted].mean(), rtol=1e-4)
+
+
 def test_prefill_calls_feed_the_live_ratio_that_prices_a_split(tiny, tiny_draft):
   config, params = tiny
   draft, draft_params = tiny_draft

@@ -181,12 +181,24 @@ def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng
     (window [B, K+1] int32 x_1..x_n then the correction/bonus token at index n, num_accepted [B]
     int32 n, target_cache with K+1 slots written per row).
   """
-  k = xs.shape[1]
-  tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
-  positions = target_cache.lengths[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-  logits, target_cache = Transformer(target).apply(target_params, tokens, positions, target_cache)
+  logits, target_cache = verify_pass(target, target_params, target_cache, pending, xs)
   window, n = accept(rng, xs, q, probabilities(logits, sampling))
   return window, n, target_cache
+
+
+def verify_pass(target: ModelConfig, target_params, target_cache, pending, xs):
+  """The target's pass of `verify` over [pending, x_1..x_K], without the acceptance test.
+
+  Args:
+    target_cache: row b holds every committed token but pending[b].
+    pending: [B] int32; xs: [B, K] int32 proposals.
+  Returns:
+    (logits [B, K+1, V] (position j's distribution drew window token j), target_cache with K+1
+    slots written per row).
+  """
+  tokens = jnp.concatenate([pending[:, None], xs], axis=1)                   # [B, K+1]
+  positions = target_cache.lengths[:, None] + jnp.arange(xs.shape[1] + 1, dtype=jnp.int32)
+  return Transformer(target).apply(target_params, tokens, positions, target_cache)
 
 
 def accept(rng, xs, q, p):

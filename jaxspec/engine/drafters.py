@@ -19,6 +19,7 @@ import abc
 import dataclasses
 from typing import Optional, Sequence
 
+import jax
 import numpy as np
 
 from jaxspec.checks import check_int, check_real
@@ -37,8 +38,9 @@ class Round:
     successes, trials: [B] float64, the round's acceptance observation per row for the K policy
       (see `jaxspec.engine.k_policy`); trials 0: nothing observed.
     token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
-    max_p: [B] float32 the target's max softmax probability, from `plain_round` (a lazy draft's
-      K = 0 round; None otherwise).
+    max_p: [B, K+1] float32 the target's max softmax probability at each window position (its
+      confidence where it drew that token: `plain_round`, [B, 1], and a draft model's K >= 1
+      round for a lazy draft's policy that reads confidences; None otherwise).
     draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal, or in a
       K = 0 round at the position it scores (None: no draft model ran this round).
   """
@@ -62,7 +64,8 @@ def plain_round(engine, caches, pending, room, stop, rng, sampling):
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-               np.zeros((b,)), np.asarray(token_p), max_p=np.asarray(max_p)), [target_cache]
+               np.zeros((b,)), np.asarray(token_p), max_p=np.asarray(max_p)[:, None]), [
+                   target_cache]
 
 
 def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):
@@ -159,14 +162,14 @@ class ModelDrafter(Drafter):
       return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, beta,
                    busy.astype(np.float64), draft_failed=np.asarray(failed) & busy), [
                        target_cache, draft_cache]
-    window, n, emitted, failed, target_cache, draft_cache = spec_steps.model_step(
+    window, n, emitted, failed, max_p, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
-        caches[1], pending, room, stop, caps, rng, sampling, k=k)
-    n = np.asarray(n)
+        caches[1], pending, room, stop, caps, rng, sampling, k=k,
+        confidence=engine.draft_sync is not None and engine.policy.wants_confidences)
+    window, n, emitted, failed, max_p = jax.device_get((window, n, emitted, failed, max_p))
     successes, trials = observation(n, caps, busy)
-    return Round(np.asarray(window), n, np.asarray(emitted), np.where(busy, caps, 0),
-                 successes, trials, draft_failed=np.asarray(failed) & busy), [target_cache,
-                                                                              draft_cache]
+    return Round(window, n, emitted, np.where(busy, caps, 0), successes, trials,
+                 draft_failed=failed & busy, max_p=max_p), [target_cache, draft_cache]
 
 
 def lookup(context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list:

@@ -66,9 +66,10 @@ class KPolicy(abc.ABC):
     rows: the row count of the coming round's device call (the engine's decode row bucket
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
     confidences: per request of the coming `choose`, the target's mean top probability (max
-      softmax) over its recent tokens drawn by prefill or at K = 0 (`speculation.confidence`;
-      None where unknown, and None without a lazy draft cache, which alone records it, or
-      unless `wants_confidences`: gathering them costs host time).
+      softmax) over its recent tokens (`speculation.confidence`: drawn by prefill, by K = 0
+      rounds and by the draft model's K >= 1 rounds; None where unknown, and None without a
+      lazy draft cache, which alone records it, or unless `wants_confidences`: gathering them
+      costs host time).
     confidence_tokens: per request, how many tokens its confidence averages (set with
       `confidences`; 1 for a new request's, its first token's from prefill).
     wants_confidences: whether the policy reads `confidences` (default False).

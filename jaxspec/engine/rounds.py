@@ -95,7 +95,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
         window.index(INVALID_TOKEN) if INVALID_TOKEN in window else e)
     engine._emit(request, window, now, emitted,
                  None if result.token_p is None else [float(result.token_p[row])] * e,
-                 None if result.max_p is None else [float(result.max_p[row])] * e)
+                 None if result.max_p is None else result.max_p[row, :e].tolist())
   if engine.draft_sync is not None:
     engine.draft_sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0))
   if engine.policy is not None:   # host seconds of this round besides the device call
