@@ -132,7 +132,7 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self._x = self._fit_x = {}              # {request: confidence} priced, fitted (`_alphas`)
+    self._x, self._fit_x = {}, {}           # {request: confidence} priced, fitted (`_alphas`)
     self.wants_confidences = bool(use_confidence)   # `KPolicy.wants_confidences`
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
