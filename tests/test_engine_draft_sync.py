@@ -165,15 +165,17 @@ def test_rounds_at_k_ge_1_report_the_confidence_of_every_token_they_emit(tiny, t
                   drafter=ModelDrafter(probe_every=None), **SHAPES)
   prompts, max_tokens = _prompts([6, 9], seed=4), 24
   ids = [engine.add_request(p, max_tokens=max_tokens) for p in prompts]
+  requests = [engine._live[rid] for rid in ids]
   outs = engine.run()
   assert engine.k_rounds[0] == 0 and engine.k_rounds[K] > 0
-  for rid, prompt in zip(ids, prompts):
+  for rid, prompt, request in zip(ids, prompts, requests):
     context = prompt + outs[rid].tokens
     positions = np.arange(len(context), dtype=np.int32)[None]
     logits, _ = Transformer(config).apply(params, np.asarray(context, np.int32)[None],
                                           positions, None)
     top = np.asarray(jax.nn.softmax(logits[0], axis=-1)).max(axis=-1)
-    drawn = top[len(prompt) - 1:]                      # where output i was drawn
+    drawn = top[len(prompt) - 1:-1]                    # where output i was drawn
+    np.testing.assert_allclose(request.max_p, drawn, rtol=1e-4)   # every output, the last too
     choices = [(x, n, room) for r, x, n, room in policy.chosen if r == rid]
     assert max(n for _, n, _ in choices) == 16         # more than prefill's one token
     for x, n, room in choices:

@@ -112,7 +112,7 @@ def test_the_fit_takes_only_confidences_of_enough_tokens_and_pricing_takes_all()
 
 
 def test_speculation_confidence_averages_the_known_top_probabilities():
-  request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: a token drawn at K >= 1
+  request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: unknown
   assert speculation.confidence(request) == pytest.approx(0.6)
   assert speculation.confidence(types.SimpleNamespace(max_p=[0.0])) is None
   assert speculation.confidence(types.SimpleNamespace(max_p=[0.1] * 4 + [0.9] * 16)) == \

@@ -165,8 +165,8 @@ class Request:
     token_p: with a lazy draft cache, per emitted token, the target probability p(token) it was
       drawn with where known (rounds at K = 0), else 0 (empty otherwise).
     max_p: alike, the target's max softmax probability at that step (its confidence), for the
-      first token (from prefill) and every decode round of the target alone or with the draft
-      model (0 where unknown: prompt lookup's K >= 1 rounds).
+      first token (from prefill), rounds at K = 0 and the draft model's rounds at K >= 1 for a
+      policy that reads confidences (`KPolicy.wants_confidences`), else 0 (unknown).
     order: admission sequence number (lower = older = higher priority).
   """
 
