@@ -145,15 +145,18 @@ def test_the_first_round_of_a_new_request_sees_its_first_tokens_confidence(tiny,
     assert n == 1
 
 
-def test_rounds_at_k_ge_1_report_the_confidence_of_every_token_they_emit(tiny, tiny_draft):
-  # A request that runs at K >= 1 from admission: its confidence at each choice is the target's
-  # mean top probability over its last (at most 16) outputs, those drawn by the verify passes
-  # included (before, only its first token's, from prefill: one token at every choice).
+@pytest.mark.parametrize('spec', [True, False])
+def test_rounds_at_k_ge_1_report_the_confidence_of_every_token_they_emit(tiny, tiny_draft, spec):
+  # A request that runs at K >= 1 from admission: for a policy that wants them there, its
+  # confidence at each choice is the target's mean top probability over its last (at most 16)
+  # outputs, those drawn by the verify passes included; else only its first token's (from
+  # prefill) at every choice, and its later outputs record none.
   config, params = tiny
   draft, draft_params = tiny_draft
 
   class Seen(Record):
     wants_confidences = True
+    wants_spec_confidences = spec
     chosen = []
 
     def choose(self, request_ids):
@@ -175,8 +178,13 @@ def test_rounds_at_k_ge_1_report_the_confidence_of_every_token_they_emit(tiny, t
                                           positions, None)
     top = np.asarray(jax.nn.softmax(logits[0], axis=-1)).max(axis=-1)
     drawn = top[len(prompt) - 1:-1]                    # where output i was drawn
-    np.testing.assert_allclose(request.max_p, drawn, rtol=1e-4)   # every output, the last too
     choices = [(x, n, room) for r, x, n, room in policy.chosen if r == rid]
+    if not spec:
+      np.testing.assert_allclose(request.max_p[0], drawn[0], rtol=1e-4)
+      assert not any(request.max_p[1:])
+      assert all(n == 1 for _, n, _ in choices)
+      continue
+    np.testing.assert_allclose(request.max_p, drawn, rtol=1e-4)   # every output, the last too
     assert max(n for _, n, _ in choices) == 16         # more than prefill's one token
     for x, n, room in choices:
       emitted = max_tokens - room

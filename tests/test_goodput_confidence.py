@@ -146,3 +146,9 @@ def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft, monkeypa
                                             set())
   assert [x for _, x, _ in other] == pytest.approx([x for _, x, _ in same])
   assert np.mean([a for a, _, _ in other]) < 1.0                  # the perturbed draft misses
+
+
+def test_goodput_takes_k_ge_1_confidences_only_when_asked():
+  # Off by default (measured: docs/adaptive_k.md); the engine asks model_step for them only then.
+  assert GoodputK().wants_spec_confidences is False
+  assert GoodputK(spec_confidence=True).wants_spec_confidences is True

@@ -40,7 +40,8 @@ class Round:
     token_p: [B] float32 p(token) of a K = 0 round's token under the target (None otherwise).
     max_p: [B, K+1] float32 the target's max softmax probability at each window position (its
       confidence where it drew that token: `plain_round`, [B, 1], and a draft model's K >= 1
-      round for a lazy draft's policy that reads confidences; None otherwise).
+      round for a lazy draft's policy that reads them there,
+      `KPolicy.wants_spec_confidences`; None otherwise).
     draft_failed: [B] bool, a draft model's logits were NaN or +inf at some proposal, or in a
       K = 0 round at the position it scores (None: no draft model ran this round).
   """
@@ -165,7 +166,8 @@ class ModelDrafter(Drafter):
     window, n, emitted, failed, max_p, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
         caches[1], pending, room, stop, caps, rng, sampling, k=k,
-        confidence=bool(engine.draft_sync is not None and engine.policy.wants_confidences))
+        confidence=bool(engine.draft_sync is not None and engine.policy.wants_confidences and
+                        engine.policy.wants_spec_confidences))
     window, n, emitted, failed, max_p = jax.device_get((window, n, emitted, failed, max_p))
     successes, trials = observation(n, caps, busy)
     return Round(window, n, emitted, np.where(busy, caps, 0), successes, trials,

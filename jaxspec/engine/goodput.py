@@ -100,6 +100,9 @@ class GoodputK(KPolicy):
       and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
     use_confidence: move a request's α and β priors, and the queue's, by the target's
       confidence on its recent tokens (`AlphaTracker.confidence_shift`, `KPolicy.confidences`).
+    spec_confidence: count the tokens of rounds at K >= 1 in those confidences too
+      (`KPolicy.wants_spec_confidences`; off: in A/B runs at B = 2 it cost json 3-6 %, the
+      policy switching K more often, docs/adaptive_k.md).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
@@ -111,7 +114,7 @@ class GoodputK(KPolicy):
                costs: Optional[Mapping[int, float]] = None, window: int = 16,
                probe_margin: float = 0.05, stay_margin: float = 0.05,
                spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2,
-               use_confidence: bool = True):
+               use_confidence: bool = True, spec_confidence: bool = False):
     super().__init__()
     margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
@@ -134,6 +137,7 @@ class GoodputK(KPolicy):
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
     self._x, self._fit_x = {}, {}           # {request: confidence} priced, fitted (`_alphas`)
     self.wants_confidences = bool(use_confidence)   # `KPolicy.wants_confidences`
+    self.wants_spec_confidences = bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 

@@ -67,12 +67,14 @@ class KPolicy(abc.ABC):
       holding the busy requests; set before each `choose`, None when unknown: the full batch).
     confidences: per request of the coming `choose`, the target's mean top probability (max
       softmax) over its recent tokens (`speculation.confidence`: drawn by prefill, by K = 0
-      rounds and by the draft model's K >= 1 rounds; None where unknown, and None without a
-      lazy draft cache, which alone records it, or unless `wants_confidences`: gathering them
-      costs host time).
+      rounds and, if `wants_spec_confidences`, by the draft model's K >= 1 rounds; None where
+      unknown, and None without a lazy draft cache, which alone records it, or unless
+      `wants_confidences`: gathering them costs host time).
     confidence_tokens: per request, how many tokens its confidence averages (set with
       `confidences`; 1 for a new request's, its first token's from prefill).
     wants_confidences: whether the policy reads `confidences` (default False).
+    wants_spec_confidences: whether those take the tokens of rounds at K >= 1 too (default
+      False; the draft model's verify pass then computes them, `spec_steps.model_step`).
   """
 
   needs_costs = False
@@ -87,6 +89,7 @@ class KPolicy(abc.ABC):
   confidences: Optional[Sequence[Optional[float]]] = None
   confidence_tokens: Optional[Sequence[int]] = None
   wants_confidences = False
+  wants_spec_confidences = False
 
   def __init__(self):
     self.k_max: Optional[int] = None

@@ -166,7 +166,7 @@ class Request:
       drawn with where known (rounds at K = 0), else 0 (empty otherwise).
     max_p: alike, the target's max softmax probability at that step (its confidence), for the
       first token (from prefill), rounds at K = 0 and the draft model's rounds at K >= 1 for a
-      policy that reads confidences (`KPolicy.wants_confidences`), else 0 (unknown).
+      policy that reads them there (`KPolicy.wants_spec_confidences`), else 0 (unknown).
     order: admission sequence number (lower = older = higher priority).
   """
 

@@ -149,8 +149,8 @@ def horizon(engine, decodes) -> tuple:
 def known_max_p(request, tokens: int = 16) -> list:
   """The target's max softmax probabilities of the last `tokens` (>= 1) of the request's outputs
   whose confidence is known (its `max_p`, recorded with a lazy draft cache: by prefill, by
-  rounds at K = 0 and, for a policy that reads confidences, at K >= 1; read from the end, so
-  the newest first); [] when it has none."""
+  rounds at K = 0 and, for a policy that reads them there (`KPolicy.wants_spec_confidences`),
+  at K >= 1; read from the end, so the newest first); [] when it has none."""
   return list(itertools.islice((p for p in reversed(getattr(request, 'max_p', ())) if p > 0),
                                max(1, tokens)))
 
