@@ -148,7 +148,25 @@ def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft, monkeypa
   assert np.mean([a for a, _, _ in other]) < 1.0                  # the perturbed draft misses
 
 
-def test_goodput_takes_k_ge_1_confidences_only_when_asked():
-  # Off by default (measured: docs/adaptive_k.md); the engine asks model_step for them only then.
-  assert GoodputK().wants_spec_confidences is False
-  assert GoodputK(spec_confidence=True).wants_spec_confidences is True
+@pytest.mark.parametrize('kwargs, lazy, asked', [
+    ({}, True, False),                                           # off by default (measured)
+    ({'spec_confidence': True}, True, True),
+    ({'spec_confidence': True, 'use_confidence': False}, True, False),
+    ({'spec_confidence': True}, False, False)])                  # no lazy draft: none recorded
+def test_goodput_asks_model_step_for_k_ge_1_confidences_only_when_set(monkeypatch, kwargs, lazy,
+                                                                      asked):
+  from jaxspec.engine import drafters, spec_steps
+  seen = {}
+
+  def model_step(*args, confidence=False, **rest):
+    seen['confidence'] = confidence
+    raise StopIteration                   # the call's arguments are all this test needs
+
+  monkeypatch.setattr(spec_steps, 'model_step', model_step)
+  engine = types.SimpleNamespace(policy=GoodputK(**kwargs), draft_sync=object() if lazy else None,
+                                 target=None, draft=None, target_params=None, draft_params=None)
+  with pytest.raises(StopIteration):
+    drafters.ModelDrafter().decode(engine, [None, None], k=2, pending=np.zeros(2, np.int32),
+                                   room=np.ones(2, np.int32), stop=None, caps=None,
+                                   contexts=None, rng=None, sampling=None)
+  assert seen['confidence'] is asked

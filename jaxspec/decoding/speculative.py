@@ -187,7 +187,8 @@ def verify(target: ModelConfig, target_params, target_cache, pending, xs, q, rng
 
 
 def verify_pass(target: ModelConfig, target_params, target_cache, pending, xs):
-  """The target's pass of `verify` over [pending, x_1..x_K], without the acceptance test.
+  """The target's pass of `verify` over [pending, x_1..x_K], without the acceptance test (the
+  verification pass of Leviathan et al. 2023, Alg. 1).
 
   Args:
     target_cache: row b holds every committed token but pending[b].
