@@ -25,8 +25,9 @@ K of every setting at every decode row bucket: up to ~100 at B = 64) and the B =
 cases; `:smoke` ~10-60 s.
 
 settings: 'name=key:value,...;name2=...', keys are `Engine` keyword arguments (k, drafter,
-k_policy, chunk_size, prefix_caching, ...); k >= 1 uses the draft model unless drafter:ngram
-(prompt lookup). The first K = 0 setting is the baseline. Default: K in {0, 1, 2, 4, 8} with the
+k_policy, chunk_size, prefix_caching, ...), and k_policy.OPTION for the K policy's constructor
+(k_policy.spec_margin:0.1); k >= 1 uses the draft model unless drafter:ngram (prompt lookup).
+The first K = 0 setting is the baseline. Default: K in {0, 1, 2, 4, 8} with the
 draft model; goodput (SmartSpec-style K per round from per-request α estimates and the round
 costs `warm_up` measures, K_max = 8); schedule (+2 if all accepted, −1 otherwise, K_max = 8);
 ngram4 (prompt lookup, K = 4).

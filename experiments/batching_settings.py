@@ -14,11 +14,14 @@ import jax
 from jaxspec.cache import pages_needed
 from jaxspec.checks import check_int
 from jaxspec.engine import Engine, admission
+from jaxspec.engine.k_policy import make_policy
 from jaxspec.models import ModelConfig, param_shapes
 
 # Tokens of context the stand-in model of `check_engines` gets at most (its pool stays small).
 STAND_IN_CONTEXT = 4096
 
+# A setting's key for an option of its K policy: k_policy.OPTION:VALUE (`engine_kwargs`).
+POLICY_OPTION = 'k_policy.'
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
@@ -51,14 +54,17 @@ def parse_settings(text: str) -> dict[str, dict]:
   {'k0': {'k': 0}, 'k4': {'k': 4}, 'goodput': {'k': 8, 'k_policy': 'goodput'}}. Values are ints,
   floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`; one element: `8/`)
   or strings. A setting with k >= 1 gets the draft model unless it names another drafter
-  (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. Values the Engine refuses
-  (a bad policy name, ...) are reported by `make_engines`, naming the setting.
+  (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. `k_policy.OPTION:VALUE`
+  passes OPTION to the K policy's constructor (`engine_kwargs`), e.g. 'gp=k:8,k_policy:goodput,
+  k_policy.spec_confidence:true'. Values the Engine or the policy refuses (a bad policy name,
+  an option it does not take, ...) are reported by `make_engines`, naming the setting.
 
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
       name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
-      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...), a
-      k that is not an int >= 0, no K = 0 setting (the baseline).
+      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...) or
+      k_policy.OPTION, k_policy options without k_policy, a k that is not an int >= 0, no K = 0
+      setting (the baseline).
   """
   params = inspect.signature(Engine.__init__).parameters
   allowed = sorted(n for n in params if n not in RESERVED and n not in FROM_CONFIG)
@@ -83,12 +89,20 @@ def parse_settings(text: str) -> dict[str, dict]:
       if key in FROM_CONFIG:
         raise ValueError(f'setting {name!r}: {key!r} is set by the experiment for every setting '
                          f'(use {FROM_CONFIG[key]})')
-      if key not in allowed:
+      if key.startswith(POLICY_OPTION):
+        option = key[len(POLICY_OPTION):]
+        if not option.isidentifier():
+          raise ValueError(f'setting {name!r}: {key!r} is not k_policy.OPTION (an option of '
+                           f'the K policy, e.g. k_policy.spec_confidence:true)')
+      elif key not in allowed:
         raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
                          f'set (known: {", ".join(allowed)})')
       kwargs[key] = _value(value)
     k = kwargs.setdefault('k', 0)
     check_int(f'setting {name!r}: k', k, 0)
+    if policy_options(kwargs) and 'k_policy' not in kwargs:
+      raise ValueError(f'setting {name!r}: k_policy options {policy_options(kwargs)} without '
+                       f'k_policy:NAME')
     settings[name] = kwargs
   if not settings:
     raise ValueError(f'no settings in {text!r}')
@@ -96,6 +110,27 @@ def parse_settings(text: str) -> dict[str, dict]:
     raise ValueError(f'settings {text!r} have no K = 0 baseline (every ratio is taken against '
                      f'it): add one, e.g. k0=k:0')
   return settings
+
+
+def policy_options(kwargs: dict) -> dict:
+  """{option: value} of a setting's k_policy.OPTION keys (the K policy's constructor
+  arguments: `jaxspec.engine.k_policy.make_policy`)."""
+  return {key[len(POLICY_OPTION):]: value for key, value in kwargs.items()
+          if key.startswith(POLICY_OPTION)}
+
+
+def engine_kwargs(kwargs: dict) -> dict:
+  """A setting's `Engine` keyword arguments: its k_policy.OPTION keys built into the policy
+  (`make_policy(k_policy, **options)`, a fresh instance per call: one per engine).
+
+  Raises:
+    ValueError: an unknown policy, an option it does not take or a value it refuses.
+  """
+  options = policy_options(kwargs)
+  out = {key: value for key, value in kwargs.items() if not key.startswith(POLICY_OPTION)}
+  if options:
+    out['k_policy'] = make_policy(out['k_policy'], **options)
+  return out
 
 
 def describe(kwargs: dict) -> dict:
@@ -148,8 +183,8 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
     args = dict(num_slots=int(config.batch_size), num_pages=num_pages,
                 page_size=int(config.page_size), chunk_size=int(config.chunk_size),
                 max_seq_len=max_seq_len, sampling=sampling, seed=int(config.seed))
-    args.update(kwargs)
     try:
+      args.update(engine_kwargs(kwargs))
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err

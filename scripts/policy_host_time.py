@@ -16,7 +16,9 @@ K >= 1 stretch on json, the code prompts' prefill fills the draft's cache too an
 start early again). --set overrides an attribute of a built engine before the runs
 (SETTING.PATH=VALUE, PATH dotted from the engine, VALUE a Python literal): e.g. two goodput
 settings, one with the lazy draft's probes off (`draft_sync.probe_every=None`), split the policy's
-overhead into probes and the rest. --per_pass also prints each pass and workload (what one
+overhead into probes and the rest (what picks a compiled variant, such as the policy's
+spec_confidence, is fixed at construction: give it in the setting, k_policy.spec_confidence:true,
+so warm-up compiles it). --per_pass also prints each pass and workload (what one
 stretch at K >= 1 costs: prefill calls and their milliseconds, catch-ups, rounds with an idle
 row). Per setting and workload it prints tokens/s as a ratio to the first setting (mean over
 passes), decode rounds per pass, the mean microseconds per round of each part, the prefill

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from experiments import batching, batching_report as br
+from experiments import batching, batching_report as br, batching_settings
 from experiments import report
 
 
@@ -41,6 +41,8 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
     ('k2=k:2;k4=k:4', 'no K = 0 baseline'),
     ('k0=k:0;s=k:2,sampling:0.7', "'s': 'sampling' is set by the experiment"),
     ('k0=k:0;n=num_slots:4', "--config.batch_size"),
+    ('k0=k:0;o=k:8,k_policy.spec_confidence:true', "'o': k_policy options .* without"),
+    ('k0=k:0;o=k:8,k_policy:goodput,k_policy.:1', "'o': 'k_policy.' is not k_policy.OPTION"),
 ])
 def test_bad_setting_raises_value_error_naming_it(text, named):
   with pytest.raises(ValueError, match=named):
@@ -388,10 +390,25 @@ def test_an_engine_refusing_a_setting_names_the_setting(tiny, tiny_draft):
     batching.build_engines(config, settings, *tiny, *tiny_draft)
 
 
+def test_k_policy_options_build_each_engine_its_own_configured_policy():
+  got = batching.parse_settings('k0=k:0;gp=k:8,k_policy:goodput,k_policy.spec_confidence:true,'
+                                'k_policy.candidates:0/2/4,k_policy.spec_margin:0.1')
+  assert got['gp']['k_policy.spec_confidence'] is True
+  assert batching.describe(got['gp']) == dict(k=8, drafter='model', k_policy='goodput')
+  first, second = (batching_settings.engine_kwargs(got['gp'])['k_policy'] for _ in range(2))
+  assert first is not second                     # one instance per engine (each keeps state)
+  assert (first.wants_spec_confidences, first.spec_margin) == (True, 0.1)
+  assert 'k_policy.spec_confidence' not in batching_settings.engine_kwargs(got['gp'])
+  assert batching_settings.engine_kwargs(got['k0']) == {'k': 0}
+
+
 @pytest.mark.parametrize('settings, pool_pages, match', [
     ('k0=k:0;c=k:0,chunk_size:0', 0, r"setting 'c' .*: chunk_size must be an int >= 1, got 0"),
     ('k0=k:0;b=k:2,decode_buckets:3/', 0, r"setting 'b'.*decode_buckets=\(3,\)"),
     ('k0=k:0', 3, r"setting 'k0': a request of the run: .*pool has 2 \(--config.pool_pages=3;"),
+    ('k0=k:0;g=k:2,k_policy:goodput,k_policy.spec_confidense:true', 0,
+     r"setting 'g'.*no option 'spec_confidense' \(known: .*spec_confidence"),
+    ('k0=k:0;g=k:2,k_policy:goodput,k_policy.margin:-1', 0, r"setting 'g'.*margin must be"),
 ])
 def test_validate_refuses_what_the_engine_would_before_any_model_loads(monkeypatch, settings,
                                                                        pool_pages, match):

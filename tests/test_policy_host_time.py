@@ -47,3 +47,19 @@ def test_sync_marks_without_a_lazy_draft_are_zero():
   assert policy_host_time._sync_marks(types.SimpleNamespace(draft_sync=None)) == (0, 0.0)
   sync = types.SimpleNamespace(num_calls=3, seconds=0.5)
   assert policy_host_time._sync_marks(types.SimpleNamespace(draft_sync=sync)) == (3, 0.5)
+
+
+def test_set_refuses_what_picks_a_compiled_variant_and_sets_the_rest():
+  # spec_confidence picks the draft step's variant that warm_up compiled: a --set of it after
+  # warm-up would compile inside timed rounds, so it is fixed at construction (give it in the
+  # settings: k_policy.spec_confidence:true); a plain attribute such as spec_margin is set.
+  import argparse
+  import pytest
+  from jaxspec.engine.goodput import GoodputK
+  engines = {'gp': (types.SimpleNamespace(policy=GoodputK()), None)}
+  parser = argparse.ArgumentParser()
+  with pytest.raises(SystemExit):
+    policy_host_time._override(engines, 'gp.policy.wants_spec_confidences=True', parser)
+  assert not engines['gp'][0].policy.wants_spec_confidences
+  policy_host_time._override(engines, 'gp.policy.spec_margin=0.1', parser)
+  assert engines['gp'][0].policy.spec_margin == 0.1

@@ -166,8 +166,8 @@ class ModelDrafter(Drafter):
     window, n, emitted, failed, max_p, target_cache, draft_cache = spec_steps.model_step(
         engine.target, engine.draft, engine.target_params, engine.draft_params, caches[0],
         caches[1], pending, room, stop, caps, rng, sampling, k=k,
-        confidence=bool(engine.draft_sync is not None and engine.policy.wants_confidences and
-                        engine.policy.wants_spec_confidences))
+        confidence=engine.policy is not None and engine.policy.gets_confidences(
+            engine.draft_sync is not None, speculating=True))
     window, n, emitted, failed, max_p = jax.device_get((window, n, emitted, failed, max_p))
     successes, trials = observation(n, caps, busy)
     return Round(window, n, emitted, np.where(busy, caps, 0), successes, trials,

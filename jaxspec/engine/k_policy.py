@@ -33,6 +33,7 @@ first-proposal trial and the later positions' trials
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from typing import Hashable, Mapping, Optional, Sequence
 
@@ -131,6 +132,13 @@ class KPolicy(abc.ABC):
     requests waiting or prefilling; rooms: the decoding requests' rooms (None: not known). Only
     asked when no probe is due."""
     return None
+
+  def gets_confidences(self, lazy_draft: bool, speculating: bool = False) -> bool:
+    """Whether the engine gathers `confidences` for this policy (and, speculating, has its K >=
+    1 rounds compute them): only with a lazy draft cache (which alone records them), only if
+    `wants_confidences`, and from rounds at K >= 1 only if `wants_spec_confidences` too."""
+    return bool(lazy_draft and self.wants_confidences and
+                (not speculating or self.wants_spec_confidences))
 
   def observe(self, request_id: Hashable, k: int, accepted: int, successes: float,
               trials: float) -> None:
@@ -237,14 +245,33 @@ class ScheduleK(KPolicy):
     self.k_of.pop(request_id, None)
 
 
-def make_policy(policy) -> KPolicy:
+def make_policy(policy, **options) -> KPolicy:
   """A policy from its name ('fixed', 'schedule', 'goodput': `jaxspec.engine.goodput.GoodputK`)
-  or a `KPolicy` instance (returned as is). Raises ValueError naming an unknown value."""
+  built with `options` as its constructor's keyword arguments (e.g. `make_policy('goodput',
+  spec_confidence=True)`), or a `KPolicy` instance (returned as is, without options).
+
+  Raises:
+    ValueError: naming the value: an unknown policy, an option the policy's constructor does not
+      take (the known ones listed), options with an instance, or a value the constructor
+      refuses.
+  """
   from jaxspec.engine.goodput import GoodputK    # goodput.py builds on this module
   policies = {'fixed': FixedK, 'schedule': ScheduleK, 'goodput': GoodputK}
   if isinstance(policy, KPolicy):
+    if options:
+      raise ValueError(f'k_policy options {options} need a policy name, not the instance '
+                       f'{policy!r} (build it with them instead)')
     return policy
-  if isinstance(policy, str) and policy in policies:
-    return policies[policy]()
-  raise ValueError(f'unknown k_policy {policy!r}: expected one of {sorted(policies)} or a '
-                   f'KPolicy instance')
+  if not (isinstance(policy, str) and policy in policies):
+    raise ValueError(f'unknown k_policy {policy!r}: expected one of {sorted(policies)} or a '
+                     f'KPolicy instance')
+  known = sorted(n for n, p in inspect.signature(policies[policy].__init__).parameters.items()
+                 if n != 'self' and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise ValueError(f'k_policy {policy!r} has no option {", ".join(map(repr, unknown))} '
+                     f'(known: {", ".join(known) or "none"})')
+  try:
+    return policies[policy](**options)
+  except (TypeError, ValueError) as error:
+    raise ValueError(f'k_policy {policy!r} with {options}: {error}') from error

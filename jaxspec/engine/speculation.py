@@ -209,7 +209,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
     split, queued, queue_rooms, slots = horizon()
   policy.rooms = [r.room for r in decodes]
   known = [known_max_p(r) for r in decodes] \
-      if draft_sync is not None and policy.wants_confidences else None
+      if policy.gets_confidences(draft_sync is not None) else None
   policy.confidences = None if known is None else [_mean(p) for p in known]
   policy.confidence_tokens = None if known is None else [len(p) for p in known]
   policy.rows, policy.queued = rows, queued
