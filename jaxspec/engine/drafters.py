@@ -57,11 +57,15 @@ class Round:
   max_p: Optional[np.ndarray] = None
 
 
-def plain_round(engine, caches, pending, room, stop, rng, sampling):
-  """A K = 0 round of the target alone: `device.decode_round`. Returns (Round, [target cache])
-  (the engine keeps any cache it did not bind, e.g. a lazy draft's)."""
+def plain_round(engine, caches, pending, room, stop, rng, sampling, meanwhile=None):
+  """A K = 0 round of the target alone: `device.decode_round`; `meanwhile()` (if given) runs
+  after the call is dispatched, before its results are read (host work that hides behind the
+  device's). Returns (Round, [target cache]) (the engine keeps any cache it did not bind, e.g.
+  a lazy draft's)."""
   window, emitted, token_p, max_p, target_cache = device.decode_round(
       engine.target, engine.target_params, caches[0], pending, room, stop, rng, sampling)
+  if meanwhile is not None:
+    meanwhile()
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
   return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),

@@ -393,16 +393,17 @@ class Engine:
     return jax.device_get((first, max_p if self.draft_sync is not None else None))
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
-                   contexts=None):
+                   contexts=None, meanwhile=None):
     """One decode round at K = k with per-row sampling (`RowSampling`), caps [B] (default k)
     and contexts [B] (token lists or None; the drafters that read them need them for busy
-    rows). Returns a `drafters.Round`."""
+    rows); `meanwhile()` runs while a plain round's device call does (None: nothing). Returns a
+    `drafters.Round`."""
     # A lazy draft sits out K = 0 rounds: bind (and donate) the target's cache only.
     plain = self.drafter is None or (self.draft_sync is not None and k == 0)
     caches = device.bind(self.caches[:1 if plain else None], table, lengths)
     rng = self._next_rng()
     if plain:      # the target alone (what the drafter would run too), straight away
-      result, caches = plain_round(self, caches, pending, room, stop, rng, sampling)
+      result, caches = plain_round(self, caches, pending, room, stop, rng, sampling, meanwhile)
       self.caches = caches + self.caches[1:]
       return result
     rows = pending.shape[0]

@@ -239,10 +239,11 @@ class EvictingEngine(Engine):
     return np.asarray(first), None
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
-                   contexts=None):
+                   contexts=None, meanwhile=None):
     """A decode round under eviction: K = 0, or K = the engine's k with prompt lookup (caps [B]
-    proposals each row may accept, default K; contexts [B] token lists or None for idle rows).
-    Returns a `drafters.Round`."""
+    proposals each row may accept, default K; contexts [B] token lists or None for idle rows;
+    meanwhile: as `Engine._call_decode`, run after a K = 0 call is dispatched). Returns a
+    `drafters.Round`."""
     if k not in (0, self.k):
       raise ValueError(f'EvictingEngine decodes at K = 0 or its k={self.k}, got k={k!r}')
     cache = device.bind(self.caches, table, lengths)[0]
@@ -262,6 +263,8 @@ class EvictingEngine(Engine):
         self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
         jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
     self.caches = [cache]
+    if meanwhile is not None:
+      meanwhile()
     zeros = np.zeros((b,), np.int32)
     return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
                  np.zeros((b,)))

@@ -56,20 +56,41 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   """One decode round over every decoding request (`decodes`, oldest first): the K policy
   chooses K (and per-row caps), the drafter proposes, one target call verifies every row, and
   each request emits its accepted tokens + 1 (into `emitted`), finishing at a stop token or
-  max_tokens; the policy is told what the round accepted and what it cost (seconds)."""
+  max_tokens; the policy is told what the round accepted and what it cost (seconds). While a
+  lazy draft's policy stays at K = 0 the round runs at K = 0 and the policy chooses during its
+  device call (`DraftSync.overlaps`; a K >= 1 choice then takes effect next round); an error
+  of that choice is raised once the round's tokens are emitted."""
   if engine.policy is not None and engine.policy.needs_costs:
     engine.measure_costs()     # before the round's clock starts: not host time of a round
   start = time.perf_counter()
   width, rows = engine._decode_layout(decodes)
   layout = list(zip(rows, decodes))
   table, lengths, pending, room = rows_lib.decode_inputs(layout, width, engine.pages_per_seq)
-  synced = engine.draft_sync.seconds if engine.draft_sync is not None else 0.0
-  k, row_caps = speculation.choose(
-      engine.policy, decodes, width, engine.k, engine.draft_sync,
-      queued=speculation.num_queued(engine, decodes) if engine.policy is not None else None,
-      horizon=lambda: speculation.horizon(engine, decodes))
-  if engine.draft_sync is not None:      # a lazy draft's catch-up is not host time of the round
-    start += engine.draft_sync.seconds - synced
+  sync = engine.draft_sync
+  synced = sync.seconds if sync is not None else 0.0
+
+  def choose(overlapped=False):
+    return speculation.choose(
+        engine.policy, decodes, width, engine.k, sync,
+        queued=speculation.num_queued(engine, decodes) if engine.policy is not None else None,
+        horizon=lambda: speculation.horizon(engine, decodes), overlapped=overlapped)
+
+  chosen, failed, meanwhile = [], [], None
+  planned = sync.planned(decodes) if sync is not None else None
+  if planned is not None:          # chosen while the last round ran
+    k, row_caps = planned
+  elif engine.policy is not None and sync is not None and sync.overlaps(decodes):
+    k, row_caps = 0, [0] * len(decodes)
+
+    def meanwhile():
+      try:
+        chosen.append(choose(overlapped=True))
+      except Exception as error:  # pylint: disable=broad-except  # raised after the round
+        failed.append(error)
+  else:
+    k, row_caps = choose()
+  if sync is not None:      # a lazy draft's catch-up is not host time of the round
+    start += sync.seconds - synced
   caps = np.zeros((width,), np.int32)
   caps[rows] = row_caps
   contexts = [None] * width
@@ -79,12 +100,12 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   call_start = time.perf_counter()
   stop = rows_lib.stop_table(layout, width, engine.max_stop_tokens)
   result = engine._call_decode(table, lengths, pending, room, stop,
-                             rows_lib.sampling(layout, width), k=k, caps=caps,
-                             contexts=contexts)
+                               rows_lib.sampling(layout, width), k=k, caps=caps,
+                               contexts=contexts, meanwhile=meanwhile)
   device_s = time.perf_counter() - call_start
   engine.k_rounds[k] += 1
   now = time.perf_counter()
-  if k or engine.draft_sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
+  if k or sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
     speculation.observe_round(engine.policy, layout, result, caps)   # before a finish forgets
   for row, request in layout:
     e = int(result.emitted[row])
@@ -96,8 +117,11 @@ def decode_round(engine, decodes, emitted: dict) -> None:
     engine._emit(request, window, now, emitted,
                  None if result.token_p is None else [float(result.token_p[row])] * e,
                  None if result.max_p is None else result.max_p[row, :e].tolist())
-  if engine.draft_sync is not None:
-    engine.draft_sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0))
+  if sync is not None:
+    sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0),
+                     chosen[0] if chosen else (False if failed else None))
   if engine.policy is not None:   # host seconds of this round besides the device call
     host_s = max(0.0, time.perf_counter() - start - device_s + engine._schedule_s)
     engine.policy.round_timing(k, device_s, host_s)
+  if failed:
+    raise failed[0]

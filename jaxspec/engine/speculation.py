@@ -173,7 +173,7 @@ def num_queued(engine, decodes) -> int:
 def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync=None,
            split: tuple = (0.0, 0), queued: Optional[int] = None,
            queue_rooms: Optional[Sequence[int]] = None, slots: Optional[int] = None,
-           horizon: Optional[Callable[[], tuple]] = None):
+           horizon: Optional[Callable[[], tuple]] = None, overlapped: bool = False):
   """The round's K and each request's cap (<= K, proposals its row may accept), from the policy
   (None: K = 0), checked.
 
@@ -190,6 +190,9 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
     horizon: None, or a function returning (split, queued, queue_rooms, slots) (`horizon`),
       called only when the policy does not repeat a held choice (`KPolicy.repeat`, asked with
       `queued` when no probe is due): gathering them costs host time every round.
+    overlapped: the choice is made while a K = 0 round of `decodes` runs (`DraftSync.overlaps`,
+      which found no probe due); a K >= 1 choice is returned without its catch-up (the next
+      round's choice pays it).
   Returns:
     (K, caps: list of int aligned with `decodes`).
   Raises:
@@ -199,11 +202,12 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   if policy is None:
     return 0, [0] * len(decodes)
   if horizon is not None:
-    again = None if draft_sync is not None and draft_sync.probe_due(decodes) else \
+    again = None if draft_sync is not None and not overlapped and \
+        draft_sync.probe_due(decodes) else \
         policy.repeat([r.id for r in decodes], rows, queued, [r.room for r in decodes])
     if again is not None:
       k, caps = _checked(policy, k_max, len(decodes), *again)
-      if draft_sync is not None:
+      if draft_sync is not None and not overlapped:
         draft_sync.before_round(decodes, k)
       return k, caps
     split, queued, queue_rooms, slots = horizon()
@@ -218,7 +222,7 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
   if draft_sync is not None:
     policy.sync_s = draft_sync.before_choice(decodes)
   k, caps = _checked(policy, k_max, len(decodes), *policy.choose([r.id for r in decodes]))
-  if draft_sync is not None:
+  if draft_sync is not None and not overlapped:
     draft_sync.before_round(decodes, k)
   return k, caps
 
