@@ -129,7 +129,7 @@ def engine_kwargs(kwargs: dict) -> dict:
   options = policy_options(kwargs)
   out = {key: value for key, value in kwargs.items() if not key.startswith(POLICY_OPTION)}
   if options:
-    out['k_policy'] = make_policy(out['k_policy'], **options)
+    out['k_policy'] = make_policy(out.get('k_policy', 'fixed'), **options)
   return out
 
 

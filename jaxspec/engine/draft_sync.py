@@ -35,14 +35,15 @@ baseline never pays). Now:
   request every round is what the draft step of an eager K = 0 round did; it costs about as
   much in the draft however it is batched.
 
-- While the policy stays at K = 0, a round runs before the policy is asked about it
-  (`overlaps`): the K = 0 device call is dispatched first and the policy chooses while it runs
-  (JAX dispatches asynchronously), so its host work (a held choice checked, or a full scoring
-  of the batch and queue) hides behind the device call instead of adding to the round, as
-  vLLM's asynchronous scheduling and SGLang's overlap scheduler hide their schedulers' work. A
-  choice of K >= 1 made so is the next round's (`planned`: one round late, the round run being
-  a plain K = 0 round, whose tokens stand at any K), its catch-up paid then. Rounds after a
-  round at K >= 1, and rounds with a probe due, choose first as before.
+- Once the policy has chosen K = 0 for `OVERLAP_AFTER` rounds in a row, a round runs before the
+  policy is asked about it (`overlaps`): the K = 0 device call is dispatched first and the
+  policy chooses while it runs (JAX dispatches asynchronously), so its host work (a held choice
+  checked, or a full scoring of the batch and queue) hides behind the device call instead of
+  adding to the round, as vLLM's asynchronous scheduling and SGLang's overlap scheduler hide
+  their schedulers' work. A choice of K >= 1 made so is not run (the round is a plain K = 0
+  round, whose tokens stand at any K): the next round asks the policy first, with that round's
+  rooms and catch-up (goodput repeats its held choice), so speculation starts a round late.
+  Rounds with a probe due, or with a request new to the batch, choose first as before.
 
 After a round at K >= 1 the draft holds what the target holds (the invariant of
 `spec_steps.model_step`).
@@ -104,7 +105,8 @@ class DraftSync:
     self._due = None             # (decodes, probe) of this round's `probe_due`
     self.overlap_choice = True
     self._k0_rounds = 0          # rounds in a row run at K = 0 as the policy chose for them
-    self._planned = None         # (K, {request id: cap}) chosen for the next round (`planned`)
+    self._batch = frozenset()    # the request ids of the last decode round
+    self.choice_error = None     # an exception of a choice made while a round ran (`overlaps`)
 
   QUIET = 8   # the longest gap between two questions to the policy, in probe_every units
   # K = 0 rounds in a row before a round may run while the policy chooses (`overlaps`): a short
@@ -126,20 +128,10 @@ class DraftSync:
   def overlaps(self, decodes) -> bool:
     """Whether this round runs at K = 0 with the policy choosing while its device call runs
     (see the module doc): `overlap_choice` is on, the last `OVERLAP_AFTER` rounds ran at K = 0
-    as the policy chose, and no probe is due (a probe comes before the choice it informs)."""
+    as the policy chose, no request is new to the batch (its first round is priced first), and
+    no probe is due (a probe comes before the choice it informs)."""
     return self.overlap_choice and self._k0_rounds >= self.OVERLAP_AFTER and \
-        not self.probe_due(decodes)
-
-  def planned(self, decodes):
-    """(K >= 1, caps aligned with `decodes`) the policy chose for this round while the last one
-    ran (`overlaps`), its catch-up now run (`before_round`), or None: nothing was chosen ahead,
-    or the batch changed since by a request the choice did not price (it is asked again)."""
-    planned, self._planned = self._planned, None
-    if planned is None or any(r.id not in planned[1] for r in decodes):
-      return None
-    k, caps = planned[0], [planned[1][r.id] for r in decodes]
-    self.before_round(decodes, k)
-    return k, caps
+        all(r.id in self._batch for r in decodes) and not self.probe_due(decodes)
 
   def _probe(self, decodes) -> list:
     """The requests a probe would catch up this round (the `probe_rows` least behind of those
@@ -194,17 +186,14 @@ class DraftSync:
     if k >= 1:
       self.catch_up(decodes)
 
-  def after_round(self, decodes, k: int, zero_s: float, ahead=None) -> None:
+  def after_round(self, decodes, k: int, zero_s: float, chose_k0: bool = True) -> None:
     """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote; a K = 0
     round adds its estimated seconds `zero_s` (its row bucket's t(0)) to the probe budget's base.
     A K = 0 round of requests that each had one token left leaves `eager` as it was: the
-    requests it admits next start as the engine was going. `ahead`: for a round that
-    `overlaps`, the policy's (K, caps aligned with `decodes`) chosen meanwhile, or False when
-    that choice failed (the next round asks again first); None: the round chose first."""
-    if ahead and ahead[0] >= 1:
-      self._planned = ahead[0], {r.id: c for r, c in zip(decodes, ahead[1])}
-    k0 = k == 0 and ahead is not False and self._planned is None
-    self._k0_rounds = self._k0_rounds + 1 if k0 else 0
+    requests it admits next start as the engine was going. `chose_k0`: False when the choice
+    made while a K = 0 round ran (`overlaps`) was K >= 1, or failed: the next round asks first."""
+    self._k0_rounds = self._k0_rounds + 1 if k == 0 and chose_k0 else 0
+    self._batch = frozenset(r.id for r in decodes)
     if k >= 1 or not self._forced:
       self.eager = k >= 1
     self._forced = False

@@ -177,8 +177,9 @@ class KPolicy(abc.ABC):
 
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
     """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
-    dispatch, step, reading back) and the host work around it (`host_s`: scheduling, tables,
-    proposals, emitting)."""
+    dispatch, step, reading back; with a choice made while a K = 0 round runs,
+    `jaxspec.engine.draft_sync.DraftSync.overlaps`, also what of it the call did not hide) and
+    the host work around it (`host_s`: scheduling, tables, proposals, emitting)."""
 
 
 class FixedK(KPolicy):

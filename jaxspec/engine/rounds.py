@@ -58,8 +58,9 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   each request emits its accepted tokens + 1 (into `emitted`), finishing at a stop token or
   max_tokens; the policy is told what the round accepted and what it cost (seconds). While a
   lazy draft's policy stays at K = 0 the round runs at K = 0 and the policy chooses during its
-  device call (`DraftSync.overlaps`; a K >= 1 choice then takes effect next round); an error
-  of that choice is raised once the round's tokens are emitted."""
+  device call (`DraftSync.overlaps`; after a K >= 1 choice the next round asks first); an
+  exception of that choice is raised by the next decode round, before anything runs (a
+  KeyboardInterrupt once this round's tokens are emitted)."""
   if engine.policy is not None and engine.policy.needs_costs:
     engine.measure_costs()     # before the round's clock starts: not host time of a round
   start = time.perf_counter()
@@ -67,6 +68,9 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   layout = list(zip(rows, decodes))
   table, lengths, pending, room = rows_lib.decode_inputs(layout, width, engine.pages_per_seq)
   sync = engine.draft_sync
+  if sync is not None and sync.choice_error is not None:
+    error, sync.choice_error = sync.choice_error, None
+    raise error
   synced = sync.seconds if sync is not None else 0.0
 
   def choose(overlapped=False):
@@ -76,16 +80,13 @@ def decode_round(engine, decodes, emitted: dict) -> None:
         horizon=lambda: speculation.horizon(engine, decodes), overlapped=overlapped)
 
   chosen, failed, meanwhile = [], [], None
-  planned = sync.planned(decodes) if sync is not None else None
-  if planned is not None:          # chosen while the last round ran
-    k, row_caps = planned
-  elif engine.policy is not None and sync is not None and sync.overlaps(decodes):
+  if engine.policy is not None and sync is not None and sync.overlaps(decodes):
     k, row_caps = 0, [0] * len(decodes)
 
-    def meanwhile():
+    def meanwhile():    # the round's cache is donated: the round completes whatever happens
       try:
-        chosen.append(choose(overlapped=True))
-      except Exception as error:  # pylint: disable=broad-except  # raised after the round
+        chosen.append(choose(overlapped=True)[0])
+      except BaseException as error:  # pylint: disable=broad-except  # raised later
         failed.append(error)
   else:
     k, row_caps = choose()
@@ -119,9 +120,11 @@ def decode_round(engine, decodes, emitted: dict) -> None:
                  None if result.max_p is None else result.max_p[row, :e].tolist())
   if sync is not None:
     sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0),
-                     chosen[0] if chosen else (False if failed else None))
+                     chose_k0=not failed and not any(chosen))
   if engine.policy is not None:   # host seconds of this round besides the device call
     host_s = max(0.0, time.perf_counter() - start - device_s + engine._schedule_s)
     engine.policy.round_timing(k, device_s, host_s)
+  if failed and not isinstance(failed[0], Exception):
+    raise failed[0]               # KeyboardInterrupt: now, the engine consistent
   if failed:
-    raise failed[0]
+    sync.choice_error = failed[0]

@@ -191,8 +191,8 @@ def choose(policy: Optional[KPolicy], decodes, rows: int, k_max: int, draft_sync
       called only when the policy does not repeat a held choice (`KPolicy.repeat`, asked with
       `queued` when no probe is due): gathering them costs host time every round.
     overlapped: the choice is made while a K = 0 round of `decodes` runs (`DraftSync.overlaps`,
-      which found no probe due); a K >= 1 choice is returned without its catch-up
-      (`DraftSync.planned` runs it before the next round, which that choice is for).
+      which found no probe due); a K >= 1 choice is returned without its catch-up (the round
+      runs at K = 0, and the next one asks the policy again first).
   Returns:
     (K, caps: list of int aligned with `decodes`).
   Raises:
