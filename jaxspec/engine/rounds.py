@@ -79,7 +79,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
         queued=speculation.num_queued(engine, decodes) if engine.policy is not None else None,
         horizon=lambda: speculation.horizon(engine, decodes), overlapped=overlapped)
 
-  chosen, failed, meanwhile = [], [], None
+  chosen, failed = [], []
   if engine.policy is not None and sync is not None and sync.overlaps(decodes):
     k, row_caps = 0, [0] * len(decodes)
 
@@ -89,7 +89,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
       except BaseException as error:  # pylint: disable=broad-except  # raised later
         failed.append(error)
   else:
-    k, row_caps = choose()
+    k, row_caps, meanwhile = *choose(), None
   if sync is not None:      # a lazy draft's catch-up is not host time of the round
     start += sync.seconds - synced
   caps = np.zeros((width,), np.int32)
