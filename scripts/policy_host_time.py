@@ -31,9 +31,9 @@ the Theil-Sen line, `live_costs.line_through`), all in units of the first K = 0 
 warm-up K = 0 round: whether the live rounds cost what the policy was told. The times are the
 wall clock around each call (a choice made while a K = 0 round runs,
 `jaxspec.engine.draft_sync.DraftSync.overlaps`, counts in both 'device' and 'choose': compare a
-twin with `--set NAME.draft_sync.overlap_choice=False` by device + choose), so the parts include the Python that runs right after a device call
-(slower than the same code in a tight loop: the step has pushed the interpreter's data out of the
-caches).
+twin with `--set NAME.draft_sync.overlap_choice=False` by device + choose), so the parts
+include the Python that runs right after a device call (slower than the same code in a tight
+loop: the step has pushed the interpreter's data out of the caches).
 """
 
 from __future__ import annotations
