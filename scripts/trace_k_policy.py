@@ -19,9 +19,9 @@ proposed, the global α 0.62 before the probe) and every catch-up before a round
 scored tokens (`{3/4 g0.70}`, before that round). The runs list the policy's choices: a K >= 1
 chosen while a K = 0 round ran (`jaxspec.engine.draft_sync.DraftSync.overlaps`) is listed for
 that round, which ran K = 0, and the next round's choice after it. Then per workload each
-setting's mean speedup over the passes and each policy's mean over the best static setting's. (The study's *fraction*
-divides mean tokens/s instead; the mean of per-pass ratios leaves out the machine's drift
-between passes.)
+setting's mean speedup over the passes and each policy's mean over the best static setting's.
+(The study's *fraction* divides mean tokens/s instead; the mean of per-pass ratios leaves out
+the machine's drift between passes.)
 """
 
 from __future__ import annotations
