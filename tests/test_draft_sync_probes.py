@@ -19,7 +19,7 @@ def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
   drafter = types.SimpleNamespace(probe_every=None, probe_rows=1, probe_budget=None,
                                   observe_tokens=8)
   sync = DraftSync(engine, drafter)
-  req = lambda room: types.SimpleNamespace(room=room, num_computed=5, draft_computed=5)
+  req = lambda room: types.SimpleNamespace(id=room, room=room, num_computed=5, draft_computed=5)
   sync.before_choice([req(3)])
   sync.after_round([req(3)], 2, 1.0)
   assert sync.eager
