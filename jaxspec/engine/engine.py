@@ -396,8 +396,7 @@ class Engine:
                    contexts=None, meanwhile=None):
     """One decode round at K = k with per-row sampling (`RowSampling`), caps [B] (default k)
     and contexts [B] (token lists or None; the drafters that read them need them for busy
-    rows); `meanwhile()` runs while a plain round's device call does (None: nothing). Returns a
-    `drafters.Round`."""
+    rows); `meanwhile()` runs while a plain round's device call does. Returns a Round."""
     # A lazy draft sits out K = 0 rounds: bind (and donate) the target's cache only.
     plain = self.drafter is None or (self.draft_sync is not None and k == 0)
     caches = device.bind(self.caches[:1 if plain else None], table, lengths)

@@ -136,15 +136,12 @@ class GoodputK(KPolicy):
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
     self._x, self._fit_x = {}, {}           # {request: confidence} priced, fitted (`_alphas`)
-    self._use_confidence = bool(use_confidence)
-    self._spec_confidence = bool(spec_confidence)
+    self._use_confidence, self._spec_confidence = bool(use_confidence), bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
 
-  # `KPolicy.wants_confidences` / `wants_spec_confidences`, fixed at construction: the latter
-  # picks the draft model step's variant that `Engine.warm_up` compiles.
-  wants_confidences = property(lambda self: self._use_confidence)
-  wants_spec_confidences = property(lambda self: self._spec_confidence)
+  wants_confidences = property(lambda self: self._use_confidence)      # fixed: the latter picks
+  wants_spec_confidences = property(lambda self: self._spec_confidence)  # what warm_up compiles
 
   @property
   def needs_costs(self) -> bool:
