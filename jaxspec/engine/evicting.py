@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxspec.cache import EvictionPolicy, init_eviction, pages_needed
@@ -233,8 +232,8 @@ class EvictingEngine(Engine):
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
     cache = device.bind(self.caches, table, lengths)[0]
     first, cache, self.eviction = device_evicting.prefill_chunk_evicting(
-        self.target, self.target_params, cache, self.eviction, jnp.asarray(tokens, jnp.int32),
-        jnp.asarray(counts, jnp.int32), self._next_rng(), sampling, group=self.prefill_group)
+        self.target, self.target_params, cache, self.eviction, np.asarray(tokens, np.int32),
+        np.asarray(counts, np.int32), self._next_rng(), sampling, group=self.prefill_group)
     self.caches = [cache]
     return np.asarray(first), None
 
@@ -252,16 +251,16 @@ class EvictingEngine(Engine):
       caps = np.full((b,), k, np.int32) if caps is None else np.asarray(caps, np.int32)
       proposals, num = self.drafter.propose([None] * b if contexts is None else contexts, caps, k)
       window, n, emitted, cache, self.eviction = device_evicting.lookup_round_evicting(
-          self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
-          jnp.asarray(proposals), jnp.asarray(num), jnp.asarray(room, jnp.int32),
-          jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
+          self.target, self.target_params, cache, self.eviction, np.asarray(pending, np.int32),
+          np.asarray(proposals, np.int32), np.asarray(num, np.int32), np.asarray(room, np.int32),
+          np.asarray(stop, np.int32), self._next_rng(), sampling)
       self.caches = [cache]
       n = np.asarray(n)
       successes, trials = observation(n, caps, np.asarray(room) > 0)
       return Round(np.asarray(window), n, np.asarray(emitted), num, successes, trials)
     window, emitted, cache, self.eviction = device_evicting.decode_round_evicting(
-        self.target, self.target_params, cache, self.eviction, jnp.asarray(pending, jnp.int32),
-        jnp.asarray(room, jnp.int32), jnp.asarray(stop, jnp.int32), self._next_rng(), sampling)
+        self.target, self.target_params, cache, self.eviction, np.asarray(pending, np.int32),
+        np.asarray(room, np.int32), np.asarray(stop, np.int32), self._next_rng(), sampling)
     self.caches = [cache]
     if meanwhile is not None:
       meanwhile()

@@ -14,9 +14,12 @@ from jaxspec.decoding.sampling import RowSampling, SamplingParams
 from jaxspec.engine import device
 
 
+_GREEDY = SamplingParams()     # idle rows' (checked once, not every round)
+
+
 def sampling(layout, num_rows: int) -> RowSampling:
   """`RowSampling` ([num_rows] arrays): each laid-out request's parameters, idle rows greedy."""
-  params = [SamplingParams()] * num_rows
+  params = [_GREEDY] * num_rows
   for row, request in layout:
     params[row] = request.sampling
   return RowSampling.stack(params)
