@@ -135,10 +135,15 @@ def engine_kwargs(kwargs: dict) -> dict:
 
 def describe(kwargs: dict) -> dict:
   """The record fields naming a setting: k, drafter ('none' at K = 0, else the setting's
-  drafter, default 'model') and k_policy (default 'fixed')."""
+  drafter, default 'model'), k_policy (default 'fixed') and k_policy_options (its
+  k_policy.OPTION values as 'OPTION=VALUE,...' sorted by option, a tuple as 0/2/4, '' without
+  any), so the records tell apart settings that differ only in a policy option."""
   k = int(kwargs.get('k', 0))
+  options = ','.join(f'{key}=' + ('/'.join(map(str, value)) if isinstance(value, tuple) else
+                                   str(value))
+                     for key, value in sorted(policy_options(kwargs).items()))
   return dict(k=k, drafter=str(kwargs.get('drafter', 'model')) if k else 'none',
-              k_policy=str(kwargs.get('k_policy', 'fixed')))
+              k_policy=str(kwargs.get('k_policy', 'fixed')), k_policy_options=options)
 
 
 def uses_draft_model(kwargs: dict) -> bool:

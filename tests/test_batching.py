@@ -24,7 +24,8 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
                  'one': {'decode_buckets': (8,), 'k': 0}}
   assert batching.baseline_name(got) == 'k0'
   assert batching.uses_draft_model(got['k4']) and not batching.uses_draft_model(got['k0'])
-  assert batching.describe(got['k4']) == dict(k=4, drafter='model', k_policy='fixed')
+  assert batching.describe(got['k4']) == dict(k=4, drafter='model', k_policy='fixed',
+                                              k_policy_options='')
   assert batching.describe(got['k0'])['drafter'] == 'none'
 
 
@@ -394,7 +395,9 @@ def test_k_policy_options_build_each_engine_its_own_configured_policy():
   got = batching.parse_settings('k0=k:0;gp=k:8,k_policy:goodput,k_policy.spec_confidence:true,'
                                 'k_policy.candidates:0/2/4,k_policy.spec_margin:0.1')
   assert got['gp']['k_policy.spec_confidence'] is True
-  assert batching.describe(got['gp']) == dict(k=8, drafter='model', k_policy='goodput')
+  assert batching.describe(got['gp']) == dict(   # the records tell option-only settings apart
+      k=8, drafter='model', k_policy='goodput',
+      k_policy_options='candidates=0/2/4,spec_confidence=True,spec_margin=0.1')
   first, second = (batching_settings.engine_kwargs(got['gp'])['k_policy'] for _ in range(2))
   assert first is not second                     # one instance per engine (each keeps state)
   assert (first.wants_spec_confidences, first.spec_margin) == (True, 0.1)

@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import makespan, speculation
+from jaxspec.engine.acceptance import round_observation
 from jaxspec.engine.drafters import Round
-from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens, round_observation
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.makespan import expected_tokens
 from jaxspec.engine.request import Request, RequestMetrics
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import makespan
-from jaxspec.engine.goodput import AlphaTracker, GoodputK, round_tokens
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.makespan import round_tokens
 
 
 def test_observe_depth_counts_each_position_reached():

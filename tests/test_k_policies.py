@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jaxspec.engine import FixedK
-from jaxspec.engine.goodput import AlphaTracker, GoodputK, expected_tokens
+from jaxspec.engine.goodput import AlphaTracker, GoodputK
+from jaxspec.engine.makespan import expected_tokens
 from jaxspec.engine.k_policy import ScheduleK, make_policy
 from jaxspec.engine.live_costs import nondecreasing
 from jaxspec.engine.speculation import _checked

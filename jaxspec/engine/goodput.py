@@ -13,8 +13,8 @@ import numpy as np
 
 from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.engine import holds, makespan
-from jaxspec.engine.acceptance import AlphaTracker, round_observation  # noqa: F401 (re-exported)
-from jaxspec.engine.makespan import expected_tokens, round_tokens  # noqa: F401 (re-exported)
+from jaxspec.engine.acceptance import AlphaTracker, round_observation
+from jaxspec.engine.makespan import round_tokens
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.live_costs import HostSeconds, LiveCosts, checked_table
 
