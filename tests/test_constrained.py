@@ -163,7 +163,7 @@ def test_constraint_arguments_and_a_used_constraint_are_named(models_):
     with pytest.raises(ValueError, match=match):
       constrained_generate(draft, draft_params, prompt, None, max_new_tokens=8, stop_token=stop)
   context = draft.max_seq_len           # a prompt that leaves no room is a ContextOverflowError
-  with pytest.raises(ContextOverflowError, match=rf'prompt of 1 tokens \+ max_new_tokens='
+  with pytest.raises(ContextOverflowError, match=rf'prompt of 1 token \+ max_new_tokens='
                                                  rf'{context} \+ 1 token of decoding slack = '
                                                  rf'{context + 2} exceeds the context'):
     constrained_generate(draft, draft_params, prompt, None, max_new_tokens=context,

@@ -64,13 +64,17 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
   prompt, max_tokens = [int(t) for t in prompt_tokens], int(max_tokens)
   span = len(prompt) + max_tokens + slack
   if span > engine.max_seq_len:
-    raise ContextOverflowError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + '
+    raise ContextOverflowError(f'prompt of {_tokens(len(prompt))} + max_tokens={max_tokens} + '
                                f'{slack} = {span} exceeds the engine\'s '
                                f'max_seq_len={engine.max_seq_len}')
   need = engine._request_pages(span)
   if need > engine.prefix.num_pages - 1:
-    raise ValueError(f'prompt of {len(prompt)} tokens + max_tokens={max_tokens} + {slack} '
+    raise ValueError(f'prompt of {_tokens(len(prompt))} + max_tokens={max_tokens} + {slack} '
                      f'needs {need} pages, the pool has {engine.prefix.num_pages - 1}')
   sampling = engine.sampling if sampling is None else sampling
   check_sampling(sampling)
   return prompt, max_tokens, stop, salt_bytes(salt), sampling
+
+
+def _tokens(n: int) -> str:
+  return f'{n} token' if n == 1 else f'{n} tokens'
