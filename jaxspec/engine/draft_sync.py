@@ -54,7 +54,6 @@ from __future__ import annotations
 import math
 import time
 
-import jax
 import numpy as np
 
 from jaxspec.engine import device, spec_steps, timing
@@ -274,8 +273,7 @@ class DraftSync:
     bound = device.bind([engine.caches[1]], table, lengths)[0]
     *scores, failed, engine.caches[1] = spec_steps.draft_catch_up(
         engine.draft, engine.draft_params, bound, tokens, counts, at, nxt, prob, sampling)
-    # The five [rows] results' copies start together (each np.asarray waited on its own).
-    successes, trials, later_successes, later_trials, failed = jax.device_get((*scores, failed))
+    successes, trials, later_successes, later_trials, failed = device.fetch((*scores, failed))
     self.num_calls += 1
     for row, request in enumerate(group):
       request.draft_computed += int(counts[row])

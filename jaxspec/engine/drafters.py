@@ -19,7 +19,6 @@ import abc
 import dataclasses
 from typing import Optional, Sequence
 
-import jax
 import numpy as np
 
 from jaxspec.checks import check_int, check_real
@@ -68,9 +67,9 @@ def plain_round(engine, caches, pending, room, stop, rng, sampling, meanwhile=No
     meanwhile()
   b = pending.shape[0]
   zeros = np.zeros((b,), np.int32)
-  return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-               np.zeros((b,)), np.asarray(token_p), max_p=np.asarray(max_p)[:, None]), [
-                   target_cache]
+  window, emitted, token_p, max_p = device.fetch((window, emitted, token_p, max_p))
+  return Round(window, zeros, emitted, zeros, np.zeros((b,)), np.zeros((b,)), token_p,
+               max_p=max_p[:, None]), [target_cache]
 
 
 def observation(n: np.ndarray, caps: np.ndarray, busy: np.ndarray):
@@ -172,7 +171,7 @@ class ModelDrafter(Drafter):
         caches[1], pending, room, stop, caps, rng, sampling, k=k,
         confidence=engine.policy is not None and engine.policy.gets_confidences(
             engine.draft_sync is not None, speculating=True))
-    window, n, emitted, failed, max_p = jax.device_get((window, n, emitted, failed, max_p))
+    window, n, emitted, failed, max_p = device.fetch((window, n, emitted, failed, max_p))
     successes, trials = observation(n, caps, busy)
     return Round(window, n, emitted, np.where(busy, caps, 0), successes, trials,
                  draft_failed=failed & busy, max_p=max_p), [target_cache, draft_cache]

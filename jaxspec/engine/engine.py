@@ -390,7 +390,7 @@ class Engine:
         self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],
         tokens, counts, self._next_rng(), sampling)
     self.caches = [target_cache] + ([draft_cache] if draft else self.caches[1:])
-    return jax.device_get((first, max_p if self.draft_sync is not None else None))
+    return device.fetch((first, max_p if self.draft_sync is not None else None))
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
                    contexts=None, meanwhile=None):
