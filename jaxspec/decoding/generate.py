@@ -132,7 +132,8 @@ def check_context(label: str, prompt_len: int, configs, max_new_tokens: int, sla
     if need > config.max_seq_len:
       whose = 'the' if c == 0 else "the draft's"
       raise ContextOverflowError(
-          f'{label} of {prompt_len} token{"s" if prompt_len != 1 else ""} + {max_tokens_name}={max_new_tokens} + {slack} '
+          f'{label} of {prompt_len} token{"s" if prompt_len != 1 else ""} + '
+          f'{max_tokens_name}={max_new_tokens} + {slack} '
           f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
           f'context of {config.max_seq_len}')
 
