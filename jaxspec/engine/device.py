@@ -48,8 +48,10 @@ def fetch(values: tuple) -> tuple:
   """Host (numpy) copies of a call's results, read back together (None entries stay None).
 
   On the CPU backend a device array already lives in host memory: `np.asarray` of each costs
-  ~1 us, where `jax.device_get` first starts an asynchronous copy of each (~9 us apiece: 44 us
-  for a round's five [B] results on the development CPU). On an accelerator `jax.device_get`
+  ~1 us, where `jax.device_get` first starts an asynchronous copy of each (~9 us apiece alone,
+  44 us for a round's five [B] results on the development CPU; timed inside the engine, where
+  host work right after a device call runs slower, 269 against 66 us median per K >= 1 round).
+  On an accelerator `jax.device_get`
   overlaps the device-to-host copies, which `np.asarray` one by one would wait for in turn.
   """
   if _cpu_backend():
