@@ -43,6 +43,11 @@ def check_int(name: str, value, minimum: Optional[int] = None) -> int:
   return number
 
 
+def counted(n: int, noun: str) -> str:
+  """'1 token', '2 tokens': a count for an error message (`noun` singular, plural with 's')."""
+  return f'{n} {noun}' if n == 1 else f'{n} {noun}s'
+
+
 def is_int_in(value, low: int, high: int) -> bool:
   """Whether `value` passes `check_int` and lies in [low, high]."""
   if type(value) is int:       # the common case, without check_int's conversions (a bool is not)

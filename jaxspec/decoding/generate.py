@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from jaxspec.cache import PageAllocator, pages_needed
-from jaxspec.checks import check_int, check_seed, seed_key, token_ids
+from jaxspec.checks import check_int, check_seed, counted, seed_key, token_ids
 from jaxspec.decoding.output import NonFiniteLogitsError, check_valid, draft_failed_message
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.decoding.speculative import check_pair
@@ -132,9 +132,8 @@ def check_context(label: str, prompt_len: int, configs, max_new_tokens: int, sla
     if need > config.max_seq_len:
       whose = 'the' if c == 0 else "the draft's"
       raise ContextOverflowError(
-          f'{label} of {prompt_len} token{"s" if prompt_len != 1 else ""} + '
-          f'{max_tokens_name}={max_new_tokens} + {slack} '
-          f'token{"s" if slack != 1 else ""} of decoding slack = {need} exceeds {whose} '
+          f'{label} of {counted(prompt_len, "token")} + {max_tokens_name}={max_new_tokens} + '
+          f'{counted(slack, "token")} of decoding slack = {need} exceeds {whose} '
           f'context of {config.max_seq_len}')
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from jaxspec.cache.page_hash import salt_bytes
+from jaxspec.checks import counted
 from jaxspec.decoding.generate import ContextOverflowError, check_request
 from jaxspec.decoding.sampling import SamplingParams, check_sampling
 
@@ -63,18 +64,13 @@ def check(engine, prompt_tokens: Sequence[int], max_tokens: int, stop_tokens: Se
     raise ValueError(f'{len(stop)} stop ids exceed max_stop_tokens={engine.max_stop_tokens}')
   prompt, max_tokens = [int(t) for t in prompt_tokens], int(max_tokens)
   span = len(prompt) + max_tokens + slack
+  sizes = f'prompt of {counted(len(prompt), "token")} + max_tokens={max_tokens} + {slack}'
   if span > engine.max_seq_len:
-    raise ContextOverflowError(f'prompt of {_tokens(len(prompt))} + max_tokens={max_tokens} + '
-                               f'{slack} = {span} exceeds the engine\'s '
+    raise ContextOverflowError(f'{sizes} = {span} exceeds the engine\'s '
                                f'max_seq_len={engine.max_seq_len}')
   need = engine._request_pages(span)
   if need > engine.prefix.num_pages - 1:
-    raise ValueError(f'prompt of {_tokens(len(prompt))} + max_tokens={max_tokens} + {slack} '
-                     f'needs {need} pages, the pool has {engine.prefix.num_pages - 1}')
+    raise ValueError(f'{sizes} needs {need} pages, the pool has {engine.prefix.num_pages - 1}')
   sampling = engine.sampling if sampling is None else sampling
   check_sampling(sampling)
   return prompt, max_tokens, stop, salt_bytes(salt), sampling
-
-
-def _tokens(n: int) -> str:
-  return f'{n} token' if n == 1 else f'{n} tokens'

@@ -45,14 +45,20 @@ def bind(caches, page_table: np.ndarray, lengths: np.ndarray) -> list:
 
 
 def fetch(values: tuple) -> tuple:
-  """Host (numpy) copies of a call's results, read back together (None entries stay None).
+  """Read a device call's results back to the host together.
 
   On the CPU backend a device array already lives in host memory: `np.asarray` of each costs
   ~1 us, where `jax.device_get` first starts an asynchronous copy of each (~9 us apiece alone,
-  44 us for a round's five [B] results on the development CPU; timed inside the engine, where
-  host work right after a device call runs slower, 269 against 66 us median per K >= 1 round).
-  On an accelerator `jax.device_get`
-  overlaps the device-to-host copies, which `np.asarray` one by one would wait for in turn.
+  44 us for a round's five [B] results on the development CPU; a scratch timer inside the
+  engine, where host work right after a device call runs slower: 269 against 66 us median per
+  K >= 1 round). On an accelerator `jax.device_get` overlaps the device-to-host copies, which
+  `np.asarray` one by one would wait for in turn.
+
+  Args:
+    values: a tuple of jax arrays of any shape and dtype, or None.
+  Returns:
+    a tuple of the same length: read-only numpy arrays (same shapes and dtypes), None kept.
+    Waits until the call that computes them has finished; raises what that call raised.
   """
   if _cpu_backend():
     return tuple(None if v is None else np.asarray(v) for v in values)

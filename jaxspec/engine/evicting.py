@@ -235,7 +235,7 @@ class EvictingEngine(Engine):
         self.target, self.target_params, cache, self.eviction, np.asarray(tokens, np.int32),
         np.asarray(counts, np.int32), self._next_rng(), sampling, group=self.prefill_group)
     self.caches = [cache]
-    return np.asarray(first), None
+    return device.fetch((first,))[0], None
 
   def _call_decode(self, table, lengths, pending, room, stop, sampling, k=0, caps=None,
                    contexts=None, meanwhile=None):
@@ -255,15 +255,15 @@ class EvictingEngine(Engine):
           np.asarray(proposals, np.int32), np.asarray(num, np.int32), np.asarray(room, np.int32),
           np.asarray(stop, np.int32), self._next_rng(), sampling)
       self.caches = [cache]
-      n = np.asarray(n)
+      window, n, emitted = device.fetch((window, n, emitted))
       successes, trials = observation(n, caps, np.asarray(room) > 0)
-      return Round(np.asarray(window), n, np.asarray(emitted), num, successes, trials)
+      return Round(window, n, emitted, num, successes, trials)
     window, emitted, cache, self.eviction = device_evicting.decode_round_evicting(
         self.target, self.target_params, cache, self.eviction, np.asarray(pending, np.int32),
         np.asarray(room, np.int32), np.asarray(stop, np.int32), self._next_rng(), sampling)
     self.caches = [cache]
     if meanwhile is not None:
       meanwhile()
+    window, emitted = device.fetch((window, emitted))
     zeros = np.zeros((b,), np.int32)
-    return Round(np.asarray(window), zeros, np.asarray(emitted), zeros, np.zeros((b,)),
-                 np.zeros((b,)))
+    return Round(window, zeros, emitted, zeros, np.zeros((b,)), np.zeros((b,)))
