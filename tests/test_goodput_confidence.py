@@ -111,6 +111,41 @@ def test_the_fit_takes_only_confidences_of_enough_tokens_and_pricing_takes_all()
       policy.tracker._fit[1] == pytest.approx(0.2 * policy.tracker._fit[0])
 
 
+def test_a_confidence_of_few_tokens_moves_an_estimate_less_than_one_of_many():
+  # lambda(n) = (n / (n + N0)) / (R / (R + N0)), R = CONFIDENCE_TOKENS, at most 1.
+  tracker = _fed([(0.3, 0.5), (0.7, 0.9)])
+  r, n0 = AlphaTracker.CONFIDENCE_TOKENS, tracker.confidence_prior_tokens
+  assert n0 == 3.0 and tracker.confidence_weight(None) == 1.0
+  weights = [tracker.confidence_weight(n) for n in (0, 1, 2, 4, 8, r, 4 * r)]
+  assert weights[0] == 0.0 and weights == sorted(weights) and weights[-2:] == [1.0, 1.0]
+  assert weights[1] == pytest.approx(1 / (1 + n0) * (r + n0) / r)
+  full = tracker.confidence_shift(0.7)
+  assert full > 0.05 and tracker.confidence_shift(0.7, r) == pytest.approx(full)
+  assert tracker.confidence_shift(0.7, 1) == pytest.approx(weights[1] * full)
+  low = tracker.confidence_shift(0.3)
+  assert low < 0 and tracker.confidence_shift(0.3, 1) == pytest.approx(weights[1] * low)
+  unshrunk = _fed([(0.3, 0.5), (0.7, 0.9)], confidence_prior_tokens=0.0)
+  assert unshrunk.confidence_shift(0.7, 1) == pytest.approx(unshrunk.confidence_shift(0.7))
+  with pytest.raises(ValueError, match='confidence_prior_tokens'):
+    AlphaTracker(confidence_prior_tokens=-1.0)
+
+
+def test_goodput_and_the_queue_weigh_each_confidence_by_its_tokens():
+  policy = GoodputK(tracker=_fed([(0.3, 0.3), (0.7, 0.8)]))
+  policy.setup(4)
+  g = policy.tracker.global_alpha
+  policy.confidences, policy.confidence_tokens = [0.9, 0.9, 0.1], [1, 16, 1]
+  alphas, _ = policy._alphas(['one', 'many', 'low'])
+  assert g < alphas[0] < alphas[1] and alphas[2] < g
+  assert alphas[0] - g == pytest.approx(policy.tracker.confidence_weight(1) * (alphas[1] - g))
+  # The queue at the running requests' mean confidence, weighed by their tokens together.
+  tracker, profile = policy.tracker, [1.0, 1.0, 1.0, 1.0]
+  few = tracker.queue_estimates([0.9, 0.9], profile, tokens=[1, 1])[0]
+  assert g < few < tracker.queue_estimates([0.9, 0.9], profile, tokens=[8, 8])[0] == \
+      pytest.approx(tracker.queue_estimates([0.9], profile)[0])
+  assert few == pytest.approx(g + tracker.confidence_shift(0.9, 2))
+
+
 def test_speculation_confidence_averages_the_known_top_probabilities():
   request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: unknown
   assert speculation.confidence(request) == pytest.approx(0.6)

@@ -52,14 +52,18 @@ class AlphaTracker:
       prior into the global one (so one unlucky first round pins neither near 0: with 4, one
       rejected first proposal moves the global α from 0.5 to 0.4, not to 0.25 as with 1).
     global_span: observations per `decay` of the global sums at least (>= 1).
+    confidence_prior_tokens: N0 >= 0, how many tokens of the confidence level x_g a request's
+      own confidence is shrunk toward (`confidence_weight`; 0: not shrunk).
   Raises:
     ValueError: a value out of range.
   """
 
   def __init__(self, decay: float = 0.8, prior: float = 0.5, prior_trials: float = 4.0,
-               global_span: float = 8.0):
+               global_span: float = 8.0, confidence_prior_tokens: float = 3.0):
     decay = check_real('decay', decay, 0.0, 1.0, high_open=True)
     self.global_span = check_real('global_span', global_span, 1.0, math.inf, high_open=True)
+    self.confidence_prior_tokens = check_real('confidence_prior_tokens', confidence_prior_tokens,
+                                              0.0, math.inf, high_open=True)
     prior = check_real('prior', prior, 0.0, 1.0)
     prior_trials = check_real('prior_trials', prior_trials, 0.0, math.inf, high_open=True)
     self.decay, self.prior, self.prior_trials = decay, prior, prior_trials
@@ -94,51 +98,62 @@ class AlphaTracker:
     included."""
     return self._global[1] + self.prior_trials
 
-  def alpha(self, request_id, confidence: Optional[float] = None) -> float:
+  def alpha(self, request_id, confidence: Optional[float] = None,
+            tokens: Optional[float] = None) -> float:
     """The request's α estimate (first proposal) in [0, 1]; its prior, the global α, moved by
-    `confidence_shift(confidence)`."""
-    prior = _unit(self.global_alpha + self.confidence_shift(confidence))
+    `confidence_shift(confidence, tokens)`."""
+    prior = _unit(self.global_alpha + self.confidence_shift(confidence, tokens))
     s = self._sums.get(request_id)
     return prior if s is None else self._ratio(s[0], s[1], prior)
 
-  def later(self, request_id, confidence: Optional[float] = None) -> float:
+  def later(self, request_id, confidence: Optional[float] = None,
+            tokens: Optional[float] = None) -> float:
     """The request's β estimate (a later proposal, given the ones before it accepted); its
-    prior, the global β, moved by `confidence_shift(confidence)`."""
-    prior = _unit(self.global_later + self.confidence_shift(confidence))
+    prior, the global β, moved by `confidence_shift(confidence, tokens)`."""
+    prior = _unit(self.global_later + self.confidence_shift(confidence, tokens))
     s = self._sums.get(request_id)
     return prior if s is None else self._ratio(s[2], s[3], prior)
 
-  def estimates(self, request_ids, confidences, k_max: int) -> tuple:
+  def estimates(self, request_ids, confidences, k_max: int, tokens=None) -> tuple:
     """(α [n], β [n, k_max], profile) float64 arrays and list for the goodput policy: each
     request's `alpha` and, for proposal j = 2..k_max + 1 (column j - 2), its `later` over its
     `shape` times the global `profile(k_max)` at j, at most 1; a request id None stands for a
     request with no observation (the global estimates). confidences: one per request (None:
-    unknown), as `confidence_shift` takes them (ignored for the id None)."""
-    alphas = np.array([self.global_alpha if r is None else self.alpha(r, x)
-                       for r, x in zip(request_ids, confidences)])
-    later = np.array([self.global_later if r is None else self.later(r, x) / self.shape(r)
-                      for r, x in zip(request_ids, confidences)])
+    unknown), tokens: how many tokens each averages (None: not shrunk), as `confidence_shift`
+    takes them (ignored for the id None)."""
+    pairs = list(zip(confidences, [None] * len(confidences) if tokens is None else tokens))
+    alphas = np.array([self.global_alpha if r is None else self.alpha(r, *x)
+                       for r, x in zip(request_ids, pairs)])
+    later = np.array([self.global_later if r is None else self.later(r, *x) / self.shape(r)
+                      for r, x in zip(request_ids, pairs)])
     profile = self.profile(k_max)
     return alphas, np.minimum(later[:, None] * np.array(profile)[None], 1.0), profile
 
-  def queue_estimates(self, confidences, profile, raise_by: float = 0.0) -> tuple:
+  def queue_estimates(self, confidences, profile, raise_by: float = 0.0,
+                      tokens=None) -> tuple:
     """(α, β [len(profile)]) of a queued request: the global estimates moved by the running
-    requests' mean confidence (`confidence_shift`; the requests of one set arrive together;
-    with raise_by > 0, an optimistic pricing, only upward) and raised by `raise_by`, in
-    [0, 1]; β at each later position times `profile`. Without confidences: min(global α +
-    raise_by, 1) and min(global β x profile + raise_by, 1)."""
-    known = [x for x in confidences if x is not None and math.isfinite(x)]
-    shift = self.confidence_shift(sum(known) / len(known)) if known else 0.0
+    requests' mean confidence (`confidence_shift`, its weight from their tokens together, or
+    not shrunk with tokens None; the requests of one set arrive together; with raise_by > 0,
+    an optimistic pricing, only upward) and raised by `raise_by`, in [0, 1]; β at each later
+    position times `profile`. Without confidences: min(global α + raise_by, 1) and
+    min(global β x profile + raise_by, 1)."""
+    counts = [None] * len(confidences) if tokens is None else list(tokens)
+    known = [(x, n) for x, n in zip(confidences, counts) if x is not None and math.isfinite(x)]
+    total = None if tokens is None else sum(n for _, n in known)
+    shift = self.confidence_shift(sum(x for x, _ in known) / len(known), total) \
+        if known else 0.0
     shift = max(shift, 0.0) if raise_by > 0 else shift
     later = (_unit(self.global_later + shift) * np.array(profile)) + raise_by
     return _unit(_unit(self.global_alpha + shift) + raise_by), np.clip(later, 0.0, 1.0)
 
-  def confidence_shift(self, confidence: Optional[float]) -> float:
+  def confidence_shift(self, confidence: Optional[float],
+                       tokens: Optional[float] = None) -> float:
     """How much higher than the global α a request's α is expected to be, from the target's
     confidence x on its recent tokens (its mean top probability max softmax(logits); None or
-    not finite: 0): b (x - x_g), x_g the mean x of the observations behind the global α that
-    came with one (their sums fade with the global ones, on every observation) and b >= 0 the
-    slope of observed acceptance on x (weighted least squares over those observations, fading
+    not finite: 0): λ(n) b (x - x_g), λ(n) = `confidence_weight(tokens)` for x averaged over
+    n = tokens, x_g the mean x of the observations behind the global α that came with one
+    (their sums fade with the global ones, on every observation) and b >= 0 the slope of
+    observed acceptance on x (weighted least squares over those observations, fading
     `SLOPE_SPAN` x slower, and only on observations with an x: without probes the fit keeps
     what it had; shrunk toward 0 by `prior_trials` pseudo-trials of x variance `SLOPE_VAR`). A
     target sure of its next token is one the draft matches more often: on the shipped pair's
@@ -147,6 +162,7 @@ class AlphaTracker:
     (`scripts/confidence_vs_alpha.py`). It moves the estimate of a request with no observation
     of its own when the prompt set changes, where the global α, fed only by rare probes at
     K = 0, still stands at the last set's."""
+    weight = self.confidence_weight(tokens)
     w, sx = self._level
     if confidence is None or not math.isfinite(confidence) or w <= 0.0:
       return 0.0
@@ -155,11 +171,34 @@ class AlphaTracker:
     if spread <= 1e-12 * max(n, 1.0):     # no spread of x to fit on (and no shrinkage)
       return 0.0
     slope = min(max((fxy - fx * fy / n) / spread, 0.0), 1.0)
-    return slope * (confidence - sx / w)
+    return weight * slope * (confidence - sx / w)
+
+  def confidence_weight(self, tokens: Optional[float]) -> float:
+    """λ(n) in [0, 1]: how far a confidence averaged over n tokens moves an estimate, against
+    one over `CONFIDENCE_TOKENS` (what the fit's confidences mostly average): (n / (n + N0)) /
+    (R / (R + N0)), N0 = `confidence_prior_tokens`, R = `CONFIDENCE_TOKENS`, at most 1 (1 with
+    tokens None or N0 = 0). The mean of few max softmax probabilities says less about a
+    request than the mean of many (errors in variables: the slope fitted on the means of many
+    tokens over-moves one of few), and a first token's, from prefill, runs lower than later
+    ones'. On the shipped pair's held-out prompts at B = 4 (greedy, 32 tokens each, 96
+    requests) the mean of a request's first n max probabilities correlated with the draft's
+    acceptance at K = 2 0.15 / 0.26 / 0.32 / 0.40 / 0.44 at n = 1 / 2 / 4 / 8 / 16, slopes
+    0.27 / 0.50 / 0.68 / 0.88 of n = 16's; N0 = 3 gives 0.30 / 0.47 / 0.68 / 0.86. Unshrunk,
+    the first scoring of a new request priced it by its prefill token alone: estimates spread
+    0.2-0.95 (sd 0.24) around a mean 0.09 below the global α, uncorrelated (0.13) with what it
+    went on to accept, and at B = 4 the slowest of those spread estimates set the batch's
+    horizon (`jaxspec.engine.makespan`), pricing K = 2 at 0.8-0.9 of K = 0 where it measured
+    1.0-1.2 (docs/adaptive_k.md)."""
+    n0 = self.confidence_prior_tokens
+    if tokens is None or n0 <= 0.0:
+      return 1.0
+    n, r = max(float(tokens), 0.0), float(self.CONFIDENCE_TOKENS)
+    return min(1.0, n / (n + n0) * (r + n0) / r)
 
   SLOPE_VAR = 0.01    # variance of x of a pseudo-trial of slope 0 (`confidence_shift`)
   SLOPE_SPAN = 4.0    # the fit's sums fade this many times slower than the global ones
   FIT_TOKENS = 4      # tokens a confidence averages at least to be fitted (fewer: too noisy)
+  CONFIDENCE_TOKENS = 16   # tokens the policy's confidences average at most (`confidence_weight`)
 
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
               later_trials: float = 0.0, later_weight: Optional[float] = None,

@@ -135,7 +135,8 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self._x, self._fit_x = {}, {}           # {request: confidence} priced, fitted (`_alphas`)
+    self._x, self._fit_x = {}, {}           # {request: (confidence, tokens)} priced, {request:
+    #                                         confidence} fitted (`_alphas`)
     self._use_confidence, self._spec_confidence = bool(use_confidence), bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
@@ -233,8 +234,9 @@ class GoodputK(KPolicy):
       # rounds run the full batch; K >= 1 pays the catch-up once, the split once per wave.
       profile = self._profile if self._profile is not None else \
           self.tracker.profile(self.k_max)
-      queue_alpha, queue_later = self.tracker.queue_estimates(self._x.values(), profile,
-                                                              raise_by)
+      xs, ns = zip(*self._x.values()) if self._x else ((), ())
+      queue_alpha, queue_later = self.tracker.queue_estimates(
+          xs, profile, raise_by, None if None in ns else ns)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue, queue_alpha,
                                           queue_later, self.slots)
       table = self.live.table(None)
@@ -276,12 +278,13 @@ class GoodputK(KPolicy):
     ids = request_ids or [None]
     xs = self.confidences if confident and self.wants_confidences and \
         self.confidences is not None and len(self.confidences) == len(ids) else [None] * len(ids)
+    counted = self.confidence_tokens is not None and len(self.confidence_tokens) == len(ids)
+    ns = list(self.confidence_tokens) if counted else None
     if confident:
-      ns = self.confidence_tokens if self.confidence_tokens is not None and \
-          len(self.confidence_tokens) == len(ids) else [self.FIT_TOKENS] * len(ids)
-      self._x = dict(zip(ids, xs))
-      self._fit_x = {i: x for i, x, n in zip(ids, xs, ns) if n >= self.FIT_TOKENS}
-    alphas, later, self._profile = self.tracker.estimates(ids, xs, self.k_max)
+      self._x = {i: (x, n) for i, x, n in zip(ids, xs, ns or [None] * len(ids))}
+      self._fit_x = {i: x for i, x, n in zip(ids, xs, ns or [self.FIT_TOKENS] * len(ids))
+                     if n >= self.FIT_TOKENS}
+    alphas, later, self._profile = self.tracker.estimates(ids, xs, self.k_max, ns)
     return alphas, later
 
   def choose(self, request_ids):
