@@ -3,15 +3,19 @@ top probability max softmax(logits) over its greedy output against the first pro
 acceptance α there (the draft's argmax equal to the target's), per workload and pooled.
 
     python scripts/confidence_vs_alpha.py [--requests 16] [--seeds 0,1]
-        [--workloads json,code,retrieval]
+        [--workloads json,code,retrieval] [--first 1,2,4,8,16]
 
 The batching study's pair, prompts (64 tokens, test split, one draw per seed) and output length
 (32 tokens, greedy, cut after a stop token); the target decodes each prompt, then one causal
 pass of each model over prompt + output gives both models' logits at every output position
 (teacher forcing: the α a K = 1 round would see). Prints per workload the mean α, the mean
-confidence and their correlation over the requests, and the pooled correlation. The goodput
-policy moves a request's α prior by the target's confidence at K = 0, where it is free
-(`jaxspec.engine.acceptance.AlphaTracker.confidence_shift`).
+confidence and their correlation over the requests, and the pooled correlation; then, pooled,
+for each n of --first the correlation of α with the mean of the request's first n top
+probabilities and that mean's least-squares slope over the whole output's: what the confidence a
+new request is priced with after n tokens tells (a prefill's first token is n = 1). The goodput
+policy moves a request's α prior by the target's confidence at K = 0, where it is free, weighed
+by the tokens behind it (`jaxspec.engine.acceptance.AlphaTracker.confidence_shift`,
+`confidence_weight`).
 """
 
 from __future__ import annotations
@@ -51,9 +55,10 @@ _apply = jax.jit(lambda config, params, tokens, positions:
 
 def request_stats(target, target_params, draft, draft_params, prompts, max_tokens: int,
                   stop_ids) -> list:
-  """[(α, confidence, tokens)] per prompt: the target's greedy output of up to `max_tokens`
-  tokens (cut after a stop id) and, over its positions, the share where the draft's argmax is
-  the target's (α) and the target's mean top probability (confidence). Prompts (int lists) are
+  """[(α, confidence, tokens, top probabilities)] per prompt: the target's greedy output of up
+  to `max_tokens` tokens (cut after a stop id) and, over its positions, the share where the
+  draft's argmax is the target's (α), the target's mean top probability (confidence), the
+  output's length and the target's top probability at each of its positions. Prompts (int lists) are
   right-padded to one width; each greedy step recomputes the whole sequence (a measuring tool,
   not a decoder)."""
   lengths = np.array([len(p) for p in prompts])
@@ -72,8 +77,31 @@ def request_stats(target, target_params, draft, draft_params, prompts, max_token
     m = next((j + 1 for j, t in enumerate(out) if t in stop_ids), max_tokens)
     at = np.arange(n - 1, n - 1 + m)
     agree = p_target[i, at].argmax(-1) == d_argmax[i, at]
-    stats.append((float(agree.mean()), float(p_target[i, at].max(-1).mean()), int(m)))
+    top = p_target[i, at].max(-1)
+    stats.append((float(agree.mean()), float(top.mean()), int(m), top.tolist()))
   return stats
+
+
+def first_tokens(stats, counts) -> list:
+  """[(n, correlation, slope)] for each n in counts: over the requests of `stats`
+  (`request_stats`), the correlation of α with the mean top probability of the first n output
+  tokens, and that mean's least-squares slope of α over the whole output's (1 at the full
+  length; below 1 where a mean of n tokens over-moves an estimate fitted on means of many: the
+  weight `AlphaTracker.confidence_weight` gives it). None where the means or α do not vary."""
+  alpha = np.array([s[0] for s in stats])
+  varies = lambda v: np.var(v) > 1e-12
+
+  def slope(x):
+    return float(np.cov(x, alpha, bias=True)[0, 1] / np.var(x)) if varies(x) else None
+
+  full = slope(np.array([s[1] for s in stats]))
+  out = []
+  for n in counts:
+    x = np.array([np.mean(s[3][:n]) for s in stats])
+    s_n = slope(x)
+    out.append((n, float(np.corrcoef(x, alpha)[0, 1]) if varies(x) and varies(alpha) else None,
+                s_n / full if s_n is not None and full else None))
+  return out
 
 
 def main():
@@ -81,11 +109,17 @@ def main():
   parser.add_argument('--requests', type=int, default=16, help='prompts per workload and seed')
   parser.add_argument('--seeds', default='0,1', help='comma-separated prompt draws')
   parser.add_argument('--workloads', default='json,code,retrieval')
+  parser.add_argument('--first', default='1,2,4,8,16',
+                      help='comma-separated token counts n: α against the first n tokens\' '
+                           'confidence, pooled (empty: skip)')
   args = parser.parse_args()
   try:
     seeds = [int(s) for s in args.seeds.split(',')]
+    counts = [int(n) for n in args.first.split(',')] if args.first else []
   except ValueError as error:
-    parser.error(f'--seeds {args.seeds!r}: {error}')
+    parser.error(f'--seeds {args.seeds!r} / --first {args.first!r}: {error}')
+  if any(n < 1 for n in counts):
+    parser.error(f'--first {args.first!r}: each count must be >= 1')
   workloads = args.workloads.split(',')
   unknown = [w for w in workloads if w not in WORKLOADS]
   if unknown:
@@ -110,6 +144,10 @@ def main():
   if len(workloads) > 1:
     alpha, confidence = np.array([s[0] for s in pooled]), np.array([s[1] for s in pooled])
     print(f'pooled: {len(pooled)} requests, correlation {np.corrcoef(alpha, confidence)[0, 1]:.2f}')
+  for n, correlation, slope in first_tokens(pooled, counts):
+    text = lambda v: 'n/a' if v is None else f'{v:.2f}'
+    print(f'first {n} tokens: correlation {text(correlation)}, slope {text(slope)} of the whole '
+          f'output\'s')
 
 
 if __name__ == '__main__':

@@ -175,12 +175,31 @@ def test_the_script_scores_a_draft_against_the_target(tiny, tiny_draft, monkeypa
   _, draft_params = tiny_draft
   prompts = [[5, 9, 12, 3], [7, 7, 30, 2, 8, 11]]
   same = confidence_vs_alpha.request_stats(config, params, config, params, prompts, 6, set())
-  assert [(a, m) for a, _, m in same] == [(1.0, 6), (1.0, 6)]     # the target as its own draft
-  assert all(0.0 < x <= 1.0 for _, x, _ in same)
+  assert [(a, m) for a, _, m, _ in same] == [(1.0, 6), (1.0, 6)]  # the target as its own draft
+  assert all(0.0 < x <= 1.0 and x == pytest.approx(np.mean(top)) and len(top) == 6
+             for _, x, _, top in same)
   other = confidence_vs_alpha.request_stats(config, params, config, draft_params, prompts, 6,
                                             set())
-  assert [x for _, x, _ in other] == pytest.approx([x for _, x, _ in same])
-  assert np.mean([a for a, _, _ in other]) < 1.0                  # the perturbed draft misses
+  assert [x for _, x, _, _ in other] == pytest.approx([x for _, x, _, _ in same])
+  assert np.mean([a for a, _, _, _ in other]) < 1.0               # the perturbed draft misses
+
+
+def test_the_scripts_first_tokens_table_measures_what_few_tokens_tell(monkeypatch):
+  monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / 'scripts'))
+  import confidence_vs_alpha  # pylint: disable=import-outside-toplevel
+  # α follows the whole output's confidence; the first token is noise around it.
+  rng = np.random.default_rng(0)
+  stats = []
+  for level in rng.uniform(0.2, 0.9, 200):
+    top = np.clip(level + rng.normal(0, 0.3, 16), 0, 1)
+    top[1:] = np.clip(level + rng.normal(0, 0.05, 15), 0, 1)
+    stats.append((0.3 + 0.6 * float(np.mean(top)), float(np.mean(top)), 16, top.tolist()))
+  table = confidence_vs_alpha.first_tokens(stats, [1, 16])
+  (n1, corr1, slope1), (n16, corr16, slope16) = table
+  assert (n1, n16) == (1, 16) and corr16 == pytest.approx(1.0) and slope16 == pytest.approx(1.0)
+  assert corr1 < 0.8 and slope1 < 0.5
+  flat = [(0.5, 0.4, 2, [0.4, 0.4])] * 3
+  assert confidence_vs_alpha.first_tokens(flat, [1]) == [(1, None, None)]
 
 
 @pytest.mark.parametrize('kwargs, lazy, asked', [

@@ -99,7 +99,8 @@ class GoodputK(KPolicy):
     switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
       and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
     use_confidence: move a request's α and β priors, and the queue's, by the target's
-      confidence on its recent tokens (`AlphaTracker.confidence_shift`, `KPolicy.confidences`).
+      confidence on its recent tokens, weighed by how many (`AlphaTracker.confidence_shift`,
+      `confidence_weight`; `KPolicy.confidences`, `KPolicy.confidence_tokens`).
     spec_confidence: count the tokens of rounds at K >= 1 in those confidences too
       (`KPolicy.wants_spec_confidences`; off: in A/B runs at B = 2 it cost json 3-6 %, the
       policy switching K more often, docs/adaptive_k.md).
@@ -135,8 +136,7 @@ class GoodputK(KPolicy):
     self._spec_held = None                  # the `holds.Hold` of a K >= 1 choice
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
-    self._x, self._fit_x = {}, {}           # {request: (confidence, tokens)} priced, {request:
-    #                                         confidence} fitted (`_alphas`)
+    self._x, self._fit_x = {}, {}           # {id: (x, tokens)} priced, {id: x} fitted (`_alphas`)
     self._use_confidence, self._spec_confidence = bool(use_confidence), bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
@@ -270,11 +270,12 @@ class GoodputK(KPolicy):
 
   def _alphas(self, request_ids, confident: bool = True) -> tuple:
     """`AlphaTracker.estimates` of the requests at their `KPolicy.confidences` (unless
-    `use_confidence` is off, or not `confident`); keeps the profile for `observe` and the
-    confidences (if `confident`) for the queue's pricing and, those of at least `FIT_TOKENS`
-    tokens (`KPolicy.confidence_tokens`), for `observe`'s fit: a noisy x flattens a fitted
-    slope (errors in variables), and a request at K >= 1 from its admission adds every round's
-    observation at its first token's."""
+    `use_confidence` is off, or not `confident`), each weighed by its `confidence_tokens`
+    (`AlphaTracker.confidence_weight`; unweighed without them); keeps the profile for `observe`
+    and the confidences (if `confident`) for the queue's pricing and, those of at least
+    `FIT_TOKENS` tokens, for `observe`'s fit: a noisy x flattens a fitted slope (errors in
+    variables), and a request at K >= 1 from its admission adds every round's observation at
+    its first token's."""
     ids = request_ids or [None]
     xs = self.confidences if confident and self.wants_confidences and \
         self.confidences is not None and len(self.confidences) == len(ids) else [None] * len(ids)
@@ -446,8 +447,5 @@ class GoodputK(KPolicy):
   def round_timing(self, k, device_s, host_s):
     """`KPolicy.round_timing`: counted by `LiveCosts.add` (the first `cold_rounds` of each kind
     left out: `worth_probing` prices with the same costs, so cold ones also stopped probes).
-
-    Raises:
-      ValueError: a time that is not a finite number >= 0.
-    """
+    Raises ValueError: a time that is not a finite number >= 0."""
     self.live.add(k, self.rows, device_s, host_s)
