@@ -11,7 +11,7 @@ pass of each model over prompt + output gives both models' logits at every outpu
 (teacher forcing: the α a K = 1 round would see). Prints per workload the mean α, the mean
 confidence and their correlation over the requests, and the pooled correlation; then, pooled,
 for each n of --first the correlation of α with the mean of the request's first n top
-probabilities and that mean's least-squares slope over the whole output's: what the confidence a
+probabilities and that mean's least-squares slope over the largest n's: what the confidence a
 new request is priced with after n tokens tells (a prefill's first token is n = 1). The goodput
 policy moves a request's α prior by the target's confidence at K = 0, where it is free, weighed
 by the tokens behind it (`jaxspec.engine.acceptance.AlphaTracker.confidence_shift`,
@@ -82,26 +82,29 @@ def request_stats(target, target_params, draft, draft_params, prompts, max_token
   return stats
 
 
+def _varies(values) -> bool:
+  return bool(np.var(values) > 1e-12)
+
+
 def first_tokens(stats, counts) -> list:
   """[(n, correlation, slope)] for each n in counts: over the requests of `stats`
   (`request_stats`), the correlation of α with the mean top probability of the first n output
-  tokens, and that mean's least-squares slope of α over the whole output's (1 at the full
-  length; below 1 where a mean of n tokens over-moves an estimate fitted on means of many: the
-  weight `AlphaTracker.confidence_weight` gives it). None where the means or α do not vary."""
+  tokens (all of them when an output is shorter), and that mean's least-squares slope of α over
+  the one at the largest n (1 there; below 1 where a mean of n tokens over-moves an estimate
+  fitted on means of more: the weight `AlphaTracker.confidence_weight` gives it). None where
+  the means or α do not vary."""
   alpha = np.array([s[0] for s in stats])
-  varies = lambda v: np.var(v) > 1e-12
+  means = {n: np.array([np.mean(s[3][:n]) for s in stats]) for n in counts}
+  slopes = {n: float(np.cov(x, alpha, bias=True)[0, 1] / np.var(x)) if _varies(x) else None
+            for n, x in means.items()}
+  top = slopes[max(counts)] if counts else None
+  return [(n, float(np.corrcoef(means[n], alpha)[0, 1])
+           if _varies(means[n]) and _varies(alpha) else None,
+           slopes[n] / top if slopes[n] is not None and top else None) for n in counts]
 
-  def slope(x):
-    return float(np.cov(x, alpha, bias=True)[0, 1] / np.var(x)) if varies(x) else None
 
-  full = slope(np.array([s[1] for s in stats]))
-  out = []
-  for n in counts:
-    x = np.array([np.mean(s[3][:n]) for s in stats])
-    s_n = slope(x)
-    out.append((n, float(np.corrcoef(x, alpha)[0, 1]) if varies(x) and varies(alpha) else None,
-                s_n / full if s_n is not None and full else None))
-  return out
+def _text(value) -> str:
+  return 'n/a' if value is None else f'{value:.2f}'
 
 
 def main():
@@ -145,9 +148,8 @@ def main():
     alpha, confidence = np.array([s[0] for s in pooled]), np.array([s[1] for s in pooled])
     print(f'pooled: {len(pooled)} requests, correlation {np.corrcoef(alpha, confidence)[0, 1]:.2f}')
   for n, correlation, slope in first_tokens(pooled, counts):
-    text = lambda v: 'n/a' if v is None else f'{v:.2f}'
-    print(f'first {n} tokens: correlation {text(correlation)}, slope {text(slope)} of the whole '
-          f'output\'s')
+    print(f'first {n} tokens: correlation {_text(correlation)}, slope {_text(slope)} of the '
+          f'first {max(counts)}\'s')
 
 
 if __name__ == '__main__':

@@ -146,6 +146,30 @@ def test_goodput_and_the_queue_weigh_each_confidence_by_its_tokens():
   assert few == pytest.approx(g + tracker.confidence_shift(0.9, 2))
 
 
+def test_goodput_prices_its_queue_by_the_tokens_behind_the_running_confidences():
+  policy = GoodputK(tracker=_fed([(0.3, 0.3), (0.7, 0.8)]))
+  policy.setup(4)
+  policy.set_costs({k: 0.010 + 0.002 * k for k in range(5)})
+  policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [20, 20], 2, [20, 20], 2
+  policy.confidences = [0.9, 0.9]
+  alphas, later = policy._alphas(['a', 'b'])       # the running requests priced alike below
+  scores = {}
+  for tokens in ([1, 1], [16, 16], None):
+    policy.confidence_tokens = tokens               # `_alphas` keeps them for the queue
+    policy._alphas(['a', 'b'])
+    scores[None if tokens is None else tokens[0]] = policy._scores(alphas, later)
+  # A confident set: the queue's α is raised, the less so the fewer tokens back it.
+  assert scores[1][2] / scores[1][0] < scores[16][2] / scores[16][0]
+  assert scores[16] == pytest.approx(scores[None])  # 16 tokens: as unweighed
+  with pytest.raises(ValueError):
+    policy.tracker.queue_estimates([0.9, 0.9], [1.0] * 4, tokens=[1])
+  with pytest.raises(ValueError):
+    policy.tracker.estimates(['a', 'b'], [0.9, 0.9], 4, tokens=[1])
+  # A count of None (unknown) prices the queue unweighed, at the plain mean.
+  plain = policy.tracker.queue_estimates([0.9, 0.5], [1.0] * 4)[0]
+  assert policy.tracker.queue_estimates([0.9, 0.5], [1.0] * 4, tokens=[1, None])[0] == plain
+
+
 def test_speculation_confidence_averages_the_known_top_probabilities():
   request = types.SimpleNamespace(max_p=[0.0, 0.5, 0.0, 0.7])   # 0: unknown
   assert speculation.confidence(request) == pytest.approx(0.6)
@@ -194,10 +218,10 @@ def test_the_scripts_first_tokens_table_measures_what_few_tokens_tell(monkeypatc
     top = np.clip(level + rng.normal(0, 0.3, 16), 0, 1)
     top[1:] = np.clip(level + rng.normal(0, 0.05, 15), 0, 1)
     stats.append((0.3 + 0.6 * float(np.mean(top)), float(np.mean(top)), 16, top.tolist()))
-  table = confidence_vs_alpha.first_tokens(stats, [1, 16])
-  (n1, corr1, slope1), (n16, corr16, slope16) = table
-  assert (n1, n16) == (1, 16) and corr16 == pytest.approx(1.0) and slope16 == pytest.approx(1.0)
-  assert corr1 < 0.8 and slope1 < 0.5
+  table = confidence_vs_alpha.first_tokens(stats, [1, 8, 16])
+  (n1, corr1, slope1), (n8, corr8, slope8), (n16, corr16, slope16) = table
+  assert (n1, n8, n16) == (1, 8, 16) and corr16 == pytest.approx(1.0) and slope16 == 1.0
+  assert corr1 < 0.8 < corr8 and slope1 < 0.5 < slope8 < 1.0      # few tokens over-move
   flat = [(0.5, 0.4, 2, [0.4, 0.4])] * 3
   assert confidence_vs_alpha.first_tokens(flat, [1]) == [(1, None, None)]
 

@@ -119,11 +119,16 @@ class AlphaTracker:
     request's `alpha` and, for proposal j = 2..k_max + 1 (column j - 2), its `later` over its
     `shape` times the global `profile(k_max)` at j, at most 1; a request id None stands for a
     request with no observation (the global estimates). confidences: one per request (None:
-    unknown), tokens: how many tokens each averages (None: not shrunk), as `confidence_shift`
-    takes them (ignored for the id None)."""
-    pairs = list(zip(confidences, [None] * len(confidences) if tokens is None else tokens))
+    unknown), tokens: how many tokens each averages (None, or a None count: not weighed), as
+    `confidence_shift` takes them (ignored for the id None).
+
+    Raises:
+      ValueError: confidences or tokens not one per request id.
+    """
+    counts = [None] * len(confidences) if tokens is None else tokens
+    pairs = list(zip(confidences, counts, strict=True))
     alphas = np.array([self.global_alpha if r is None else self.alpha(r, *x)
-                       for r, x in zip(request_ids, pairs)])
+                       for r, x in zip(request_ids, pairs, strict=True)])
     later = np.array([self.global_later if r is None else self.later(r, *x) / self.shape(r)
                       for r, x in zip(request_ids, pairs)])
     profile = self.profile(k_max)
@@ -132,16 +137,25 @@ class AlphaTracker:
   def queue_estimates(self, confidences, profile, raise_by: float = 0.0,
                       tokens=None) -> tuple:
     """(α, β [len(profile)]) of a queued request: the global estimates moved by the running
-    requests' mean confidence (`confidence_shift`, its weight from their tokens together, or
-    not shrunk with tokens None; the requests of one set arrive together; with raise_by > 0,
-    an optimistic pricing, only upward) and raised by `raise_by`, in [0, 1]; β at each later
-    position times `profile`. Without confidences: min(global α + raise_by, 1) and
-    min(global β x profile + raise_by, 1)."""
+    requests' confidence (`confidence_shift`; the requests of one set arrive together; with
+    raise_by > 0, an optimistic pricing, only upward) and raised by `raise_by`, in [0, 1]; β at
+    each later position times `profile`. With tokens (one count per confidence), the
+    confidence is the token-weighted mean Σ n_i x_i / Σ n_i of the known ones, weighed as one
+    of Σ n_i tokens; without (or with a None count), their plain mean, not weighed. Without
+    confidences: min(global α + raise_by, 1) and min(global β x profile + raise_by, 1).
+
+    Raises:
+      ValueError: tokens not one per confidence.
+    """
     counts = [None] * len(confidences) if tokens is None else list(tokens)
-    known = [(x, n) for x, n in zip(confidences, counts) if x is not None and math.isfinite(x)]
-    total = None if tokens is None else sum(n for _, n in known)
-    shift = self.confidence_shift(sum(x for x, _ in known) / len(known), total) \
-        if known else 0.0
+    known = [(x, n) for x, n in zip(confidences, counts, strict=True)
+             if x is not None and math.isfinite(x)]
+    shift = 0.0
+    if known and all(n is not None for _, n in known) and sum(n for _, n in known) > 0:
+      total = sum(n for _, n in known)
+      shift = self.confidence_shift(sum(x * n for x, n in known) / total, total)
+    elif known:
+      shift = self.confidence_shift(sum(x for x, _ in known) / len(known))
     shift = max(shift, 0.0) if raise_by > 0 else shift
     later = (_unit(self.global_later + shift) * np.array(profile)) + raise_by
     return _unit(_unit(self.global_alpha + shift) + raise_by), np.clip(later, 0.0, 1.0)
@@ -162,7 +176,6 @@ class AlphaTracker:
     (`scripts/confidence_vs_alpha.py`). It moves the estimate of a request with no observation
     of its own when the prompt set changes, where the global α, fed only by rare probes at
     K = 0, still stands at the last set's."""
-    weight = self.confidence_weight(tokens)
     w, sx = self._level
     if confidence is None or not math.isfinite(confidence) or w <= 0.0:
       return 0.0
@@ -171,20 +184,21 @@ class AlphaTracker:
     if spread <= 1e-12 * max(n, 1.0):     # no spread of x to fit on (and no shrinkage)
       return 0.0
     slope = min(max((fxy - fx * fy / n) / spread, 0.0), 1.0)
-    return weight * slope * (confidence - sx / w)
+    return self.confidence_weight(tokens) * slope * (confidence - sx / w)
 
   def confidence_weight(self, tokens: Optional[float]) -> float:
     """λ(n) in [0, 1]: how far a confidence averaged over n tokens moves an estimate, against
     one over `CONFIDENCE_TOKENS` (what the fit's confidences mostly average): (n / (n + N0)) /
     (R / (R + N0)), N0 = `confidence_prior_tokens`, R = `CONFIDENCE_TOKENS`, at most 1 (1 with
-    tokens None or N0 = 0): the mean of few top probabilities says less about a request than
-    the mean of many (errors in variables: a slope fitted on means of many over-moves a mean of
-    few). The shipped pair (`scripts/confidence_vs_alpha.py --first 1,2,4,8,16`, teacher-forced,
-    96 held-out prompts) puts the first n tokens' slope at 0.56 / 0.67 / 0.83 / 0.95 of 16's for
-    n = 1 / 2 / 4 / 8; the engine's own K = 2 rounds at B = 4 (a scratch run, 96 requests) at
-    0.27 / 0.50 / 0.68 / 0.88; N0 = 3 gives 0.30 / 0.47 / 0.68 / 0.86 (docs/adaptive_k.md)."""
+    tokens None or not finite, or N0 = 0; a count below 0 counts as 0): the mean of few top
+    probabilities says less about a request than the mean of many (errors in variables: a
+    slope fitted on means of many over-moves a mean of few). The shipped pair
+    (`scripts/confidence_vs_alpha.py --first 1,2,4,8,16`, teacher-forced, 96 held-out prompts)
+    puts the first n tokens' slope at 0.57 / 0.66 / 0.83 / 0.95 of 16's for n = 1 / 2 / 4 / 8;
+    the engine's own K = 2 rounds at B = 4 (a scratch run, 96 requests) at 0.27 / 0.50 / 0.68 /
+    0.88; N0 = 3 gives 0.30 / 0.48 / 0.68 / 0.86 (docs/adaptive_k.md)."""
     n0 = self.confidence_prior_tokens
-    if tokens is None or n0 <= 0.0:
+    if tokens is None or n0 <= 0.0 or not math.isfinite(tokens):
       return 1.0
     n, r = max(float(tokens), 0.0), float(self.CONFIDENCE_TOKENS)
     return min(1.0, n / (n + n0) * (r + n0) / r)
@@ -192,7 +206,9 @@ class AlphaTracker:
   SLOPE_VAR = 0.01    # variance of x of a pseudo-trial of slope 0 (`confidence_shift`)
   SLOPE_SPAN = 4.0    # the fit's sums fade this many times slower than the global ones
   FIT_TOKENS = 4      # tokens a confidence averages at least to be fitted (fewer: too noisy)
-  CONFIDENCE_TOKENS = 16   # tokens the policy's confidences average at most (`confidence_weight`)
+  # Tokens the policy's confidences average at most (`confidence_weight`,
+  # `jaxspec.engine.speculation.known_max_p`).
+  CONFIDENCE_TOKENS = 16
 
   def observe(self, request_id, successes: float, trials: float, later_successes: float = 0.0,
               later_trials: float = 0.0, later_weight: Optional[float] = None,

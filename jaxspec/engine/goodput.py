@@ -94,8 +94,7 @@ class GoodputK(KPolicy):
       enters K >= 1 above (1 + spec_margin) x K = 0's goodput and leaves it below
       (1 + spec_margin) / (1 + stay_margin) x.
     cold_rounds: the engine's first live rounds of each group left out of d(K) and h(K)
-      (`LiveCosts`): priced in, the cold first K >= 1 round kept K >= 1, and the probes that
-      would have shown it pays, out for whole requests at B = 1.
+      (`LiveCosts`; priced in, the cold first K >= 1 round kept K >= 1 out, probes too, at B = 1).
     switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
       and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
     use_confidence: move a request's α and β priors, and the queue's, by the target's
@@ -144,9 +143,7 @@ class GoodputK(KPolicy):
   wants_confidences = property(lambda self: self._use_confidence)      # fixed: the latter picks
   wants_spec_confidences = property(lambda self: self._spec_confidence)  # what warm_up compiles
 
-  @property
-  def needs_costs(self) -> bool:
-    return not self.live.idle
+  needs_costs = property(lambda self: not self.live.idle)   # no cost table yet (`set_costs`)
 
   @property
   def costs(self) -> Optional[dict]:
@@ -235,8 +232,7 @@ class GoodputK(KPolicy):
       profile = self._profile if self._profile is not None else \
           self.tracker.profile(self.k_max)
       xs, ns = zip(*self._x.values()) if self._x else ((), ())
-      queue_alpha, queue_later = self.tracker.queue_estimates(
-          xs, profile, raise_by, None if None in ns else ns)
+      queue_alpha, queue_later = self.tracker.queue_estimates(xs, profile, raise_by, ns)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue, queue_alpha,
                                           queue_later, self.slots)
       table = self.live.table(None)
@@ -270,17 +266,16 @@ class GoodputK(KPolicy):
 
   def _alphas(self, request_ids, confident: bool = True) -> tuple:
     """`AlphaTracker.estimates` of the requests at their `KPolicy.confidences` (unless
-    `use_confidence` is off, or not `confident`), each weighed by its `confidence_tokens`
-    (`AlphaTracker.confidence_weight`; unweighed without them); keeps the profile for `observe`
-    and the confidences (if `confident`) for the queue's pricing and, those of at least
-    `FIT_TOKENS` tokens, for `observe`'s fit: a noisy x flattens a fitted slope (errors in
-    variables), and a request at K >= 1 from its admission adds every round's observation at
-    its first token's."""
+    `use_confidence` is off, or not `confident`), weighed by their `confidence_tokens`; keeps
+    the profile for `observe` and the confidences (if `confident`) for the queue's pricing and,
+    those of `FIT_TOKENS` tokens or more, for `observe`'s fit: a noisy x flattens a fitted slope
+    (errors in variables), and a request at K >= 1 from its admission would add every round's
+    observation at its first token's."""
     ids = request_ids or [None]
     xs = self.confidences if confident and self.wants_confidences and \
         self.confidences is not None and len(self.confidences) == len(ids) else [None] * len(ids)
-    counted = self.confidence_tokens is not None and len(self.confidence_tokens) == len(ids)
-    ns = list(self.confidence_tokens) if counted else None
+    ns = list(self.confidence_tokens) if self.confidence_tokens is not None and \
+        len(self.confidence_tokens) == len(ids) else None
     if confident:
       self._x = {i: (x, n) for i, x, n in zip(ids, xs, ns or [None] * len(ids))}
       self._fit_x = {i: x for i, x, n in zip(ids, xs, ns or [self.FIT_TOKENS] * len(ids))
@@ -447,5 +442,8 @@ class GoodputK(KPolicy):
   def round_timing(self, k, device_s, host_s):
     """`KPolicy.round_timing`: counted by `LiveCosts.add` (the first `cold_rounds` of each kind
     left out: `worth_probing` prices with the same costs, so cold ones also stopped probes).
-    Raises ValueError: a time that is not a finite number >= 0."""
+
+    Raises:
+      ValueError: a time that is not a finite number >= 0.
+    """
     self.live.add(k, self.rows, device_s, host_s)

@@ -14,6 +14,7 @@ from jaxspec.checks import is_int_in
 from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.decoding.speculative import proposals_in_reach
+from jaxspec.engine.acceptance import AlphaTracker
 from jaxspec.engine.drafters import make_drafter
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 
@@ -146,7 +147,7 @@ def horizon(engine, decodes) -> tuple:
   return split, num_queued(engine, decodes), rooms, engine.num_slots
 
 
-def known_max_p(request, tokens: int = 16) -> list:
+def known_max_p(request, tokens: int = AlphaTracker.CONFIDENCE_TOKENS) -> list:
   """The target's max softmax probabilities of the last `tokens` (>= 1) of the request's outputs
   whose confidence is known (its `max_p`, recorded with a lazy draft cache: by prefill, by
   rounds at K = 0 and, for a policy that reads them there (`KPolicy.wants_spec_confidences`),
@@ -155,7 +156,7 @@ def known_max_p(request, tokens: int = 16) -> list:
                                max(1, tokens)))
 
 
-def confidence(request, tokens: int = 16) -> Optional[float]:
+def confidence(request, tokens: int = AlphaTracker.CONFIDENCE_TOKENS) -> Optional[float]:
   """The mean of `known_max_p` (`KPolicy.confidences`), None when it has none. The first
   token's, from prefill, is what the first decode round of a new request is priced with."""
   return _mean(known_max_p(request, tokens))
