@@ -242,3 +242,30 @@ def test_a_k0_probe_tells_the_later_proposals_acceptance_too():
   assert probed.tracker.global_later > 0.9 > plain.tracker.global_later
   probed.observe_probe('a', 0.0, 0.0, 1.0, 1.0)      # nothing scored: nothing observed
   assert probed.tracker.later('a') > 0.9
+
+
+def test_estimates_are_each_requests_alpha_later_and_shape_at_its_confidence():
+  # `estimates` computes the shared terms once; it must give what the per-request methods give.
+  rng = np.random.default_rng(0)
+  tracker = AlphaTracker()
+  for step in range(60):
+    r, k, x = f'r{step % 5}', int(rng.integers(1, 5)), float(rng.uniform(0.2, 0.95))
+    accepted = k if rng.uniform() < x else 0                 # acceptance rises with x: a slope
+    tracker.observe(r, *round_observation(k, accepted), later_weight=float(rng.uniform(0.5, 2)),
+                    confidence=None if step % 3 == 0 else x)
+    tracker.observe_depth(k, int(rng.integers(0, k + 1)))
+  tracker.forget('r4')
+  ids = ['r0', 'r1', 'r2', 'r3', 'r4', None, 'new']
+  xs = [0.9, None, 0.3, float('nan'), 0.6, 0.8, 0.2]
+  ns = [16, 3, 1, 4, None, 2, 0]
+  assert tracker.confidence_shift(0.9, 16) != 0.0            # the shift is exercised
+  alphas, later, profile = tracker.estimates(ids, xs, 4, ns)
+  for i, (r, x, n) in enumerate(zip(ids, xs, ns)):
+    if r is None:
+      alpha, beta = tracker.global_alpha, tracker.global_later
+    else:
+      alpha, beta = tracker.alpha(r, x, n), tracker.later(r, x, n) / tracker.shape(r)
+    assert alphas[i] == pytest.approx(alpha, abs=1e-12)
+    np.testing.assert_allclose(later[i], np.minimum(beta * np.array(profile), 1.0), atol=1e-12)
+  with pytest.raises(ValueError, match='one confidence per request id'):
+    tracker.estimates(['a', 'b'], [0.5], 4)

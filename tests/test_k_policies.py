@@ -147,9 +147,15 @@ def test_a_policys_choice_is_checked_alike_as_plain_or_numpy_ints():
   same = _checked(policy, 4, 2, 4, (4, 0))                # a tuple of plain ints: a list back
   assert same == (4, [4, 0]) and type(same[1]) is list
   for k, caps in ((True, [1, 1]), (4, [True, 0]), (4, [5, 0]), (4, [4]), (np.int64(4), [True, 0]),
-                  (3, [3, 3])):
+                  (3, [3, 3]), (0, [0, 0])):              # K = 0 is not FixedK(4)'s
     with pytest.raises(ValueError, match='chose K='):
       _checked(policy, 4, 2, k, caps)
+  goodput = GoodputK()                                 # K = 0 a candidate: the fast path
+  goodput.setup(4)
+  assert _checked(goodput, 4, 2, 0, (0, np.int32(0))) == (0, [0, 0])
+  for k, caps in ((False, [0, 0]), (0, [0, False]), (0, [0, 0.0]), (0, [0]), (0, [0, 1])):
+    with pytest.raises(ValueError, match='chose K='):
+      _checked(goodput, 4, 2, k, caps)
 
 
 def test_make_policy_builds_a_named_policy_with_its_options_and_names_a_bad_one():

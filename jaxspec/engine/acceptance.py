@@ -127,10 +127,21 @@ class AlphaTracker:
     """
     counts = [None] * len(confidences) if tokens is None else tokens
     pairs = list(zip(confidences, counts, strict=True))
-    alphas = np.array([self.global_alpha if r is None else self.alpha(r, *x)
-                       for r, x in zip(request_ids, pairs, strict=True)])
-    later = np.array([self.global_later if r is None else self.later(r, *x) / self.shape(r)
-                      for r, x in zip(request_ids, pairs)])
+    if len(pairs) != len(request_ids):
+      raise ValueError(f'need one confidence per request id, got {len(pairs)} for '
+                       f'{len(request_ids)}')
+    # `alpha`, `later` and `shape` of every request, their shared terms computed once (a
+    # scoring's host time: the policy prices every few rounds).
+    g_alpha, g_later, line = self.global_alpha, self.global_later, self._shift_line()
+    alphas, later = np.empty(len(pairs)), np.empty(len(pairs))
+    for i, (r, (x, n)) in enumerate(zip(request_ids, pairs)):
+      s = None if r is None else self._sums.get(r)
+      shift = 0.0 if r is None else self._shift(line, x, n)
+      alphas[i], later[i] = (_unit(g_alpha + shift), _unit(g_later + shift)) if s is None else \
+          (self._ratio(s[0], s[1], _unit(g_alpha + shift)),
+           self._ratio(s[2], s[3], _unit(g_later + shift)))
+      if r is not None and r in self._shape:
+        later[i] /= self.shape(r)
     profile = self.profile(k_max)
     return alphas, np.minimum(later[:, None] * np.array(profile)[None], 1.0), profile
 
@@ -176,15 +187,25 @@ class AlphaTracker:
     (`scripts/confidence_vs_alpha.py`). It moves the estimate of a request with no observation
     of its own when the prompt set changes, where the global α, fed only by rare probes at
     K = 0, still stands at the last set's."""
+    return self._shift(self._shift_line(), confidence, tokens)
+
+  def _shift_line(self) -> Optional[tuple]:
+    """(slope b, x_g) of `confidence_shift`, or None where it is 0 for every confidence (no
+    observation with an x, or no spread of x to fit on and no shrinkage)."""
     w, sx = self._level
-    if confidence is None or not math.isfinite(confidence) or w <= 0.0:
-      return 0.0
+    if w <= 0.0:
+      return None
     n, fx, fy, fxx, fxy = self._fit
     spread = max(fxx - fx * fx / n, 0.0) + self.prior_trials * self.SLOPE_VAR if n > 0 else 0.0
-    if spread <= 1e-12 * max(n, 1.0):     # no spread of x to fit on (and no shrinkage)
+    if spread <= 1e-12 * max(n, 1.0):
+      return None
+    return min(max((fxy - fx * fy / n) / spread, 0.0), 1.0), sx / w
+
+  def _shift(self, line: Optional[tuple], confidence, tokens) -> float:
+    """`confidence_shift` on the terms `_shift_line` returned."""
+    if line is None or confidence is None or not math.isfinite(confidence):
       return 0.0
-    slope = min(max((fxy - fx * fy / n) / spread, 0.0), 1.0)
-    return self.confidence_weight(tokens) * slope * (confidence - sx / w)
+    return self.confidence_weight(tokens) * line[0] * (confidence - line[1])
 
   def confidence_weight(self, tokens: Optional[float]) -> float:
     """λ(n) in [0, 1]: how far a confidence averaged over n tokens moves an estimate, against
