@@ -124,6 +124,31 @@ def test_the_first_rounds_after_a_switch_to_k1_are_not_timed():
     GoodputK(switch_rounds=-1)
 
 
+def test_a_switch_to_k1_is_priced_with_what_its_first_rounds_cost_beyond_steady_ones():
+  """Those first rounds price nothing in d(K) and h(K), but their excess over t(K) is measured
+  (`LiveCosts.switch_s`, the median over switches) and a K >= 1 choice after K = 0 rounds pays
+  it once with the catch-up (`once_s`); right after K >= 1 rounds it pays neither."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.3}, switch_rounds=2)
+  assert policy.choose(IDS)[0] == 1                 # 1.5 tokens / 1.3 s against 1 / 1 s
+  policy.round_timing(0, 1.0, 0.0)
+  assert policy.live.switch_s == 0.0 and policy.once_s == 0.0     # none measured yet
+  policy.round_timing(1, 2.3, 0.0)                  # a switch: 1.0 beyond t(1) = 1.3
+  policy.round_timing(1, 1.6, 0.0)                  # and 0.3 more
+  assert policy.live.switch_s == pytest.approx(1.3)
+  assert policy.once_s == 0.0                       # the draft in step: nothing to pay
+  policy.round_timing(1, 1.3, 0.0)                  # a steady round: no sample
+  policy.round_timing(0, 1.0, 0.0)
+  policy.round_timing(1, 1.4, 0.0)                  # a stretch of one round: 0.1 beyond
+  policy.round_timing(0, 1.0, 0.0)
+  policy.round_timing(1, 1.8, 0.0)
+  policy.round_timing(1, 1.8, 0.0)                  # 1.0 beyond
+  assert policy.live.switch_s == pytest.approx(1.0)               # median of 1.3, 0.1, 1.0
+  policy.round_timing(0, 1.0, 0.0)
+  policy.sync_s = 0.25
+  assert policy.once_s == pytest.approx(1.25)       # catch-up and switch, once
+  assert policy.choose(IDS)[0] == 0                 # 1.5 / (1.3 + 1.25) loses to K = 0
+
+
 @pytest.mark.parametrize('kwargs, message', [
     (dict(tracker='abc'), "tracker must be an AlphaTracker, got 'abc'"),
     (dict(costs='abc'), r"costs must be a \{K: seconds\} mapping, got 'abc'"),

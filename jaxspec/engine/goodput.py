@@ -16,7 +16,7 @@ from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation
 from jaxspec.engine.makespan import round_tokens
 from jaxspec.engine.k_policy import KPolicy
-from jaxspec.engine.live_costs import HostSeconds, LiveCosts, checked_table
+from jaxspec.engine.live_costs import LiveCosts, checked_table
 
 
 class GoodputK(KPolicy):
@@ -27,8 +27,9 @@ class GoodputK(KPolicy):
   the ones past it, code the ones past the second less often: one β misprices K = 2 against
   K = 1 on the first and K >= 3 on the second).
 
-  t(K) = d(K) + h(K), plus at K >= 1 two one-time costs spread over the rounds they serve (see
-  `goodput`): a lazy draft cache's catch-up (`sync_s`) and the extra prefill calls that breaking
+  t(K) = d(K) + h(K), plus at K >= 1 one-time costs spread over the rounds they serve (see
+  `goodput`): a lazy draft cache's catch-up and, after K = 0 rounds, the slower first rounds of
+  a K >= 1 stretch (`once_s`), and the extra prefill calls that breaking
   the lock-step of requests that would finish together costs (`split_s`,
   `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
   decode round at K for the round's row bucket (`KPolicy.rows`; the call computes all its rows,
@@ -42,10 +43,10 @@ class GoodputK(KPolicy):
 
   Once nothing waits (`KPolicy.queued` 0, with rooms known), a slot freed early stays empty and
   the batch's remaining time is its slowest request's: K is then chosen by
-  Σ_i room_i / (rounds(K) t(K) + [K >= 1] sync_s), rounds(K) the expected rounds until every
+  Σ_i room_i / (rounds(K) t(K) + [K >= 1] once_s), rounds(K) the expected rounds until every
   request has finished (`jaxspec.engine.makespan.rounds_to_finish`). While requests wait and
   the engine gives their decode tokens (`KPolicy.queue_rooms`, `KPolicy.slots`), the horizon
-  takes them in too: (Σ_i room_i + Σ_q room_q) / (rounds(K) t(K) + [K >= 1] (sync_s +
+  takes them in too: (Σ_i room_i + Σ_q room_q) / (rounds(K) t(K) + [K >= 1] (once_s +
   split_s)), rounds(K) from `makespan.rounds_with_queue` (a freed slot idles one round per
   admission unless the batch finishes together, as at K = 0; the last wave's tail), t(K) the
   full batch's; each of the W = (queued - q) / slots waves queued past the listed q requests
@@ -150,10 +151,7 @@ class GoodputK(KPolicy):
     """The fitted d(K) {K: seconds} of a full round (None before `set_costs`)."""
     return self.live.table(None) if self.live.idle else None
 
-  @property
-  def host(self) -> HostSeconds:
-    """h(K), the host seconds per round (`LiveCosts.host`)."""
-    return self.live.host
+  host = property(lambda self: self.live.host)    # h(K): `HostSeconds` (`LiveCosts.host`)
 
   def setup(self, k_max: int) -> None:
     super().setup(k_max)
@@ -185,10 +183,10 @@ class GoodputK(KPolicy):
   def goodput(self, alphas: Sequence[float], k: int,
               rooms: Optional[Sequence[int]] = None,
               later: Optional[Sequence] = None) -> float:
-    """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (sync_s / R + split_s / R')), tokens
+    """The per-round score Σ_i E_i / (d(K) + h + [K >= 1] (once_s / R + split_s / R')), tokens
     per second: E_i = E[tokens | α_i, β_i, min(K, room_i - 1)] (`expected_tokens`; a round emits
     at most room_i tokens, none at room 0; uncapped without rooms), R = max(1, Σ_i room_i /
-    Σ_i E_i), the rounds the catch-up serves (1 without rooms), and R' = max(1, (Σ_i room_i +
+    Σ_i E_i), the rounds a switch serves (1 without rooms), and R' = max(1, (Σ_i room_i +
     split_tokens) / Σ_i E_i), the rounds until the successors a split admits are done too.
     `later`: each request's β (`expected_tokens`; None: β = α).
 
@@ -202,11 +200,18 @@ class GoodputK(KPolicy):
     tokens = round_tokens(alphas, alphas if later is None else later, rooms, k)[k]
     return self._per_second(tokens, len(alphas), k, rooms)
 
+  @property
+  def once_s(self) -> float:
+    """Seconds a round at K >= 1 pays once, besides a split: the catch-up (`sync_s`) and, after
+    K = 0 rounds, the first rounds' excess over steady ones (`LiveCosts.switch_s`)."""
+    return self.sync_s + (self.live.switch_s if self.live.zero_rounds else 0.0)
+
   def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
     seconds = self.live.table(self.rows)[k] + self.host.of(k)
-    if k >= 1 and (self.sync_s > 0 or self.split_s > 0):
+    once = self.once_s if k >= 1 else 0.0
+    if k >= 1 and (once > 0 or self.split_s > 0):
       left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
-      seconds += self.sync_s / max(1.0, left / tokens)
+      seconds += once / max(1.0, left / tokens)
       seconds += self.split_s / max(1.0, (left + self.split_tokens) / tokens)
     return tokens / seconds
 
@@ -220,9 +225,8 @@ class GoodputK(KPolicy):
     if rooms is not None and self.queued == 0:
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
       rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
-      table = self.live.table(self.rows)
-      return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) +
-                               (self.sync_s if k else 0.0))
+      table, once = self.live.table(self.rows), self.once_s
+      return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) + (once if k else 0.0))
               for k in self.candidates}
     queue = self.queue_rooms
     if rooms is not None and queue is not None and (self.slots or 0) > 1 and \
@@ -242,12 +246,12 @@ class GoodputK(KPolicy):
       # at K >= 1 they stay apart, and every admission is prefilled alone (B = 2 on the
       # development CPU: 7 prefill calls for 8 requests against K = 0's 4, +8 % of the run).
       later_waves = max(0, (self.queued or 0) - len(queue)) / self.slots if wave else 0.0
-      scores = {}
+      scores, once = {}, self.once_s
       for k in self.candidates:
         seconds = rounds[k] * (table[k] + self.host.of(k))
         split = self.split_s if k else 0.0
         scores[k] = (tokens + later_waves * wave) / (
-            seconds + (self.sync_s + split if k else 0.0) +
+            seconds + (once + split if k else 0.0) +
             later_waves * (seconds * wave / tokens + split))
       return scores
     # Per round (one slot, or no queue inputs), as `goodput` prices one K.
@@ -371,9 +375,8 @@ class GoodputK(KPolicy):
     return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE
 
   def _spec_hold_rounds(self) -> int:
-    """Rounds a K >= 1 choice is held: `SPEC_HOLD_ROUNDS`, or `ONE_SLOT_HOLD_ROUNDS` with one
-    slot, where `_scores` prices per round in plain Python (a few µs) and a request's estimates
-    move fast (a 32-token request lives ~12 rounds)."""
+    """`SPEC_HOLD_ROUNDS`, or `ONE_SLOT_HOLD_ROUNDS` with one slot (`_scores` prices per round
+    in plain Python there, and a 32-token request lives ~12 rounds)."""
     return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
 
   HOLD_ROUNDS = 8

@@ -221,6 +221,7 @@ class LiveCosts:
 
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
+  SWITCH_WINDOW = 8   # switches whose excess `switch_s` takes the median of
 
   def __init__(self, window: int, cold_rounds: int, switch_rounds: int = 2):
     self.cold_rounds, self.switch_rounds = cold_rounds, switch_rounds
@@ -235,6 +236,8 @@ class LiveCosts:
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self._spec_rounds = 0                   # rounds at K >= 1 in a row (the current stretch)
     self._after_zero = False                # the current K >= 1 stretch followed K = 0 rounds
+    self._switches = collections.deque(maxlen=self.SWITCH_WINDOW)   # `switch_s`'s samples
+    self._switch_sum = None                 # the current stretch's excess so far (switching)
 
   def set_tables(self, tables: dict) -> None:
     """Take the start-up tables {rows: {K: seconds}} (rows None: the full batch's; checked by
@@ -285,6 +288,14 @@ class LiveCosts:
     if group and not self._spec_rounds:      # a stretch at K >= 1 starts: after K = 0 rounds?
       self._after_zero = self._zero_rounds > 0
     switching = group and self._after_zero and self._spec_rounds < self.switch_rounds
+    if switching and self._timed[group] > self.cold_rounds and k in idle:
+      # What the round cost beyond a steady one at its K (`switch_s`), before it may count.
+      extra = device_s + host_s - self.table(rows)[k] - self.host.of(k)
+      self._switch_sum = (self._switch_sum or 0.0) + extra
+    if self._switch_sum is not None and (not switching or
+                                         self._spec_rounds + 1 >= self.switch_rounds):
+      self._switches.append(self._switch_sum)   # the stretch's switch rounds are over
+      self._switch_sum = None
     if self._timed[group] > self.cold_rounds and not switching:
       self.host.add(k, host_s)
       if k in idle:
@@ -298,6 +309,19 @@ class LiveCosts:
       self._ratios[1].clear()
       self.host.stale()
       self._moved()
+
+  @property
+  def zero_rounds(self) -> int:
+    """Rounds at K = 0 since the last at K >= 1 (or since the start)."""
+    return self._zero_rounds
+
+  @property
+  def switch_s(self) -> float:
+    """Seconds a switch from K = 0 rounds to K >= 1 costs beyond the steady rounds' t(K): the
+    median over the last `SWITCH_WINDOW` such switches of what their first `switch_rounds`
+    rounds took beyond t(K) of their K (d(K) + h(K) as priced then), at least 0; 0 before any
+    (not measured with `switch_rounds` 0)."""
+    return max(0.0, statistics.median(self._switches)) if self._switches else 0.0
 
   def _moved(self) -> None:
     """Drop what was derived from the tables and ratios (refitted when next read)."""
