@@ -2,6 +2,7 @@
 K >= 1, windowed medians), the hurdle every K >= 1 must clear (`spec_margin`), and how often a
 repeated K = 0 hold checks them. Host-side, no model."""
 
+import numpy as np
 import pytest
 
 from jaxspec.engine import holds
@@ -144,9 +145,30 @@ def test_a_switch_to_k1_is_priced_with_what_its_first_rounds_cost_beyond_steady_
   policy.round_timing(1, 1.8, 0.0)                  # 1.0 beyond
   assert policy.live.switch_s == pytest.approx(1.0)               # median of 1.3, 0.1, 1.0
   policy.round_timing(0, 1.0, 0.0)
-  policy.sync_s = 0.25
-  assert policy.once_s == pytest.approx(1.25)       # catch-up and switch, once
-  assert policy.choose(IDS)[0] == 0                 # 1.5 / (1.3 + 1.25) loses to K = 0
+  policy.sync_s = 0.05                              # the catch-up alone would leave K = 1 ahead
+  assert policy.once_s == pytest.approx(1.05)       # catch-up and switch, once
+  assert policy.choose(IDS)[0] == 0                 # 1.5 / (1.3 + 1.05) loses to K = 0
+  policy.rooms, policy.queued = [8, 8], 0           # the makespan's horizon prices it too
+  scores = policy._scores(np.array([0.5, 0.5]), np.full((2, 1), 0.5))
+  policy.live._switches.clear()
+  policy.live._switch_median = None
+  assert policy._scores(np.array([0.5, 0.5]), np.full((2, 1), 0.5))[1] == pytest.approx(
+      16 / (16 / scores[1] - 1.0))                  # 1.0 s less once without the switch
+
+
+def test_a_switch_with_a_cold_round_is_left_out_and_new_tables_drop_the_switches():
+  policy = _policy(0.5, {0: 1.0, 1: 1.3}, switch_rounds=2, cold_rounds=1)
+  policy.round_timing(0, 1.0, 0.0)                  # cold: uncounted
+  policy.round_timing(0, 1.0, 0.0)
+  policy.round_timing(1, 9.0, 0.0)                  # the first K = 1 round is cold: spoiled
+  policy.round_timing(1, 2.3, 0.0)
+  assert policy.live.switch_s == 0.0
+  policy.round_timing(0, 1.0, 0.0)
+  policy.round_timing(1, 2.3, 0.0)
+  policy.round_timing(1, 1.3, 0.0)
+  assert policy.live.switch_s == pytest.approx(1.0)
+  policy.set_costs({0: 1.0, 1: 1.3})
+  assert policy.live.switch_s == 0.0
 
 
 @pytest.mark.parametrize('kwargs, message', [

@@ -152,8 +152,11 @@ def test_a_policys_choice_is_checked_alike_as_plain_or_numpy_ints():
       _checked(policy, 4, 2, k, caps)
   goodput = GoodputK()                                 # K = 0 a candidate: the fast path
   goodput.setup(4)
+  fast = _checked(goodput, 4, 2, 0, (0, 0))
+  assert fast == (0, [0, 0]) and type(fast[1]) is list
   assert _checked(goodput, 4, 2, 0, (0, np.int32(0))) == (0, [0, 0])
-  for k, caps in ((False, [0, 0]), (0, [0, False]), (0, [0, 0.0]), (0, [0]), (0, [0, 1])):
+  for k, caps in ((False, [0, 0]), (0, [0, False]), (0, [0, 0.0]), (0, [0]), (0, [0, 1]),
+                  (0, [0, 0, 0]), (np.zeros(2, int), [0, 0])):
     with pytest.raises(ValueError, match='chose K='):
       _checked(goodput, 4, 2, k, caps)
 

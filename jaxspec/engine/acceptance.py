@@ -135,12 +135,14 @@ class AlphaTracker:
     g_alpha, g_later, line = self.global_alpha, self.global_later, self._shift_line()
     alphas, later = np.empty(len(pairs)), np.empty(len(pairs))
     for i, (r, (x, n)) in enumerate(zip(request_ids, pairs)):
-      s = None if r is None else self._sums.get(r)
-      shift = 0.0 if r is None else self._shift(line, x, n)
+      if r is None:                 # the global estimates as they stand
+        alphas[i], later[i] = g_alpha, g_later
+        continue
+      s, shift = self._sums.get(r), self._shift(line, x, n)
       alphas[i], later[i] = (_unit(g_alpha + shift), _unit(g_later + shift)) if s is None else \
           (self._ratio(s[0], s[1], _unit(g_alpha + shift)),
            self._ratio(s[2], s[3], _unit(g_later + shift)))
-      if r is not None and r in self._shape:
+      if r in self._shape:          # `shape` is 1 for a request it does not hold
         later[i] /= self.shape(r)
     profile = self.profile(k_max)
     return alphas, np.minimum(later[:, None] * np.array(profile)[None], 1.0), profile

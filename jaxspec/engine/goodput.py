@@ -97,7 +97,8 @@ class GoodputK(KPolicy):
     cold_rounds: the engine's first live rounds of each group left out of d(K) and h(K)
       (`LiveCosts`; priced in, the cold first K >= 1 round kept K >= 1 out, probes too, at B = 1).
     switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
-      and h(K) (`LiveCosts`: they run slower than the stretch's later ones).
+      and h(K) (`LiveCosts`: they run slower than the stretch's later ones; `once_s` prices
+      their excess once).
     use_confidence: move a request's α and β priors, and the queue's, by the target's
       confidence on its recent tokens, weighed by how many (`AlphaTracker.confidence_shift`,
       `confidence_weight`; `KPolicy.confidences`, `KPolicy.confidence_tokens`).
@@ -232,7 +233,7 @@ class GoodputK(KPolicy):
     if rooms is not None and queue is not None and (self.slots or 0) > 1 and \
         len(rooms) <= self.slots:
       # Requests wait: the time until they are done too (`makespan.rounds_with_queue`); the
-      # rounds run the full batch; K >= 1 pays the catch-up once, the split once per wave.
+      # rounds run the full batch; K >= 1 pays `once_s` once, the split once per wave.
       profile = self._profile if self._profile is not None else \
           self.tracker.profile(self.k_max)
       xs, ns = zip(*self._x.values()) if self._x else ((), ())

@@ -197,7 +197,8 @@ class LiveCosts:
 
   The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
   are cold: slower, on device and host, than the rounds after them), nor the first
-  `switch_rounds` rounds of each stretch at K >= 1 that follows K = 0 rounds: after K = 0
+  `switch_rounds` rounds of each stretch at K >= 1 that follows K = 0 rounds (what they cost
+  beyond steady rounds is kept apart, `switch_s`, for a switch's one-time cost): after K = 0
   rounds the draft's weights and the K >= 1 step are cold, and those rounds ran 10-30 % slower
   than the ones after them (B = 4 json on the development CPU: 13.9, 11.9, 11.4, 14.1 ms, then
   ~11.5, against ~11 for an engine that runs K = 2 every round); counted, four of them raised
@@ -213,7 +214,8 @@ class LiveCosts:
 
   Args:
     window: live rounds per group (>= 1); cold_rounds: uncounted first rounds per group (>= 0);
-      switch_rounds: uncounted first rounds of a K >= 1 stretch after K = 0 rounds (>= 0).
+      switch_rounds: first rounds of a K >= 1 stretch after K = 0 rounds left out of d(K) and
+      h(K), their excess measured as `switch_s` (>= 0).
   Attributes:
     idle: {rows: {K: seconds}} the start-up tables (rows None: the full batch's); tables: how
       many times they were set; host: the `HostSeconds`.
@@ -238,13 +240,15 @@ class LiveCosts:
     self._after_zero = False                # the current K >= 1 stretch followed K = 0 rounds
     self._switches = collections.deque(maxlen=self.SWITCH_WINDOW)   # `switch_s`'s samples
     self._switch_sum = None                 # the current stretch's excess so far (switching)
+    self._switch_median = None              # `switch_s` (lazily, per sample)
 
   def set_tables(self, tables: dict) -> None:
     """Take the start-up tables {rows: {K: seconds}} (rows None: the full batch's; checked by
     the caller) and drop the live ratios measured against the old ones."""
     self.idle = tables
-    for ratios in self._ratios:
+    for ratios in (*self._ratios, self._switches):
       ratios.clear()
+    self._switch_sum = self._switch_median = None
     self._quotient = 1.0
     self._moved()
     self.tables += 1
@@ -288,13 +292,15 @@ class LiveCosts:
     if group and not self._spec_rounds:      # a stretch at K >= 1 starts: after K = 0 rounds?
       self._after_zero = self._zero_rounds > 0
     switching = group and self._after_zero and self._spec_rounds < self.switch_rounds
-    if switching and self._timed[group] > self.cold_rounds and k in idle:
-      # What the round cost beyond a steady one at its K (`switch_s`), before it may count.
-      extra = device_s + host_s - self.table(rows)[k] - self.host.of(k)
-      self._switch_sum = (self._switch_sum or 0.0) + extra
+    if switching:       # what the round cost beyond a steady one at its K (`switch_s`)
+      measured = self._timed[group] > self.cold_rounds and k in idle
+      extra = device_s + host_s - self.table(rows)[k] - self.host.of(k) if measured else math.nan
+      self._switch_sum = (self._switch_sum or 0.0) + extra    # NaN: a cold round spoils it
     if self._switch_sum is not None and (not switching or
                                          self._spec_rounds + 1 >= self.switch_rounds):
-      self._switches.append(self._switch_sum)   # the stretch's switch rounds are over
+      if not math.isnan(self._switch_sum):      # the switch's rounds are over (or cut short)
+        self._switches.append(self._switch_sum)
+        self._switch_median = None
       self._switch_sum = None
     if self._timed[group] > self.cold_rounds and not switching:
       self.host.add(k, host_s)
@@ -319,9 +325,12 @@ class LiveCosts:
   def switch_s(self) -> float:
     """Seconds a switch from K = 0 rounds to K >= 1 costs beyond the steady rounds' t(K): the
     median over the last `SWITCH_WINDOW` such switches of what their first `switch_rounds`
-    rounds took beyond t(K) of their K (d(K) + h(K) as priced then), at least 0; 0 before any
-    (not measured with `switch_rounds` 0)."""
-    return max(0.0, statistics.median(self._switches)) if self._switches else 0.0
+    rounds took beyond t(K) of their K (d(K) + h(K) as priced then; a stretch cut short counts
+    the rounds it ran, one with a cold round or a K not in the tables is left out), at least 0;
+    0 before any (not measured with `switch_rounds` 0; dropped with the tables)."""
+    if self._switch_median is None:
+      self._switch_median = max(0.0, statistics.median(self._switches)) if self._switches else 0.0
+    return self._switch_median
 
   def _moved(self) -> None:
     """Drop what was derived from the tables and ratios (refitted when next read)."""

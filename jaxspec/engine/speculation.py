@@ -261,8 +261,8 @@ def observe_round(policy: Optional[KPolicy], layout, result, caps) -> None:
 def _checked(policy, k_max: int, n: int, k, caps) -> tuple:
   """(k, list(caps)) if K is an int candidate in [0, k_max] and caps n ints in [0, K]."""
   caps = list(caps)
-  if k == 0 and type(k) is int and len(caps) == n and caps.count(0) == n and \
-      all(type(c) is int for c in caps) and 0 in policy.candidates:
+  if type(k) is int and k == 0 and len(caps) == n and all(type(c) is int for c in caps) and \
+      caps.count(0) == n and 0 in policy.candidates:
     return 0, caps      # the K = 0 of most rounds at large B: no is_int_in per cap
   if not (is_int_in(k, 0, k_max) and k in policy.candidates and len(caps) == n and
           all(is_int_in(c, 0, k) for c in caps)):
