@@ -66,8 +66,7 @@ class GoodputK(KPolicy):
   costs while no room falls below K + 2, and `repeat` keeps it through finishes, admissions
   from the queue (more than one slot), rooms below K + 2 while one stays above, and equal rooms
   when the choice priced a split (`_repeat_spec`). A scoring costs 0.1-0.6 ms of host time on
-  the development CPU (the horizon's numpy work at K_max = 8 the dear end), 3-15 % of a 4-8 ms
-  round at B = 1-4 if it ran every round.
+  the development CPU, 3-15 % of a 4-8 ms round at B = 1-4 if it ran every round.
 
   Args:
     tracker: the `AlphaTracker` (default: a new one).
@@ -293,8 +292,7 @@ class GoodputK(KPolicy):
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # The holds of the class doc. Drift and h are compared with their values at the choice, not
     # binned (a value near a bin edge crossed it every few rounds and broke most holds); the
-    # ratios are those the cost table uses (prior rounds included): a raw median can stay put
-    # while the padded one moves or a stale group is dropped.
+    # ratios are the cost table's (prior rounds included; a raw median can stay put while it moves).
     ratios = self.live.group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
