@@ -21,10 +21,11 @@ spec_confidence, is fixed at construction: give it in the setting, k_policy.spec
 so warm-up compiles it). --per_pass also prints each pass and workload (what one
 stretch at K >= 1 costs: prefill calls and their milliseconds, catch-ups, rounds with an idle
 row). Per setting and workload it prints tokens/s as a ratio to the first setting (mean over
-passes), decode rounds per pass, the mean microseconds per round of each part, the prefill
-calls' milliseconds per pass, the rounds per K, and for a lazy draft cache its catch-up calls and
-milliseconds per pass and the tokens its catch-ups scored per pass (what the policy learns of α
-while it runs K = 0). --costs also prints, per setting, the median seconds of its decode
+passes), decode rounds per pass, the mean microseconds per round of each part ('rest': the
+step's wall time besides its device and prefill calls and the choices made before a round, i.e.
+scheduling, round inputs and emitting), the prefill calls' milliseconds per pass, the rounds per
+K, and for a lazy draft cache its catch-up calls and milliseconds per pass and the tokens its
+catch-ups scored per pass (what the policy learns of α while it runs K = 0). --costs also prints, per setting, the median seconds of its decode
 calls of the full batch's row bucket (B rows computed) at each K it ran, and for a policy that
 prices rounds (goodput) the warm-up table and the table it priced with at the start (K >= 1 on
 the Theil-Sen line, `live_costs.line_through`), all in units of the first K = 0 setting's
@@ -179,7 +180,7 @@ def _instrument(engine, name, totals, current, calls) -> None:
 
   def stepped():
     current[0] = name
-    return step()
+    return _timed(counters(), 'step', step)()
   engine.step = stepped
   if engine.draft_sync is not None and engine.policy is not None:
     observe_probe = engine.policy.observe_probe
@@ -225,9 +226,13 @@ def _summary_line(name, engine, t, rounds_by_k, speeds, base_speeds, passes) -> 
   rounds, the parts' microseconds per round, prefill ms, rounds per K and catch-ups, per pass."""
   rounds = max(1, sum(rounds_by_k.values()))
   ratio = statistics.mean(a / b for a, b in zip(speeds, base_speeds))
+  # The step's wall time besides its device and prefill calls and the choices made before a
+  # round (catch-ups included; one made while the round runs is inside 'device').
+  rest = t['step'] - t['device'] - t['prefill'] - (t['choose'] - t['overlapped'])
   line = (f'{name:>10}: {ratio:.3f}x, {rounds / passes:.0f} rounds/pass, per round: '
           f'device {t["device"] / rounds * 1e6:.0f} us, choose {t["choose"] / rounds * 1e6:.0f}'
-          f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us; prefill {t["prefills"] / passes:.1f}'
+          f' us, horizon {t["horizon"] / rounds * 1e6:.0f} us, rest {rest / rounds * 1e6:.0f} us;'
+          f' prefill {t["prefills"] / passes:.1f}'
           f' calls/pass, {t["prefill"] / passes * 1e3:.1f} ms/pass; rounds by K '
           f'{dict(sorted(rounds_by_k.items()))}')
   if engine.draft_sync is not None:
@@ -281,7 +286,13 @@ def main():
   current = [None, None]
   speculation = engine_lib.speculation
   choose, horizon = speculation.choose, speculation.horizon
-  speculation.choose = lambda *a, **k: _timed(totals[tuple(current)], 'choose', choose)(*a, **k)
+
+  def timed_choose(*a, **k):
+    part = _timed(totals[tuple(current)], 'choose', choose)
+    if k.get('overlapped'):
+      part = _timed(totals[tuple(current)], 'overlapped', part)
+    return part(*a, **k)
+  speculation.choose = timed_choose
   speculation.horizon = lambda *a, **k: _timed(totals[tuple(current)], 'horizon', horizon)(*a,
                                                                                          **k)
   by_k = {name: collections.defaultdict(list) for name in engines}
@@ -316,7 +327,8 @@ def main():
   finally:
     speculation.choose, speculation.horizon = choose, horizon
   for workload in workloads:
-    print(f'B = {args.batch}, {workload}, {args.passes} passes; tokens/s against {base}')
+    print(f'B = {args.batch}, {workload}, {args.passes} pass{"es" * (args.passes != 1)}; '
+          f'tokens/s against {base}')
     for name, (engine, _) in engines.items():
       print(_summary_line(name, engine, totals[(name, workload)], rounds_by_k[(name, workload)],
                           speeds[(name, workload)], speeds[(base, workload)], args.passes))

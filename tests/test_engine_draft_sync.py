@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine
+from jaxspec.engine import Engine, spec_steps
 from jaxspec.engine.acceptance import AlphaTracker
+from jaxspec.engine.draft_sync import DraftSync
 from jaxspec.engine.drafters import ModelDrafter
 from jaxspec.engine.goodput import GoodputK
 from jaxspec.engine.k_policy import KPolicy
@@ -265,7 +266,8 @@ def test_pending_seconds_and_the_policy_choice(tiny, tiny_draft):
 
   assert sync.pending_s([Req(9, 9), Req(4, 4)]) == 0.0
   assert sync.pending_s([Req(9, 2), Req(4, 4)]) == 0.5                 # 1 row, 1 pass
-  assert sync.pending_s([Req(20, 2), Req(4, 0), Req(5, 5)]) == 3 * 0.75  # 2 rows, 3 passes
+  # 2 rows (18 and 4 behind), then the one left for 2 more passes (10, then 2 tokens).
+  assert sync.pending_s([Req(20, 2), Req(4, 0), Req(5, 5)]) == 0.75 + 0.5 + 0.5
   # Goodput pays the catch-up before a round at K >= 1 only.
   policy = GoodputK(costs={0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6})
   policy.setup(K)
@@ -305,3 +307,41 @@ def test_one_slow_catch_up_does_not_price_the_later_ones(tiny, tiny_draft, monke
   for _ in range(4):
     sync.catch_up([Req()])
   assert sync.live_ratio == pytest.approx(1.2) and sync.pending_s([Req()]) == pytest.approx(0.012)
+
+
+def test_short_catch_up_calls_price_and_rebuild_the_draft(tiny, monkeypatch):
+  # A chunk pass whose rows all have at most short_width tokens to catch up runs the narrow
+  # call measured at warm-up: priced by its own table, and (a self-draft accepts every
+  # proposal only then) leaving the same draft cache as full-width calls.
+  monkeypatch.setattr(DraftSync, 'SHORT_WIDTH', 4)       # < chunk_size 8: a short call exists
+  config, params = tiny
+  engine = Engine(config, params, draft=config, draft_params=params, k=K,
+                  k_policy=Record([0, 0, 0, K]), drafter=ModelDrafter(probe_every=None),
+                  **SHAPES)
+  sync = engine.draft_sync
+  assert sync.short_width == 4 and not sync.short_costs
+  engine.warm_up(cost_repeats=1)
+  assert set(sync.short_costs) == set(sync.costs) == set(engine.prefill_buckets)
+
+  class Req:
+    def __init__(self, computed, drafted):
+      self.num_computed, self.draft_computed = computed, drafted
+
+  sync.costs, sync.short_costs = {1: 1.0, 2: 1.5, 3: 2.0}, {1: 0.25, 2: 0.5, 3: 0.75}
+  assert sync.live_ratio == 1.0                               # no catch-up ran yet
+  assert sync.pending_s([Req(6, 3), Req(9, 5)]) == 0.5           # 3 and 4 behind: one short
+  # 20 and 2 behind: [2 rows full], [1 row full, 12 left], [1 row short, 4 left].
+  assert sync.pending_s([Req(22, 2), Req(4, 2)]) == 1.5 + 1.0 + 0.25
+  widths = []
+  catch_up = spec_steps.draft_catch_up
+
+  def recorded(*args):
+    widths.append(args[3].shape[1])                       # tokens [rows, width]
+    return catch_up(*args)
+  monkeypatch.setattr(spec_steps, 'draft_catch_up', recorded)
+  ids = [engine.add_request(p, max_tokens=14) for p in _prompts([3, 19], seed=6)]
+  outs = engine.run()
+  assert set(widths) == {4, 8}
+  for rid in ids:
+    m = outs[rid].metrics
+    assert m.proposed > 0 and m.accepted == m.proposed
