@@ -345,3 +345,52 @@ def test_short_catch_up_calls_price_and_rebuild_the_draft(tiny, monkeypatch):
   for rid in ids:
     m = outs[rid].metrics
     assert m.proposed > 0 and m.accepted == m.proposed
+
+
+class NotWorth(Record):
+  """A policy at K = 0 that no probe could move (`worth_probing` False), cold or not."""
+
+  def __init__(self, ks, cold=False):
+    super().__init__(ks)
+    self.is_cold = cold
+
+  def worth_probing(self, request_ids):
+    return False
+
+  @property
+  def cold(self):
+    return self.is_cold
+
+
+@pytest.mark.parametrize('case', ['within_reach', 'fill_off', 'out_of_reach', 'cold'])
+def test_prefill_fills_the_draft_while_k_ge_1_is_within_reach(tiny, case):
+  # With fill_prefill on, a prompt goes through the draft in the prefill call at K = 0 too while
+  # the policy could still choose K >= 1 (it would probe, or is cold): no catch-up of the prompt
+  # before a probe or a switch. Not once its answers put K >= 1 out of reach, nor with
+  # fill_prefill off. A self-draft then accepts every proposal only if the filled cache is right.
+  config, params = tiny
+  policy = Record([0, 0, 0, K]) if case in ('within_reach', 'fill_off') else \
+      NotWorth([0], cold=case == 'cold')
+  engine = Engine(config, params, draft=config, draft_params=params, k=K, k_policy=policy,
+                  drafter=ModelDrafter(probe_every=1, probe_budget=None), **SHAPES)
+  sync = engine.draft_sync
+  assert not sync.fill_prefill                            # off by default
+  sync.fill_prefill = case != 'fill_off'
+  first, second = _prompts([7, 6], seed=7)
+  a = engine.add_request(first, max_tokens=12)
+  for _ in range(3):                                      # prefill, then K = 0 rounds
+    engine.step()
+  assert not sync.eager
+  if case == 'out_of_reach':                              # "not worth it" grew the gap
+    assert sync.backoff > sync.probe_every
+  b = engine.add_request(second, max_tokens=12)
+  engine.step()                                           # b's prefill
+  filled = engine._live[b].draft_computed == engine._live[b].num_computed == len(second)
+  assert filled == (case in ('within_reach', 'cold'))
+  if case != 'fill_off':
+    assert engine._live[b].draft_computed in (0, len(second))
+  outs = engine.run()
+  if case == 'within_reach':
+    for rid in (a, b):
+      m = outs[rid].metrics
+      assert m.proposed > 0 and m.accepted == m.proposed

@@ -9,7 +9,13 @@ baseline never pays). Now:
 
 - Prefill writes the target's cache only, unless the last decode round ran at K >= 1 (`eager`):
   while the engine speculates, an admitted request's prompt goes through the draft in the same
-  call as the target's, not in a catch-up call of its own before its first round.
+  call as the target's, not in a catch-up call of its own before its first round. With
+  `fill_prefill` on (off by default) it does so at K = 0 too while a K >= 1 choice is within
+  reach (`fills_prefill`): on the development CPU the draft adds ~1.2 ms to a 15-45 ms prefill
+  call of 1-4 rows of 64 tokens, against 1.6-5 ms a chunk for catching the prompts up later, so
+  a probe or a switch to K >= 1 then pays only for the tokens decoded since. At B = 4 that moved
+  where goodput settles (more rounds at K >= 1 on every workload) without a measured gain over
+  the default (docs/adaptive_k.md, *The study's sweeps*).
 - Each request keeps `draft_computed`, the tokens of its context the draft cache holds (0 at
   every admission: after a preemption, or pages shared by the prefix cache or brought back from
   the host tier, the draft's half of a page need not hold anything).
@@ -91,6 +97,8 @@ class DraftSync:
       before its first round, in a call of its own).
     overlap_choice: whether K = 0 rounds may run while the policy chooses (`overlaps`; default
       True; False: every round's choice comes first).
+    fill_prefill: whether prefill fills the draft at K = 0 too while K >= 1 is within reach
+      (`fills_prefill`; default False: only while the engine speculates, `eager`).
   """
 
   RATIO_WINDOW = 8
@@ -114,6 +122,7 @@ class DraftSync:
     self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
     self._due = None             # (decodes, probe) of this round's `probe_due`
     self.overlap_choice = True
+    self.fill_prefill = False
     self._k0_rounds = 0          # rounds in a row run at K = 0 as the policy chose for them
     self._batch = frozenset()    # the request ids of the last decode round
     self.choice_error = None     # an exception of a choice made while a round ran (`overlaps`)
@@ -126,6 +135,18 @@ class DraftSync:
   @property
   def live_ratio(self) -> float:
     return self.live.value
+
+  @property
+  def fills_prefill(self) -> bool:
+    """Whether this step's prefill call writes the draft's cache too: while the engine
+    speculates (`eager`), and while K >= 1 is within reach: `fill_prefill` on, probes on, and the
+    policy `cold` or its last `worth_probing` answer yes (the gap between questions has not grown
+    past `probe_every`)."""
+    if self.eager:
+      return True
+    policy = self.engine.policy
+    return self.fill_prefill and self.probe_every is not None and policy is not None and (
+        policy.cold or self.backoff <= self.probe_every)
 
   # ------------------------------------------------------------ round hooks
 

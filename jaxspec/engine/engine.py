@@ -383,8 +383,8 @@ class Engine:
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling):
     """(first tokens [R] int32, max_p [R] float32 or None without a lazy draft). A lazy draft
-    sits out prefill too, unless the engine speculates (`DraftSync.eager`)."""
-    draft = self.draft if self.draft_sync is None or self.draft_sync.eager else None
+    sits out prefill too, unless the engine speculates or may soon (`DraftSync.fills_prefill`)."""
+    draft = self.draft if self.draft_sync is None or self.draft_sync.fills_prefill else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, max_p, target_cache, draft_cache = device.prefill_chunk(
         self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],

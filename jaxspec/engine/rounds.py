@@ -29,7 +29,7 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
             for i, (request, chunk) in enumerate(prefills)]
   table, lengths, tokens, counts = rows_lib.prefill_inputs(layout, rows, engine.pages_per_seq,
                                                            engine.chunk_size)
-  drafted = engine.draft_sync is not None and engine.draft_sync.eager
+  drafted = engine.draft_sync is not None and engine.draft_sync.fills_prefill
   sampling = rows_lib.sampling([(row, request) for row, (request, _) in layout], rows)
   start = time.perf_counter()
   first, max_p = engine._call_prefill(table, lengths, tokens, counts, sampling)

@@ -58,20 +58,29 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
 def warm_up(engine, cost_repeats: int) -> None:
   """`Engine.warm_up`: compile the host-tier copies (when there is a host tier) and every
   prefill row bucket (timed into `engine.prefill_costs` only for a policy that prices lock-step
-  admissions, `speculation.split_cost`), with a lazy draft cache also the prefill that fills
-  the draft too (`DraftSync.eager`), then time the decode rounds (`measure_costs`).
+  admissions, `speculation.split_cost`; the target's alone), with a lazy draft cache also the
+  prefill that fills the draft too (`DraftSync.fills_prefill`), then time the decode rounds
+  (`measure_costs`).
   Raises ValueError (before compiling anything) for cost_repeats not an int >= 1."""
   cost_repeats = check_int('cost_repeats', cost_repeats, 1)
   if engine.prefix.host is not None:
     engine.caches = host_lib.warm_up_copies(engine.caches, engine.pages_per_seq)
   priced = engine.policy is not None and engine.policy.needs_costs
-  costs = prefill_costs(engine, cost_repeats if priced else None)
+  sync = engine.draft_sync
+  fill = sync is not None and sync.fill_prefill
+  if sync is not None:
+    sync.fill_prefill = False           # the table times the target alone
+  try:
+    costs = prefill_costs(engine, cost_repeats if priced else None)
+  finally:
+    if sync is not None:
+      sync.fill_prefill = fill
   if priced:
     engine.prefill_costs = costs
-  if engine.draft_sync is not None:
-    engine.draft_sync.eager = True
+  if sync is not None:
+    sync.eager = True
     prefill_costs(engine, None)
-    engine.draft_sync.eager = False
+    sync.eager = False
   engine.measure_costs(cost_repeats)
 
 
