@@ -25,16 +25,16 @@ passes), decode rounds per pass, the mean microseconds per round of each part ('
 step's wall time besides its device and prefill calls and the choices made before a round, i.e.
 scheduling, round inputs and emitting), the prefill calls' milliseconds per pass, the rounds per
 K, and for a lazy draft cache its catch-up calls and milliseconds per pass and the tokens its
-catch-ups scored per pass (what the policy learns of α while it runs K = 0). --costs also
-prints, per setting, the median seconds of its decode calls of the full batch's row bucket
-(B rows computed) at each K it ran, and for a policy that prices rounds (goodput) the warm-up
-table and the table it priced with at the start (K >= 1 on the Theil-Sen line,
-`live_costs.line_through`), all in units of the first K = 0 setting's warm-up K = 0 round: whether the live rounds cost what the policy was told. The times are the
-wall clock around each call (a choice made while a K = 0 round runs,
-`jaxspec.engine.draft_sync.DraftSync.overlaps`, counts in both 'device' and 'choose': compare a
-twin with `--set NAME.draft_sync.overlap_choice=False` by device + choose), so the parts
-include the Python that runs right after a device call (slower than the same code in a tight
-loop: the step has pushed the interpreter's data out of the caches).
+catch-ups scored per pass (what the policy learns of α while it runs K = 0). --costs also prints,
+per setting, the median seconds of its decode calls of the full batch's row bucket (B rows
+computed) at each K it ran, and for a policy that prices rounds (goodput) the warm-up table and the
+table it priced with at the start (K >= 1 on the Theil-Sen line, `live_costs.line_through`), all in
+units of the first K = 0 setting's warm-up K = 0 round: whether the live rounds cost what the
+policy was told. The times are the wall clock around each call (a choice made while a K = 0 round
+runs, `jaxspec.engine.draft_sync.DraftSync.overlaps`, counts in both 'device' and 'choose': compare
+a twin with `--set NAME.draft_sync.overlap_choice=False` by device + choose), so the parts include
+the Python that runs right after a device call (slower than the same code in a tight loop: the step
+has pushed the interpreter's data out of the caches).
 """
 
 from __future__ import annotations
