@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxspec.engine import Engine, spec_steps
+from jaxspec.engine import Engine, compile_counts, spec_steps
 from jaxspec.engine.acceptance import AlphaTracker
 from jaxspec.engine.draft_sync import DraftSync
 from jaxspec.engine.drafters import ModelDrafter
@@ -339,9 +339,10 @@ def test_short_catch_up_calls_price_and_rebuild_the_draft(tiny, monkeypatch):
     widths.append(args[3].shape[1])                       # tokens [rows, width]
     return catch_up(*args)
   monkeypatch.setattr(spec_steps, 'draft_catch_up', recorded)
+  compiled = compile_counts()
   ids = [engine.add_request(p, max_tokens=14) for p in _prompts([3, 19], seed=6)]
   outs = engine.run()
-  assert set(widths) == {4, 8}
+  assert set(widths) == {4, 8} and compile_counts() == compiled     # both built at warm-up
   for rid in ids:
     m = outs[rid].metrics
     assert m.proposed > 0 and m.accepted == m.proposed
@@ -394,3 +395,19 @@ def test_prefill_fills_the_draft_while_k_ge_1_is_within_reach(tiny, case):
     for rid in (a, b):
       m = outs[rid].metrics
       assert m.proposed > 0 and m.accepted == m.proposed
+
+
+def test_warm_up_compiles_both_prefill_calls_and_times_the_target_alone(tiny, monkeypatch):
+  # The prefill table (what a split is priced with) times the target's call alone whatever
+  # fill_prefill says; the call that fills the draft too is compiled once per row bucket.
+  config, params = tiny
+  engine = Engine(config, params, draft=config, draft_params=params, k=K,
+                  k_policy=GoodputK(), **SHAPES)
+  engine.draft_sync.fill_prefill = True
+  flags, call = [], engine._call_prefill
+  monkeypatch.setattr(engine, '_call_prefill', lambda *a: flags.append(a[5]) or call(*a))
+  engine.warm_up(cost_repeats=1)
+  buckets = len(engine.prefill_buckets)
+  assert flags.count(True) == buckets and flags.count(False) > buckets    # timed: repeated
+  assert flags[-buckets:] == [True] * buckets and engine.draft_sync.fill_prefill
+  assert set(engine.prefill_costs) == set(engine.prefill_buckets)

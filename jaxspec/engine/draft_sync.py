@@ -92,9 +92,9 @@ class DraftSync:
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
     live: the catch-ups' wall time over their estimate from `costs` (a `LiveRatio` over the
       last RATIO_WINDOW); live_ratio: its value.
-    eager: whether prefill chunks fill the draft's cache too (the last decode round ran at
-      K >= 1: a request admitted while the engine speculates would need its prompt caught up
-      before its first round, in a call of its own).
+    eager: whether the last decode round ran at K >= 1 (prefill chunks then fill the draft's
+      cache too, `fills_prefill`: a request admitted while the engine speculates would need its
+      prompt caught up before its first round, in a call of its own).
     overlap_choice: whether K = 0 rounds may run while the policy chooses (`overlaps`; default
       True; False: every round's choice comes first).
     fill_prefill: whether prefill fills the draft at K = 0 too while K >= 1 is within reach
@@ -108,6 +108,7 @@ class DraftSync:
     self.engine = engine
     self.short_width = min(self.SHORT_WIDTH, engine.chunk_size)
     self.short_costs: dict = {}
+    self._short_measured = None  # the short_width that `measure` compiled and timed
     self.probe_every, self.probe_rows = drafter.probe_every, drafter.probe_rows
     self.probe_budget, self.observe_tokens = drafter.probe_budget, drafter.observe_tokens
     self.costs: dict = {}
@@ -139,9 +140,11 @@ class DraftSync:
   @property
   def fills_prefill(self) -> bool:
     """Whether this step's prefill call writes the draft's cache too: while the engine
-    speculates (`eager`), and while K >= 1 is within reach: `fill_prefill` on, probes on, and the
-    policy `cold` or its last `worth_probing` answer yes (the gap between questions has not grown
-    past `probe_every`)."""
+    speculates (`eager`), or while K >= 1 is within reach: `fill_prefill` on, probes on, and the
+    policy `cold` or the gap between probes not grown past `probe_every` by answers of
+    `worth_probing` that no probe could change the choice (the early gaps 1, 2, 4, ... double on
+    a no as on a probe: it takes a no once the gap is `probe_every`, or several in a row before
+    it is, to turn filling off)."""
     if self.eager:
       return True
     policy = self.engine.policy
@@ -268,8 +271,9 @@ class DraftSync:
 
   def _short(self, bucket: int, longest: int) -> bool:
     """Whether a call of `bucket` rows, the longest with `longest` tokens to catch up, runs
-    `short_width` tokens wide (measured, so compiled at warm-up)."""
-    return longest <= self.short_width and bucket in self.short_costs
+    `short_width` tokens wide (only at the width `measure` compiled and timed: a short_width
+    changed after warm-up runs full-width calls, not a compile at run time)."""
+    return longest <= self.short_width == self._short_measured and bucket in self.short_costs
 
   def catch_up(self, decodes) -> None:
     """Run the draft over every lagging request's context[draft_computed:num_computed], in
@@ -358,6 +362,8 @@ class DraftSync:
                             for rows in engine.prefill_buckets for width in widths}, repeats)
     for (rows, width), seconds in timed.items():
       (self.costs if width == engine.chunk_size else self.short_costs)[rows] = seconds
+    if self.short_width < engine.chunk_size:
+      self._short_measured = self.short_width
     return self.costs
 
 

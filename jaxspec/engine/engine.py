@@ -381,10 +381,11 @@ class Engine:
     row]) (hook: its slot under eviction, where per-slot state lives on device)."""
     return min(b for b in self.decode_buckets if b >= len(decodes)), list(range(len(decodes)))
 
-  def _call_prefill(self, table, lengths, tokens, counts, sampling):
+  def _call_prefill(self, table, lengths, tokens, counts, sampling, drafted=False):
     """(first tokens [R] int32, max_p [R] float32 or None without a lazy draft). A lazy draft
-    sits out prefill too, unless the engine speculates or may soon (`DraftSync.fills_prefill`)."""
-    draft = self.draft if self.draft_sync is None or self.draft_sync.fills_prefill else None
+    sits out the call unless `drafted` (`DraftSync.fills_prefill`); a draft kept in sync
+    (no lazy cache) always runs."""
+    draft = self.draft if self.draft_sync is None or drafted else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, max_p, target_cache, draft_cache = device.prefill_chunk(
         self.target, draft, self.target_params, self.draft_params, caches[0], caches[1],

@@ -229,7 +229,8 @@ class EvictingEngine(Engine):
   def _decode_layout(self, decodes) -> tuple:
     return self.num_slots, [r.slot for r in decodes]
 
-  def _call_prefill(self, table, lengths, tokens, counts, sampling):
+  def _call_prefill(self, table, lengths, tokens, counts, sampling, drafted=False):
+    del drafted                       # no draft model: prompt lookup or K = 0
     cache = device.bind(self.caches, table, lengths)[0]
     first, cache, self.eviction = device_evicting.prefill_chunk_evicting(
         self.target, self.target_params, cache, self.eviction, np.asarray(tokens, np.int32),

@@ -66,32 +66,23 @@ def warm_up(engine, cost_repeats: int) -> None:
   if engine.prefix.host is not None:
     engine.caches = host_lib.warm_up_copies(engine.caches, engine.pages_per_seq)
   priced = engine.policy is not None and engine.policy.needs_costs
-  sync = engine.draft_sync
-  fill = sync is not None and sync.fill_prefill
-  if sync is not None:
-    sync.fill_prefill = False           # the table times the target alone
-  try:
-    costs = prefill_costs(engine, cost_repeats if priced else None)
-  finally:
-    if sync is not None:
-      sync.fill_prefill = fill
+  costs = prefill_costs(engine, cost_repeats if priced else None)   # a lazy draft sits out
   if priced:
     engine.prefill_costs = costs
-  if sync is not None:
-    sync.eager = True
-    prefill_costs(engine, None)
-    sync.eager = False
+  if engine.draft_sync is not None:
+    prefill_costs(engine, None, drafted=True)
   engine.measure_costs(cost_repeats)
 
 
-def prefill_costs(engine, repeats: Optional[int]) -> dict:
-  """Compile the engine's prefill call at every row bucket over idle rows and, unless repeats is
-  None, time each (`fastest`). Returns {rows: seconds} ({} when not timed)."""
+def prefill_costs(engine, repeats: Optional[int], drafted: bool = False) -> dict:
+  """Compile the engine's prefill call at every row bucket over idle rows (with a lazy draft
+  cache, the call that fills the draft too if `drafted`) and, unless repeats is None, time each
+  (`fastest`). Returns {rows: seconds} ({} when not timed)."""
   def call_of(rows):
     table, lengths = device.idle_rows(rows, engine.pages_per_seq)
     tokens = np.zeros((rows, engine.chunk_size), np.int32)
     zeros, sampling = np.zeros((rows,), np.int32), rows_lib.sampling([], rows)
-    return lambda: engine._call_prefill(table, lengths, tokens, zeros, sampling)
+    return lambda: engine._call_prefill(table, lengths, tokens, zeros, sampling, drafted)
 
   calls = {rows: call_of(rows) for rows in engine.prefill_buckets}
   if repeats is None:
