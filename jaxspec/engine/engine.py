@@ -383,8 +383,7 @@ class Engine:
 
   def _call_prefill(self, table, lengths, tokens, counts, sampling, drafted=False):
     """(first tokens [R] int32, max_p [R] float32 or None without a lazy draft). A lazy draft
-    sits out the call unless `drafted` (`DraftSync.fills_prefill`); a draft kept in sync
-    (no lazy cache) always runs."""
+    runs only if `drafted` (`DraftSync.fills_prefill`); one kept in sync always runs."""
     draft = self.draft if self.draft_sync is None or drafted else None
     caches = device.bind([self.caches[0], self.caches[1] if draft else None], table, lengths)
     first, max_p, target_cache, draft_cache = device.prefill_chunk(

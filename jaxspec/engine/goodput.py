@@ -290,9 +290,8 @@ class GoodputK(KPolicy):
   def choose(self, request_ids):
     if not self.live.idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
-    # The holds of the class doc. Drift and h are compared with their values at the choice, not
-    # binned (a value near a bin edge crossed it every few rounds and broke most holds); the
-    # ratios are the cost table's (prior rounds included; a raw median can stay put while it moves).
+    # The holds of the class doc: drift and h against their values at the choice, not binned (a
+    # value near a bin edge broke most holds); ratios with the table's prior rounds included.
     ratios = self.live.group_ratios()
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
