@@ -14,14 +14,18 @@ import jax
 from jaxspec.cache import pages_needed
 from jaxspec.checks import check_int
 from jaxspec.engine import Engine, admission
+from jaxspec.engine.drafters import make_drafter
 from jaxspec.engine.k_policy import make_policy
 from jaxspec.models import ModelConfig, param_shapes
 
 # Tokens of context the stand-in model of `check_engines` gets at most (its pool stays small).
 STAND_IN_CONTEXT = 4096
 
-# A setting's key for an option of its K policy: k_policy.OPTION:VALUE (`engine_kwargs`).
-POLICY_OPTION = 'k_policy.'
+# A setting's key for an option of its K policy or its drafter: k_policy.OPTION:VALUE,
+# drafter.OPTION:VALUE (`engine_kwargs`), with an example option of each.
+POLICY_OPTION, DRAFTER_OPTION = 'k_policy.', 'drafter.'
+_EXAMPLE = {POLICY_OPTION: 'k_policy.spec_confidence:true',
+            DRAFTER_OPTION: 'drafter.probe_every:none'}
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
@@ -32,13 +36,15 @@ FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.tempera
 
 
 def _value(text: str):
-  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) and '8/' -> (8,) (a
-  sequence of ints, e.g. decode_buckets), anything else the string itself."""
+  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, '8/2/1' -> (8, 2, 1) and
+  '8/' -> (8,) (a sequence of ints, e.g. decode_buckets), anything else the string itself."""
   if re.fullmatch(r'\s*-?\d+\s*(/\s*-?\d+\s*)*/\s*(-?\d+\s*)?', text):   # a/b/c or a/
     return tuple(int(p) for p in text.split('/') if p.strip())
   low = text.lower()
   if low in ('true', 'false'):
     return low == 'true'
+  if low == 'none':
+    return None
   for kind in (int, float):
     try:
       return kind(text)
@@ -55,16 +61,18 @@ def parse_settings(text: str) -> dict[str, dict]:
   floats, true/false, tuples of ints written a/b/c (`decode_buckets:8/2/1`; one element: `8/`)
   or strings. A setting with k >= 1 gets the draft model unless it names another drafter
   (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. `k_policy.OPTION:VALUE`
-  passes OPTION to the K policy's constructor (`engine_kwargs`), e.g. 'gp=k:8,k_policy:goodput,
-  k_policy.spec_confidence:true'. Values the Engine or the policy refuses (a bad policy name,
-  an option it does not take, ...) are reported by `make_engines`, naming the setting.
+  passes OPTION to the K policy's constructor and `drafter.OPTION:VALUE` to the drafter's
+  (`engine_kwargs`), e.g. 'gp=k:8,k_policy:goodput,k_policy.spec_confidence:true' or
+  'gpf=k:8,k_policy:goodput,drafter.fill_prefill:true,drafter.probe_every:none'. Values the
+  Engine, the policy or the drafter refuses (a bad policy name, an option it does not take, ...)
+  are reported by `make_engines`, naming the setting.
 
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
       name, a pair that is not key:value, a repeated key, a key that is not an `Engine` keyword
-      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...) or
-      k_policy.OPTION, k_policy options without k_policy, a k that is not an int >= 0, no K = 0
-      setting (the baseline).
+      argument (or one the experiment sets itself: target, draft, num_slots, sampling, ...),
+      k_policy.OPTION or drafter.OPTION, k_policy options without k_policy, drafter options at
+      K = 0 (no drafter), a k that is not an int >= 0, no K = 0 setting (the baseline).
   """
   params = inspect.signature(Engine.__init__).parameters
   allowed = sorted(n for n in params if n not in RESERVED and n not in FROM_CONFIG)
@@ -89,11 +97,11 @@ def parse_settings(text: str) -> dict[str, dict]:
       if key in FROM_CONFIG:
         raise ValueError(f'setting {name!r}: {key!r} is set by the experiment for every setting '
                          f'(use {FROM_CONFIG[key]})')
-      if key.startswith(POLICY_OPTION):
-        option = key[len(POLICY_OPTION):]
-        if not option.isidentifier():
-          raise ValueError(f'setting {name!r}: {key!r} is not k_policy.OPTION (an option of '
-                           f'the K policy, e.g. k_policy.spec_confidence:true)')
+      prefix = _option_prefix(key)
+      if prefix is not None:
+        if not key[len(prefix):].isidentifier():
+          raise ValueError(f'setting {name!r}: {key!r} is not {prefix}OPTION (an option of '
+                           f'the {prefix[:-1]}, e.g. {_EXAMPLE[prefix]})')
       elif key not in allowed:
         raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
                          f'set (known: {", ".join(allowed)})')
@@ -103,6 +111,9 @@ def parse_settings(text: str) -> dict[str, dict]:
     if policy_options(kwargs) and 'k_policy' not in kwargs:
       raise ValueError(f'setting {name!r}: k_policy options {policy_options(kwargs)} without '
                        f'k_policy:NAME')
+    if drafter_options(kwargs) and k == 0:
+      raise ValueError(f'setting {name!r}: drafter options {drafter_options(kwargs)} at k = 0, '
+                       f'which runs no drafter')
     settings[name] = kwargs
   if not settings:
     raise ValueError(f'no settings in {text!r}')
@@ -112,38 +123,60 @@ def parse_settings(text: str) -> dict[str, dict]:
   return settings
 
 
+def _option_prefix(key: str):
+  """POLICY_OPTION or DRAFTER_OPTION if `key` starts with it, else None."""
+  return next((p for p in (POLICY_OPTION, DRAFTER_OPTION) if key.startswith(p)), None)
+
+
+def _options(kwargs: dict, prefix: str) -> dict:
+  return {key[len(prefix):]: value for key, value in kwargs.items() if key.startswith(prefix)}
+
+
 def policy_options(kwargs: dict) -> dict:
   """{option: value} of a setting's k_policy.OPTION keys (the K policy's constructor
   arguments: `jaxspec.engine.k_policy.make_policy`)."""
-  return {key[len(POLICY_OPTION):]: value for key, value in kwargs.items()
-          if key.startswith(POLICY_OPTION)}
+  return _options(kwargs, POLICY_OPTION)
+
+
+def drafter_options(kwargs: dict) -> dict:
+  """{option: value} of a setting's drafter.OPTION keys (the drafter's constructor arguments:
+  `jaxspec.engine.drafters.make_drafter`, e.g. a `ModelDrafter`'s probe_every, fill_prefill)."""
+  return _options(kwargs, DRAFTER_OPTION)
 
 
 def engine_kwargs(kwargs: dict) -> dict:
   """A setting's `Engine` keyword arguments: its k_policy.OPTION keys built into the policy
-  (`make_policy(k_policy, **options)`, a fresh instance per call: one per engine).
+  (`make_policy(k_policy, **options)`) and its drafter.OPTION keys into the drafter
+  (`make_drafter(drafter, **options)`, default 'model'), fresh instances per call: one per
+  engine, each keeping its own state.
 
   Raises:
-    ValueError: an unknown policy, an option it does not take or a value it refuses.
+    ValueError: an unknown policy or drafter, an option it does not take or a value it refuses.
   """
-  options = policy_options(kwargs)
-  out = {key: value for key, value in kwargs.items() if not key.startswith(POLICY_OPTION)}
-  if options:
-    out['k_policy'] = make_policy(out.get('k_policy', 'fixed'), **options)
+  out = {key: value for key, value in kwargs.items() if _option_prefix(key) is None}
+  if policy_options(kwargs):
+    out['k_policy'] = make_policy(out.get('k_policy', 'fixed'), **policy_options(kwargs))
+  if drafter_options(kwargs):
+    out['drafter'] = make_drafter(out.get('drafter', 'model'), uses_draft_model(kwargs),
+                                  **drafter_options(kwargs))
   return out
 
 
 def describe(kwargs: dict) -> dict:
   """The record fields naming a setting: k, drafter ('none' at K = 0, else the setting's
-  drafter, default 'model'), k_policy (default 'fixed') and k_policy_options (its
-  k_policy.OPTION values as 'OPTION=VALUE,...' sorted by option, a tuple as 0/2/4, '' without
-  any), so the records tell apart settings that differ only in a policy option."""
+  drafter, default 'model'), k_policy (default 'fixed'), and k_policy_options and
+  drafter_options (their OPTION values as 'OPTION=VALUE,...' sorted by option, a tuple as 0/2/4,
+  '' without any), so the records tell apart settings that differ only in an option."""
   k = int(kwargs.get('k', 0))
-  options = ','.join(f'{key}=' + ('/'.join(map(str, value)) if isinstance(value, tuple) else
-                                   str(value))
-                     for key, value in sorted(policy_options(kwargs).items()))
   return dict(k=k, drafter=str(kwargs.get('drafter', 'model')) if k else 'none',
-              k_policy=str(kwargs.get('k_policy', 'fixed')), k_policy_options=options)
+              k_policy=str(kwargs.get('k_policy', 'fixed')),
+              k_policy_options=_spelled(policy_options(kwargs)),
+              drafter_options=_spelled(drafter_options(kwargs)))
+
+
+def _spelled(options: dict) -> str:
+  return ','.join(f'{key}=' + ('/'.join(map(str, value)) if isinstance(value, tuple) else
+                               str(value)) for key, value in sorted(options.items()))
 
 
 def uses_draft_model(kwargs: dict) -> bool:

@@ -3,11 +3,12 @@ argument."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import operator
 import pathlib
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,29 @@ def nearest_existing(path) -> pathlib.Path:
   result would then be lost."""
   path = pathlib.Path(path).absolute()
   return next(p for p in (path, *path.parents) if p.exists())
+
+
+def build_with_options(kind: str, name, classes: Mapping[str, type], options: Mapping):
+  """`classes[name](**options)`, the options checked against the constructor's keyword
+  arguments first: one wording for a component named by a string with options (a K policy,
+  a drafter; the batching study's `k_policy.OPTION` and `drafter.OPTION` settings).
+
+  Args:
+    kind: what is built, as the error names it ('k_policy', 'drafter').
+    name: the component's name, a key of `classes`.
+  Raises:
+    ValueError: naming the value: an unknown name (the known ones listed), an option the
+      constructor does not take (the known ones listed), or a value it refuses (its message).
+  """
+  if not (isinstance(name, str) and name in classes):
+    raise ValueError(f'unknown {kind} {name!r}: expected one of {sorted(classes)}')
+  known = sorted(n for n, p in inspect.signature(classes[name].__init__).parameters.items()
+                 if n != 'self' and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+  unknown = sorted(set(options) - set(known))
+  if unknown:
+    raise ValueError(f'{kind} {name!r} has no option {", ".join(map(repr, unknown))} '
+                     f'(known: {", ".join(known) or "none"})')
+  try:
+    return classes[name](**options)
+  except (TypeError, ValueError) as error:
+    raise ValueError(f'{kind} {name!r} with {dict(options)}: {error}') from error

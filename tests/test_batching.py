@@ -9,6 +9,7 @@ import pytest
 
 from experiments import batching, batching_report as br, batching_settings
 from experiments import report
+from jaxspec.decoding import SamplingParams
 
 
 # ------------------------------------------------------------------ settings
@@ -25,7 +26,7 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
   assert batching.baseline_name(got) == 'k0'
   assert batching.uses_draft_model(got['k4']) and not batching.uses_draft_model(got['k0'])
   assert batching.describe(got['k4']) == dict(k=4, drafter='model', k_policy='fixed',
-                                              k_policy_options='')
+                                              k_policy_options='', drafter_options='')
   assert batching.describe(got['k0'])['drafter'] == 'none'
 
 
@@ -38,6 +39,8 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
     ('k0=k:0;k0=k:1', "'k0'"),                  # repeated name
     ('k0=k:0;twice=k:1,k:2', "'twice'"),        # repeated key
     ('k0:0', "'k0:0'"),                         # no '='
+    ('k0=k:0;d=k:0,drafter.probe_every:4', "'d'"),   # drafter options where no drafter runs
+    ('k0=k:0;d=k:2,drafter.1st:4', "'d'"),      # not drafter.OPTION
     (' ; ', 'no settings'),
     ('k2=k:2;k4=k:4', 'no K = 0 baseline'),
     ('k0=k:0;s=k:2,sampling:0.7', "'s': 'sampling' is set by the experiment"),
@@ -397,12 +400,43 @@ def test_k_policy_options_build_each_engine_its_own_configured_policy():
   assert got['gp']['k_policy.spec_confidence'] is True
   assert batching.describe(got['gp']) == dict(   # the records tell option-only settings apart
       k=8, drafter='model', k_policy='goodput',
-      k_policy_options='candidates=0/2/4,spec_confidence=True,spec_margin=0.1')
+      k_policy_options='candidates=0/2/4,spec_confidence=True,spec_margin=0.1',
+      drafter_options='')
   first, second = (batching_settings.engine_kwargs(got['gp'])['k_policy'] for _ in range(2))
   assert first is not second                     # one instance per engine (each keeps state)
   assert (first.wants_spec_confidences, first.spec_margin) == (True, 0.1)
   assert 'k_policy.spec_confidence' not in batching_settings.engine_kwargs(got['gp'])
   assert batching_settings.engine_kwargs(got['k0']) == {'k': 0}
+
+
+def test_drafter_options_build_each_engine_its_own_configured_drafter():
+  got = batching.parse_settings('k0=k:0;gpf=k:8,k_policy:goodput,drafter.fill_prefill:true,'
+                                'drafter.probe_every:none,drafter.probe_rows:2;'
+                                'ng=k:4,drafter:ngram,drafter.max_ngram:5')
+  assert got['gpf']['drafter.probe_every'] is None            # 'none' spells None
+  assert batching.describe(got['gpf'])['drafter_options'] == \
+      'fill_prefill=True,probe_every=None,probe_rows=2'
+  first, second = (batching_settings.engine_kwargs(got['gpf'])['drafter'] for _ in range(2))
+  assert first is not second                     # one instance per engine
+  assert (first.fill_prefill, first.probe_every, first.probe_rows, first.overlap_choice) == \
+      (True, None, 2, True)
+  assert not any(key.startswith('drafter.') for key in batching_settings.engine_kwargs(got['gpf']))
+  ngram = batching_settings.engine_kwargs(got['ng'])['drafter']
+  assert (type(ngram).__name__, ngram.max_ngram) == ('NGramDrafter', 5)
+
+
+def test_an_engine_built_from_drafter_options_keeps_its_draft_cache_by_them(tiny, tiny_draft):
+  from configs import batching as batching_config
+  config = batching_config.get_config('smoke')
+  settings = batching.parse_settings('k0=k:0;gp=k:2,k_policy:goodput;gpf=k:2,k_policy:goodput,'
+                                     'drafter.fill_prefill:true,drafter.overlap_choice:false,'
+                                     'drafter.probe_every:none')
+  engines = batching_settings.make_engines(config, settings, *tiny, *tiny_draft,
+                                           sampling=SamplingParams(), max_seq_len=128,
+                                           num_pages=64, admit=False)
+  plain, filled = engines['gp'].draft_sync, engines['gpf'].draft_sync
+  assert (plain.fill_prefill, plain.overlap_choice, plain.probe_every) == (False, True, 8)
+  assert (filled.fill_prefill, filled.overlap_choice, filled.probe_every) == (True, False, None)
 
 
 @pytest.mark.parametrize('settings, pool_pages, match', [
@@ -412,6 +446,10 @@ def test_k_policy_options_build_each_engine_its_own_configured_policy():
     ('k0=k:0;g=k:2,k_policy:goodput,k_policy.spec_confidense:true', 0,
      r"setting 'g'.*no option 'spec_confidense' \(known: .*spec_confidence"),
     ('k0=k:0;g=k:2,k_policy:goodput,k_policy.margin:-1', 0, r"setting 'g'.*margin must be"),
+    ('k0=k:0;g=k:2,drafter.probe_evry:4', 0,
+     r"setting 'g'.*drafter 'model' has no option 'probe_evry' \(known: .*probe_every"),
+    ('k0=k:0;g=k:2,drafter.fill_prefill:2', 0, r"setting 'g'.*fill_prefill must be a bool, got 2"),
+    ('k0=k:0;n=k:2,drafter:ngram,drafter.min_ngram:0', 0, r"setting 'n'.*min_ngram"),
 ])
 def test_validate_refuses_what_the_engine_would_before_any_model_loads(monkeypatch, settings,
                                                                        pool_pages, match):

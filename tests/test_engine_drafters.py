@@ -14,7 +14,7 @@ from scipy import stats
 from jaxspec.decoding import SamplingParams, generate, probabilities, rejection_sample
 from jaxspec.cache import make_policy
 from jaxspec.engine import Engine, EvictingEngine, FixedK, compile_counts
-from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup
+from jaxspec.engine.drafters import ModelDrafter, NGramDrafter, lookup, make_drafter
 from jaxspec.engine.goodput import AlphaTracker, GoodputK
 from jaxspec.engine.k_policy import KPolicy, ScheduleK
 from jaxspec.engine.spec_steps import host_q
@@ -295,6 +295,26 @@ def test_ngram_propose_respects_caps_and_idle_rows():
     NGramDrafter(max_ngram=2, min_ngram=3)
   with pytest.raises(ValueError, match='max_ngram must be an int >= 1, got 0'):
     NGramDrafter(max_ngram=0)
+
+
+def test_make_drafter_builds_a_named_drafter_with_its_options_and_names_a_bad_one():
+  drafter = make_drafter('model', True, probe_every=None, fill_prefill=True)
+  assert isinstance(drafter, ModelDrafter) and drafter.probe_every is None
+  assert (drafter.fill_prefill, drafter.overlap_choice) == (True, True)
+  assert make_drafter(None, True, probe_rows=2).probe_rows == 2     # None with a draft: 'model'
+  assert make_drafter('ngram', False, max_ngram=5).max_ngram == 5
+  assert make_drafter(drafter, True) is drafter and make_drafter(None, False) is None
+  with pytest.raises(ValueError, match=r"drafter 'model' has no option 'probe_evry' \(known: "
+                                       r".*probe_every"):
+    make_drafter('model', True, probe_evry=4)
+  with pytest.raises(ValueError, match=r"drafter 'model' with .*overlap_choice must be a bool"):
+    make_drafter('model', True, overlap_choice=1)
+  with pytest.raises(ValueError, match='need a drafter name, not'):
+    make_drafter(drafter, True, probe_rows=2)
+  with pytest.raises(ValueError, match='need a drafter name, not None'):
+    make_drafter(None, False, max_ngram=2)                          # no draft model: no drafter
+  with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
+    make_drafter('eagle', True, probe_rows=2)
 
 
 def test_bad_engine_arguments(tiny, tiny_draft):

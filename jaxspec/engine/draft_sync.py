@@ -78,7 +78,7 @@ class DraftSync:
       rounds between two probes at least once the early, doubling ones are done; None: never
       probe), probe_rows (requests a probe catches up), probe_budget (the fraction of K = 0
       round time probes may take; None: no bound), observe_tokens (M, tokens per request a
-      catch-up scores at most).
+      catch-up scores at most), fill_prefill and overlap_choice (the attributes below).
   Attributes:
     costs: {rows: seconds} one catch-up call of `chunk_size` tokens per row bucket (`measure`;
       empty before); short_costs: the same for calls of `short_width` tokens (empty when
@@ -95,10 +95,11 @@ class DraftSync:
     eager: whether the last decode round ran at K >= 1 (prefill chunks then fill the draft's
       cache too, `fills_prefill`: a request admitted while the engine speculates would need its
       prompt caught up before its first round, in a call of its own).
-    overlap_choice: whether K = 0 rounds may run while the policy chooses (`overlaps`; default
-      True; False: every round's choice comes first).
+    overlap_choice: whether K = 0 rounds may run while the policy chooses (`overlaps`; the
+      drafter's, default True; False: every round's choice comes first).
     fill_prefill: whether prefill fills the draft at K = 0 too while K >= 1 is within reach
-      (`fills_prefill`; default False: only while the engine speculates, `eager`).
+      (`fills_prefill`; the drafter's, default False: only while the engine speculates,
+      `eager`).
   """
 
   RATIO_WINDOW = 8
@@ -122,8 +123,7 @@ class DraftSync:
     self._forced = False         # every request of the coming round has one token left
     self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
     self._due = None             # (decodes, probe) of this round's `probe_due`
-    self.overlap_choice = True
-    self.fill_prefill = False
+    self.overlap_choice, self.fill_prefill = drafter.overlap_choice, drafter.fill_prefill
     self._k0_rounds = 0          # rounds in a row run at K = 0 as the policy chose for them
     self._batch = frozenset()    # the request ids of the last decode round
     self.choice_error = None     # an exception of a choice made while a round ran (`overlaps`)

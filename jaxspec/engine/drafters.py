@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from jaxspec.checks import check_int, check_real
+from jaxspec.checks import build_with_options, check_int, check_real
 from jaxspec.engine import device, spec_steps
 
 
@@ -133,16 +133,22 @@ class ModelDrafter(Drafter):
     probe_budget: the fraction of the K = 0 rounds' time that probes may take, in (0, 1]
       (estimated from the measured costs; None: probe every `probe_every` rounds regardless).
     observe_tokens: M, tokens per request a catch-up scores at most (its last M; >= 1).
+    fill_prefill: prefill fills the lazy draft cache at K = 0 too while K >= 1 is within reach
+      (`DraftSync.fills_prefill`; off: only while the engine speculates).
+    overlap_choice: K = 0 rounds may run while the policy chooses (`DraftSync.overlaps`).
   Raises:
-    ValueError: a value out of range.
+    ValueError: a value out of range, fill_prefill or overlap_choice not a bool.
   """
 
   uses_draft_model = True
 
   def __init__(self, lazy: bool = True, probe_every: Optional[int] = 8, probe_rows: int = 1,
-               probe_budget: Optional[float] = 0.01, observe_tokens: int = 8):
-    if not isinstance(lazy, bool):
-      raise ValueError(f'lazy must be a bool, got {lazy!r}')
+               probe_budget: Optional[float] = 0.01, observe_tokens: int = 8,
+               fill_prefill: bool = False, overlap_choice: bool = True):
+    for name, flag in (('lazy', lazy), ('fill_prefill', fill_prefill),
+                       ('overlap_choice', overlap_choice)):
+      if not isinstance(flag, bool):
+        raise ValueError(f'{name} must be a bool, got {flag!r}')
     if probe_every is not None:
       probe_every = check_int('probe_every', probe_every, 1)
     probe_rows = check_int('probe_rows', probe_rows, 1)
@@ -151,6 +157,7 @@ class ModelDrafter(Drafter):
       probe_budget = check_real('probe_budget (or None)', probe_budget, 0, 1, low_open=True)
     self.lazy, self.probe_every, self.probe_rows = lazy, probe_every, probe_rows
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
+    self.fill_prefill, self.overlap_choice = fill_prefill, overlap_choice
 
   def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0
@@ -265,20 +272,26 @@ class NGramDrafter(Drafter):
 DRAFTERS = {'model': ModelDrafter, 'ngram': NGramDrafter}
 
 
-def make_drafter(drafter, has_draft_model: bool):
+def make_drafter(drafter, has_draft_model: bool, **options):
   """The engine's drafter: None (a `ModelDrafter` when a draft model is given, else no
-  speculation: returns None), 'model', 'ngram', or a `Drafter` instance.
+  speculation: returns None), 'model', 'ngram', or a `Drafter` instance; a name (or None with a
+  draft model) is built with `options` as its constructor's keyword arguments (e.g.
+  `make_drafter('model', True, probe_every=None)`).
 
   Raises:
-    ValueError: an unknown name or type, 'model' without a draft model.
+    ValueError: naming the value: an unknown name or type, 'model' without a draft model,
+      options with an instance or without a drafter, an option the drafter does not take (the
+      known ones listed) or a value it refuses.
   """
-  if drafter is None:
-    return ModelDrafter() if has_draft_model else None
-  if isinstance(drafter, Drafter):
+  if drafter is None and has_draft_model:
+    drafter = 'model'
+  if drafter is None or isinstance(drafter, Drafter):
+    if options:
+      raise ValueError(f'drafter options {options} need a drafter name, not {drafter!r}')
     return drafter
   if isinstance(drafter, str) and drafter in DRAFTERS:
     if drafter == 'model' and not has_draft_model:
       raise ValueError("drafter='model' needs a draft model: pass draft= and draft_params=")
-    return DRAFTERS[drafter]()
+    return build_with_options('drafter', drafter, DRAFTERS, options)
   raise ValueError(f'unknown drafter {drafter!r}: expected None, one of {sorted(DRAFTERS)} or a '
                    f'Drafter instance')

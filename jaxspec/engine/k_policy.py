@@ -33,11 +33,10 @@ first-proposal trial and the later positions' trials
 from __future__ import annotations
 
 import abc
-import inspect
 import math
 from typing import Hashable, Mapping, Optional, Sequence
 
-from jaxspec.checks import check_int, is_int_in
+from jaxspec.checks import build_with_options, check_int, is_int_in
 
 
 class KPolicy(abc.ABC):
@@ -266,13 +265,4 @@ def make_policy(policy, **options) -> KPolicy:
   if not (isinstance(policy, str) and policy in policies):
     raise ValueError(f'unknown k_policy {policy!r}: expected one of {sorted(policies)} or a '
                      f'KPolicy instance')
-  known = sorted(n for n, p in inspect.signature(policies[policy].__init__).parameters.items()
-                 if n != 'self' and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-  unknown = sorted(set(options) - set(known))
-  if unknown:
-    raise ValueError(f'k_policy {policy!r} has no option {", ".join(map(repr, unknown))} '
-                     f'(known: {", ".join(known) or "none"})')
-  try:
-    return policies[policy](**options)
-  except (TypeError, ValueError) as error:
-    raise ValueError(f'k_policy {policy!r} with {options}: {error}') from error
+  return build_with_options('k_policy', policy, policies, options)
