@@ -1,15 +1,44 @@
 """Shared fixtures: a tiny target and drafts that agree with it to different degrees."""
 
 import gc
+import os
+import shutil
+import tempfile
 import warnings
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+# One XLA compilation cache for the whole test run, shared by the xdist workers and the
+# subprocesses some tests start (CLI runs, the 8-device worker): most of an engine test's time is
+# compiling steps (model shapes, K, row buckets) that other tests compile too
+# (tests/test_engine_rows.py alone: 127 s without the cache, 93 s with it from empty, 35 s with
+# it full). The run's first conftest import (the controller) makes the folder and names it in
+# JAX_COMPILATION_CACHE_DIR, which the workers and subprocesses inherit and read when they import
+# jax; JAXSPEC_TEST_XLA_CACHE=DIR keeps one folder across runs instead (entries are keyed by the
+# program, the compile options and the jax version: a changed step compiles anew). A
+# JAX_COMPILATION_CACHE_DIR already set (e.g. by .ci/run, for the smoke runs after the tests)
+# is left to rule.
+_made_cache = None
+if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+  if not os.environ.get('JAXSPEC_TEST_XLA_CACHE'):
+    _made_cache = tempfile.mkdtemp(prefix='jaxspec-xla-cache-')
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ.get('JAXSPEC_TEST_XLA_CACHE', _made_cache)
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
+  jax.config.update('jax_persistent_cache_min_compile_time_secs',
+                    float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
+
 from jaxspec import executables
 from jaxspec.models import ModelConfig
 from jaxspec.training import init_params
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  """Removes the run's compilation cache folder (the one this process made, if any)."""
+  if _made_cache is not None:
+    shutil.rmtree(_made_cache, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxspec.engine.draft_sync import DraftSync
+from jaxspec.engine.drafters import ModelDrafter
 
 
 def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
@@ -16,8 +17,7 @@ def test_a_forced_k0_round_keeps_the_draft_prefill_eager():
   requests admitted next still get their prompts through the draft if the engine was
   speculating; an unforced K = 0 round stops that."""
   engine = types.SimpleNamespace(policy=None, chunk_size=8, prefill_rows=2)
-  drafter = types.SimpleNamespace(probe_every=None, probe_rows=1, probe_budget=None,
-                                  observe_tokens=8)
+  drafter = ModelDrafter(probe_every=None, probe_budget=None)
   sync = DraftSync(engine, drafter)
   req = lambda room: types.SimpleNamespace(id=room, room=room, num_computed=5, draft_computed=5)
   sync.before_choice([req(3)])
@@ -47,8 +47,7 @@ def test_probe_questions_back_off_while_the_answer_is_no():
       asked.append(rounds)
       return False
   engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2)
-  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
-                                  observe_tokens=8)
+  drafter = ModelDrafter(probe_every=4, probe_budget=0.03)
   sync = DraftSync(engine, drafter)
   decodes = [_lagging_request()]
   for rounds in range(400):
@@ -72,8 +71,7 @@ def _budgeted_sync(policy):
   costing 10 s (one row) or 12 s (two), for a policy with `worth_probing`."""
   engine = types.SimpleNamespace(policy=policy, chunk_size=8, prefill_rows=2,
                                  prefill_buckets=(1, 2))
-  drafter = types.SimpleNamespace(probe_every=4, probe_rows=1, probe_budget=0.03,
-                                  observe_tokens=8)
+  drafter = ModelDrafter(probe_every=4, probe_budget=0.03)
   sync = DraftSync(engine, drafter)
   sync.costs = {1: 10.0, 2: 12.0}
   return sync
