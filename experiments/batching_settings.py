@@ -24,8 +24,12 @@ STAND_IN_CONTEXT = 4096
 # A setting's key for an option of its K policy or its drafter: k_policy.OPTION:VALUE,
 # drafter.OPTION:VALUE (`engine_kwargs`), with an example option of each.
 POLICY_OPTION, DRAFTER_OPTION = 'k_policy.', 'drafter.'
-_EXAMPLE = {POLICY_OPTION: 'k_policy.spec_confidence:true',
-            DRAFTER_OPTION: 'drafter.probe_every:none'}
+_EXAMPLE = {POLICY_OPTION: ('K policy', 'k_policy.spec_confidence:true'),
+            DRAFTER_OPTION: ('drafter', 'drafter.probe_every:none')}
+# A ModelDrafter's options that act on the lazy draft cache only (`make_engines` refuses them for
+# an engine that keeps none: a fixed K >= 1, or lazy=False).
+LAZY_ONLY = ('probe_every', 'probe_rows', 'probe_budget', 'observe_tokens', 'fill_prefill',
+             'overlap_choice')
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
@@ -36,15 +40,13 @@ FROM_CONFIG = {'num_slots': '--config.batch_size', 'sampling': '--config.tempera
 
 
 def _value(text: str):
-  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, 'none' -> None, '8/2/1' -> (8, 2, 1) and
-  '8/' -> (8,) (a sequence of ints, e.g. decode_buckets), anything else the string itself."""
+  """'4' -> 4, '0.5' -> 0.5, 'true'/'false' -> bool, '8/2/1' -> (8, 2, 1) and '8/' -> (8,) (a
+  sequence of ints, e.g. decode_buckets), anything else the string itself."""
   if re.fullmatch(r'\s*-?\d+\s*(/\s*-?\d+\s*)*/\s*(-?\d+\s*)?', text):   # a/b/c or a/
     return tuple(int(p) for p in text.split('/') if p.strip())
   low = text.lower()
   if low in ('true', 'false'):
     return low == 'true'
-  if low == 'none':
-    return None
   for kind in (int, float):
     try:
       return kind(text)
@@ -62,10 +64,11 @@ def parse_settings(text: str) -> dict[str, dict]:
   or strings. A setting with k >= 1 gets the draft model unless it names another drafter
   (`drafter:ngram`: prompt lookup, no draft model); k defaults to 0. `k_policy.OPTION:VALUE`
   passes OPTION to the K policy's constructor and `drafter.OPTION:VALUE` to the drafter's
-  (`engine_kwargs`), e.g. 'gp=k:8,k_policy:goodput,k_policy.spec_confidence:true' or
-  'gpf=k:8,k_policy:goodput,drafter.fill_prefill:true,drafter.probe_every:none'. Values the
-  Engine, the policy or the drafter refuses (a bad policy name, an option it does not take, ...)
-  are reported by `make_engines`, naming the setting.
+  (`engine_kwargs`; an option's value 'none' is None), e.g. 'gp=k:8,k_policy:goodput,
+  k_policy.spec_confidence:true' or 'gpf=k:8,k_policy:goodput,drafter.fill_prefill:true'. Values
+  the Engine, the policy or the drafter refuses (a bad policy name, an option it does not take, a
+  lazy draft cache's option where the engine keeps none, ...) are reported by `make_engines`,
+  naming the setting.
 
   Raises:
     ValueError: naming the setting: no settings, a setting without '=', an empty or repeated
@@ -101,11 +104,13 @@ def parse_settings(text: str) -> dict[str, dict]:
       if prefix is not None:
         if not key[len(prefix):].isidentifier():
           raise ValueError(f'setting {name!r}: {key!r} is not {prefix}OPTION (an option of '
-                           f'the {prefix[:-1]}, e.g. {_EXAMPLE[prefix]})')
+                           f'the {_EXAMPLE[prefix][0]}, e.g. {_EXAMPLE[prefix][1]})')
       elif key not in allowed:
         raise ValueError(f'setting {name!r}: {key!r} is not an Engine argument a setting may '
                          f'set (known: {", ".join(allowed)})')
-      kwargs[key] = _value(value)
+      # An option's 'none' is None (e.g. drafter.probe_every:none); elsewhere it stays a string.
+      none = prefix is not None and value.lower() == 'none'
+      kwargs[key] = None if none else _value(value)
     k = kwargs.setdefault('k', 0)
     check_int(f'setting {name!r}: k', k, 0)
     if policy_options(kwargs) and 'k_policy' not in kwargs:
@@ -212,8 +217,9 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
   compiled.
 
   Raises:
-    ValueError: naming the setting whose Engine arguments the Engine refuses, or whose engine
-      cannot hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
+    ValueError: naming the setting whose Engine arguments the Engine refuses, that sets a lazy
+      draft cache's option (`LAZY_ONLY`) for an engine that keeps none, or whose engine cannot
+      hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
   """
   engines = {}
   for name, kwargs in settings.items():
@@ -226,6 +232,11 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
+    idle = sorted(set(drafter_options(kwargs)) & set(LAZY_ONLY))
+    if idle and engine.draft_sync is None:
+      raise ValueError(f'setting {name!r}: drafter options {idle} act on the lazy draft cache, '
+                       f'which this engine does not keep (its K policy never chooses K = 0, or '
+                       f'drafter.lazy is false)')
     if admit:                                        # the engine's own admission check
       try:
         admission.check(engine, [0] * int(config.prompt_len), int(config.max_tokens), (), b'',

@@ -19,12 +19,14 @@ import pytest
 # jax; JAXSPEC_TEST_XLA_CACHE=DIR keeps one folder across runs instead (entries are keyed by the
 # program, the compile options and the jax version: a changed step compiles anew). A
 # JAX_COMPILATION_CACHE_DIR already set (e.g. by .ci/run, for the smoke runs after the tests)
-# is left to rule.
+# is left to rule. Two processes compiling one program at once may both write its entry (JAX's
+# unbounded cache takes no lock): a reader of a half-written entry warns and compiles anew.
 _made_cache = None
 if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-  if not os.environ.get('JAXSPEC_TEST_XLA_CACHE'):
+  _kept = os.environ.get('JAXSPEC_TEST_XLA_CACHE')
+  if not _kept:
     _made_cache = tempfile.mkdtemp(prefix='jaxspec-xla-cache-')
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ.get('JAXSPEC_TEST_XLA_CACHE', _made_cache)
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = os.path.abspath(_kept or _made_cache)
   os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
   jax.config.update('jax_compilation_cache_dir', os.environ['JAX_COMPILATION_CACHE_DIR'])
   jax.config.update('jax_persistent_cache_min_compile_time_secs',

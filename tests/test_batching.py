@@ -39,8 +39,8 @@ def test_parse_settings_gives_engine_kwargs_with_typed_values():
     ('k0=k:0;k0=k:1', "'k0'"),                  # repeated name
     ('k0=k:0;twice=k:1,k:2', "'twice'"),        # repeated key
     ('k0:0', "'k0:0'"),                         # no '='
-    ('k0=k:0;d=k:0,drafter.probe_every:4', "'d'"),   # drafter options where no drafter runs
-    ('k0=k:0;d=k:2,drafter.1st:4', "'d'"),      # not drafter.OPTION
+    ('k0=k:0;d=k:0,drafter.probe_every:4', "'d': drafter options .* at k = 0"),   # no drafter
+    ('k0=k:0;d=k:2,drafter.1st:4', "'d': 'drafter.1st' is not drafter.OPTION"),
     (' ; ', 'no settings'),
     ('k2=k:2;k4=k:4', 'no K = 0 baseline'),
     ('k0=k:0;s=k:2,sampling:0.7', "'s': 'sampling' is set by the experiment"),
@@ -411,14 +411,15 @@ def test_k_policy_options_build_each_engine_its_own_configured_policy():
 
 def test_drafter_options_build_each_engine_its_own_configured_drafter():
   got = batching.parse_settings('k0=k:0;gpf=k:8,k_policy:goodput,drafter.fill_prefill:true,'
-                                'drafter.probe_every:none,drafter.probe_rows:2;'
-                                'ng=k:4,drafter:ngram,drafter.max_ngram:5')
-  assert got['gpf']['drafter.probe_every'] is None            # 'none' spells None
+                                'drafter.probe_budget:none,drafter.probe_rows:2;'
+                                'ng=k:4,drafter:ngram,drafter.max_ngram:5;odd=k:2,drafter:none')
+  assert got['gpf']['drafter.probe_budget'] is None           # an option's 'none' is None
+  assert got['odd']['drafter'] == 'none'                      # elsewhere a string (unknown name)
   assert batching.describe(got['gpf'])['drafter_options'] == \
-      'fill_prefill=True,probe_every=None,probe_rows=2'
+      'fill_prefill=True,probe_budget=None,probe_rows=2'
   first, second = (batching_settings.engine_kwargs(got['gpf'])['drafter'] for _ in range(2))
   assert first is not second                     # one instance per engine
-  assert (first.fill_prefill, first.probe_every, first.probe_rows, first.overlap_choice) == \
+  assert (first.fill_prefill, first.probe_budget, first.probe_rows, first.overlap_choice) == \
       (True, None, 2, True)
   assert not any(key.startswith('drafter.') for key in batching_settings.engine_kwargs(got['gpf']))
   ngram = batching_settings.engine_kwargs(got['ng'])['drafter']
@@ -430,13 +431,13 @@ def test_an_engine_built_from_drafter_options_keeps_its_draft_cache_by_them(tiny
   config = batching_config.get_config('smoke')
   settings = batching.parse_settings('k0=k:0;gp=k:2,k_policy:goodput;gpf=k:2,k_policy:goodput,'
                                      'drafter.fill_prefill:true,drafter.overlap_choice:false,'
-                                     'drafter.probe_every:none')
+                                     'drafter.probe_every:3')
   engines = batching_settings.make_engines(config, settings, *tiny, *tiny_draft,
                                            sampling=SamplingParams(), max_seq_len=128,
                                            num_pages=64, admit=False)
   plain, filled = engines['gp'].draft_sync, engines['gpf'].draft_sync
   assert (plain.fill_prefill, plain.overlap_choice, plain.probe_every) == (False, True, 8)
-  assert (filled.fill_prefill, filled.overlap_choice, filled.probe_every) == (True, False, None)
+  assert (filled.fill_prefill, filled.overlap_choice, filled.probe_every) == (True, False, 3)
 
 
 @pytest.mark.parametrize('settings, pool_pages, match', [
@@ -449,7 +450,12 @@ def test_an_engine_built_from_drafter_options_keeps_its_draft_cache_by_them(tiny
     ('k0=k:0;g=k:2,drafter.probe_evry:4', 0,
      r"setting 'g'.*drafter 'model' has no option 'probe_evry' \(known: .*probe_every"),
     ('k0=k:0;g=k:2,drafter.fill_prefill:2', 0, r"setting 'g'.*fill_prefill must be a bool, got 2"),
-    ('k0=k:0;n=k:2,drafter:ngram,drafter.min_ngram:0', 0, r"setting 'n'.*min_ngram"),
+    ('k0=k:0;n=k:2,drafter:ngram,drafter.min_ngram:0', 0,
+     r"setting 'n'.*min_ngram must be an int >= 1, got 0"),
+    ('k0=k:0;f=k:2,drafter.fill_prefill:true', 0,     # a fixed K >= 1 keeps no lazy draft cache
+     r"setting 'f': drafter options \['fill_prefill'\] act on the lazy draft cache"),
+    ('k0=k:0;f=k:2,k_policy:goodput,drafter.fill_prefill:true,drafter.probe_every:none', 0,
+     r"setting 'f'.*fill_prefill=True fills the draft at K = 0 only while probes may run"),
 ])
 def test_validate_refuses_what_the_engine_would_before_any_model_loads(monkeypatch, settings,
                                                                        pool_pages, match):

@@ -298,8 +298,8 @@ def test_ngram_propose_respects_caps_and_idle_rows():
 
 
 def test_make_drafter_builds_a_named_drafter_with_its_options_and_names_a_bad_one():
-  drafter = make_drafter('model', True, probe_every=None, fill_prefill=True)
-  assert isinstance(drafter, ModelDrafter) and drafter.probe_every is None
+  drafter = make_drafter('model', True, probe_every=3, fill_prefill=True)
+  assert isinstance(drafter, ModelDrafter) and drafter.probe_every == 3
   assert (drafter.fill_prefill, drafter.overlap_choice) == (True, True)
   assert make_drafter(None, True, probe_rows=2).probe_rows == 2     # None with a draft: 'model'
   assert make_drafter('ngram', False, max_ngram=5).max_ngram == 5
@@ -315,6 +315,8 @@ def test_make_drafter_builds_a_named_drafter_with_its_options_and_names_a_bad_on
     make_drafter(None, False, max_ngram=2)                          # no draft model: no drafter
   with pytest.raises(ValueError, match="unknown drafter 'eagle'"):
     make_drafter('eagle', True, probe_rows=2)
+  with pytest.raises(ValueError, match='fill_prefill=True .* with probe_every=None it never'):
+    ModelDrafter(fill_prefill=True, probe_every=None)             # a switch that would do nothing
 
 
 def test_bad_engine_arguments(tiny, tiny_draft):

@@ -134,10 +134,12 @@ class ModelDrafter(Drafter):
       (estimated from the measured costs; None: probe every `probe_every` rounds regardless).
     observe_tokens: M, tokens per request a catch-up scores at most (its last M; >= 1).
     fill_prefill: prefill fills the lazy draft cache at K = 0 too while K >= 1 is within reach
-      (`DraftSync.fills_prefill`; off: only while the engine speculates).
+      (`DraftSync.fills_prefill`, which asks the probes' state: needs probe_every; off: only
+      while the engine speculates).
     overlap_choice: K = 0 rounds may run while the policy chooses (`DraftSync.overlaps`).
   Raises:
-    ValueError: a value out of range, fill_prefill or overlap_choice not a bool.
+    ValueError: a value out of range, lazy, fill_prefill or overlap_choice not a bool,
+      fill_prefill without probes (probe_every None: it would never fill).
   """
 
   uses_draft_model = True
@@ -151,6 +153,9 @@ class ModelDrafter(Drafter):
         raise ValueError(f'{name} must be a bool, got {flag!r}')
     if probe_every is not None:
       probe_every = check_int('probe_every', probe_every, 1)
+    if fill_prefill and probe_every is None:
+      raise ValueError('fill_prefill=True fills the draft at K = 0 only while probes may run; '
+                       'with probe_every=None it never would')
     probe_rows = check_int('probe_rows', probe_rows, 1)
     observe_tokens = check_int('observe_tokens', observe_tokens, 1)
     if probe_budget is not None:
