@@ -14,7 +14,7 @@ import jax
 from jaxspec.cache import pages_needed
 from jaxspec.checks import check_int
 from jaxspec.engine import Engine, admission
-from jaxspec.engine.drafters import make_drafter
+from jaxspec.engine.drafters import ModelDrafter, make_drafter
 from jaxspec.engine.k_policy import make_policy
 from jaxspec.models import ModelConfig, param_shapes
 
@@ -26,10 +26,6 @@ STAND_IN_CONTEXT = 4096
 POLICY_OPTION, DRAFTER_OPTION = 'k_policy.', 'drafter.'
 _EXAMPLE = {POLICY_OPTION: ('K policy', 'k_policy.spec_confidence:true'),
             DRAFTER_OPTION: ('drafter', 'drafter.probe_every:none')}
-# A ModelDrafter's options that act on the lazy draft cache only (`make_engines` refuses them for
-# an engine that keeps none: a fixed K >= 1, or lazy=False).
-LAZY_ONLY = ('probe_every', 'probe_rows', 'probe_budget', 'observe_tokens', 'fill_prefill',
-             'overlap_choice')
 # Engine arguments the experiment sets itself; a setting may not name them.
 RESERVED = ('target', 'target_params', 'draft', 'draft_params', 'num_slots', 'self')
 # Engine arguments set from other config fields (a setting string cannot spell their values).
@@ -159,11 +155,11 @@ def engine_kwargs(kwargs: dict) -> dict:
     ValueError: an unknown policy or drafter, an option it does not take or a value it refuses.
   """
   out = {key: value for key, value in kwargs.items() if _option_prefix(key) is None}
-  if policy_options(kwargs):
-    out['k_policy'] = make_policy(out.get('k_policy', 'fixed'), **policy_options(kwargs))
-  if drafter_options(kwargs):
-    out['drafter'] = make_drafter(out.get('drafter', 'model'), uses_draft_model(kwargs),
-                                  **drafter_options(kwargs))
+  policy, drafter = policy_options(kwargs), drafter_options(kwargs)
+  if policy:
+    out['k_policy'] = make_policy(out.get('k_policy', 'fixed'), **policy)
+  if drafter:
+    out['drafter'] = make_drafter(out.get('drafter', 'model'), uses_draft_model(kwargs), **drafter)
   return out
 
 
@@ -218,8 +214,8 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
 
   Raises:
     ValueError: naming the setting whose Engine arguments the Engine refuses, that sets a lazy
-      draft cache's option (`LAZY_ONLY`) for an engine that keeps none, or whose engine cannot
-      hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
+      draft cache's option (`ModelDrafter.LAZY_OPTIONS`) for an engine that keeps none, or whose
+      engine cannot hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
   """
   engines = {}
   for name, kwargs in settings.items():
@@ -232,7 +228,7 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
       engine = Engine(target, target_params, **args, **spec)
     except (TypeError, ValueError) as err:
       raise ValueError(f'setting {name!r} ({kwargs}): {err}') from err
-    idle = sorted(set(drafter_options(kwargs)) & set(LAZY_ONLY))
+    idle = sorted(set(drafter_options(kwargs)) & set(ModelDrafter.LAZY_OPTIONS))
     if idle and engine.draft_sync is None:
       raise ValueError(f'setting {name!r}: drafter options {idle} act on the lazy draft cache, '
                        f'which this engine does not keep (its K policy never chooses K = 0, or '

@@ -143,6 +143,10 @@ class ModelDrafter(Drafter):
   """
 
   uses_draft_model = True
+  # The options that act on the lazy draft cache only (`jaxspec.engine.draft_sync`): an engine
+  # that keeps none (a fixed K >= 1, or lazy=False) leaves them unused.
+  LAZY_OPTIONS = ('probe_every', 'probe_rows', 'probe_budget', 'observe_tokens', 'fill_prefill',
+                  'overlap_choice')
 
   def __init__(self, lazy: bool = True, probe_every: Optional[int] = 8, probe_rows: int = 1,
                probe_budget: Optional[float] = 0.01, observe_tokens: int = 8,
