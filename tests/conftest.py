@@ -32,6 +32,7 @@ if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
   jax.config.update('jax_persistent_cache_min_compile_time_secs',
                     float(os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS']))
 
+import cli_server
 from jaxspec import executables
 from jaxspec.models import ModelConfig
 from jaxspec.training import init_params
@@ -41,6 +42,17 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
   """Removes the run's compilation cache folder (the one this process made, if any)."""
   if _made_cache is not None:
     shutil.rmtree(_made_cache, ignore_errors=True)
+
+
+@pytest.fixture(scope='session')
+def cli():
+  """`run(args, cwd=ROOT, timeout=120)`: `python ARGS` from a process that imported jax and
+  jaxspec once (tests/cli_server.py), a `subprocess.CompletedProcess` with text stdout/stderr;
+  for runs in the environment of the test process when its first run started the server (a
+  test that sets variables for its run starts its own subprocess)."""
+  server = cli_server.CliServer()
+  yield server.run
+  server.close()
 
 
 @pytest.fixture

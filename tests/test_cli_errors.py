@@ -1,5 +1,9 @@
 """Bad input to the command-line programs (experiments.run / .sweep and scripts/) ends in one
-line naming it (`FATAL: ...` or the script's own error), never a traceback or lost work."""
+line naming it (`FATAL: ...` or the script's own error), never a traceback or lost work.
+
+The programs run through the `cli` fixture (tests/cli_server.py: forked from one process that
+imported jax and jaxspec, as a fresh `python ...` runs them), but for the runs that need their
+own environment or working directory outside the repository, which start a subprocess."""
 
 import os
 import pathlib
@@ -11,10 +15,9 @@ import pytest
 ROOT_DIR = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_unknown_config_field_fails_loudly(tmp_path):
-  proc = subprocess.run(
-      [sys.executable, '-m', 'experiments.run', '--config=configs/speculative.py:smoke',
-       '--config.kk=3', f'--workdir={tmp_path}'], capture_output=True, text=True, timeout=120)
+def test_unknown_config_field_fails_loudly(tmp_path, cli):
+  proc = cli(['-m', 'experiments.run', '--config=configs/speculative.py:smoke', '--config.kk=3',
+              f'--workdir={tmp_path}'])
   assert proc.returncode != 0
   assert 'kk' in proc.stderr
   assert not any(tmp_path.iterdir())                  # nothing ran, nothing written
@@ -108,9 +111,8 @@ def test_unknown_config_field_fails_loudly(tmp_path):
     (['--config=configs/eviction_batching.py:smoke', '--config.prefill_group=3'],
      'FATAL: config.prefill_group=3 must divide config.chunk_size=16'),
 ])
-def test_bad_config_is_one_fatal_line(tmp_path, args, line):
-  proc = subprocess.run([sys.executable, '-m', 'experiments.run', *args, f'--workdir={tmp_path}'],
-                        capture_output=True, text=True, timeout=120)
+def test_bad_config_is_one_fatal_line(tmp_path, args, line, cli):
+  proc = cli(['-m', 'experiments.run', *args, f'--workdir={tmp_path}'])
   assert proc.returncode != 0
   assert proc.stderr.strip().splitlines()[-1].startswith(line), proc.stderr
   assert 'Traceback' not in proc.stderr
@@ -130,12 +132,11 @@ def test_bad_config_is_one_fatal_line(tmp_path, args, line):
      "{path}: the config has no 'experiment' field"),
 ])
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
-def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, line, module):
+def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, line, module,
+                                                           cli):
   path = tmp_path / 'config.py'
   path.write_text(source)
-  proc = subprocess.run([sys.executable, '-m', module, f'--config={path}',
-                         f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR, capture_output=True,
-                        text=True, timeout=120)
+  proc = cli(['-m', module, f'--config={path}', f'--workdir={tmp_path}/runs'])
   assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: ' + line.format(path=path)), \
       proc.stderr
@@ -146,15 +147,14 @@ def test_a_config_file_that_does_not_load_is_one_fatal_line(tmp_path, source, li
                                                  ('None', '--config.a.b=3'),
                                                  ("{'a': 1}", '--config.batch_size=3')])
 def test_a_config_that_is_not_a_config_dict_is_named_with_an_override_too(tmp_path, returned,
-                                                                          override):
+                                                                          override, cli):
   """An override of a field leaves the config flag unparsed when it fails; the line still
   names the file and what get_config returned (was: 'unknown config field ... NoneType', or
   for a dict 'unknown config field' alone)."""
   path = tmp_path / 'config.py'
   path.write_text(f'def get_config(arg=None):\n  return {returned}\n')
-  proc = subprocess.run([sys.executable, '-m', 'experiments.run', f'--config={path}', override,
-                         f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR, capture_output=True,
-                        text=True, timeout=120)
+  proc = cli(['-m', 'experiments.run', f'--config={path}', override,
+              f'--workdir={tmp_path}/runs'])
   assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
   kind = 'NoneType' if returned == 'None' else 'dict'
   assert proc.stderr.strip().splitlines()[-1] == (
@@ -167,25 +167,22 @@ def test_a_config_that_is_not_a_config_dict_is_named_with_an_override_too(tmp_pa
     ('run', "config.experiment='run': experiments/run.py runs experiments"),   # empty run dir
     ('a.b', "config.experiment='a.b' must name a module of experiments/"),
 ])
-def test_config_experiment_must_name_an_experiment(tmp_path, name, line):
-  proc = subprocess.run([sys.executable, '-m', 'experiments.run',
-                         '--config=configs/speculative.py:smoke', f'--config.experiment={name}',
-                         f'--workdir={tmp_path}'], cwd=ROOT_DIR, capture_output=True, text=True,
-                        timeout=120)
+def test_config_experiment_must_name_an_experiment(tmp_path, name, line, cli):
+  proc = cli(['-m', 'experiments.run', '--config=configs/speculative.py:smoke',
+              f'--config.experiment={name}', f'--workdir={tmp_path}'])
   assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: ' + line), proc.stderr
   assert not any(tmp_path.iterdir())
 
 
-def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path):
+def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path, cli):
   """A run refused after its run directory was made (here: the extraction budget past the
   model's context, known once the model loads) removes the run directory and the
   WORKDIR/EXPERIMENT directories it made (was: an empty WORKDIR/hydration/ stayed); another
   run's directory beside it stays."""
-  args = [sys.executable, '-m', 'experiments.run', '--config=configs/hydration.py:smoke',
+  args = ['-m', 'experiments.run', '--config=configs/hydration.py:smoke',
           '--config.max_extract_tokens=5000']
-  proc = subprocess.run(args + [f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=300)
+  proc = cli(args + [f'--workdir={tmp_path}/runs'], timeout=300)
   assert proc.returncode != 0 and 'Traceback' not in proc.stderr, proc.stderr
   assert proc.stderr.strip().splitlines()[-1].startswith(
       'FATAL: config.max_extract_tokens=5000 leaves no room'), proc.stderr
@@ -193,28 +190,24 @@ def test_a_run_that_fails_before_measuring_leaves_no_empty_directories(tmp_path)
   assert not any(tmp_path.iterdir())
   other = tmp_path / 'runs' / 'hydration' / 'earlier'
   other.mkdir(parents=True)
-  proc = subprocess.run(args + [f'--workdir={tmp_path}/runs'], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=300)
+  proc = cli(args + [f'--workdir={tmp_path}/runs'], timeout=300)
   assert proc.returncode != 0
   assert [p.name for p in (tmp_path / 'runs' / 'hydration').iterdir()] == ['earlier']
   kept = tmp_path / 'kept' / 'sub'     # empty before the run, reached through '..'
   kept.mkdir(parents=True)
-  proc = subprocess.run(args + [f'--workdir={tmp_path}/new/../kept/sub'], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=300)
+  proc = cli(args + [f'--workdir={tmp_path}/new/../kept/sub'], timeout=300)
   assert proc.returncode != 0
   assert kept.is_dir() and not any(kept.iterdir())   # was: removed with its parent 'kept'
   assert not (tmp_path / 'new').exists()             # was: made to pass through, left behind
 
 
 @pytest.mark.parametrize('module', ['experiments.run', 'experiments.sweep'])
-def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module):
+def test_a_workdir_that_cannot_be_made_is_one_fatal_line(tmp_path, module, cli):
   (tmp_path / 'file').write_text('')
   for workdir in (tmp_path / 'file' / 'sub', '/proc/jaxspec-nope'):   # not a directory; ENOENT
-    proc = subprocess.run([sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
-                           '--only=k=2', '--only=temperature=0.0', f'--workdir={workdir}']
-                          if module.endswith('sweep') else
-                          [sys.executable, '-m', module, '--config=configs/speculative.py:smoke',
-                           f'--workdir={workdir}'], capture_output=True, text=True, timeout=120)
+    only = ['--only=k=2', '--only=temperature=0.0'] if module.endswith('sweep') else []
+    proc = cli(['-m', module, '--config=configs/speculative.py:smoke', *only,
+                f'--workdir={workdir}'])
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith('FATAL: cannot'), proc.stderr
     assert 'Traceback' not in proc.stderr
@@ -280,17 +273,15 @@ def test_process_0_checks_its_workdir_before_it_joins_a_multi_process_run(tmp_pa
      "trace_k_policy.py: error: --settings: setting 'big' ({'k': 40}): speculation length K "
      "must be an int in [1, 16], got k=40"),
 ])
-def test_script_arguments_are_refused_before_any_work(args, line):
-  proc = subprocess.run([sys.executable, f'scripts/{args[0]}', *args[1:]], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=120)
+def test_script_arguments_are_refused_before_any_work(args, line, cli):
+  proc = cli([f'scripts/{args[0]}', *args[1:]])
   assert proc.returncode != 0 and line in proc.stderr.strip().splitlines()[-1], proc.stderr
   assert 'Traceback' not in proc.stderr
 
 
 @pytest.mark.parametrize('script', sorted(p.name for p in (ROOT_DIR / 'scripts').glob('*.py')))
-def test_every_script_answers_help_without_running(script):
+def test_every_script_answers_help_without_running(script, cli):
   # check_kernels_gpu.py and constraint_libraries.py ran (or stopped on a missing GPU / package)
   # instead of printing their usage; make_hf_fixtures.py needed torch to say what it is.
-  proc = subprocess.run([sys.executable, f'scripts/{script}', '--help'], cwd=ROOT_DIR,
-                        capture_output=True, text=True, timeout=120)
+  proc = cli([f'scripts/{script}', '--help'])
   assert proc.returncode == 0 and proc.stdout.startswith('usage:'), proc.stdout + proc.stderr

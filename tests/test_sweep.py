@@ -5,7 +5,6 @@ import csv
 import importlib.util
 import json
 import pathlib
-import subprocess
 import sys
 
 import ml_collections
@@ -224,42 +223,41 @@ def test_report_writes_one_row_per_record_and_nonempty_plots(tmp_path):
   assert len(list(csv.reader(open(tmp_path / 'm.csv')))) == 4     # the CSV: one table, all
 
 
-def test_report_cli_remakes_summary_and_plots(tmp_path):
+def test_report_cli_remakes_summary_and_plots(tmp_path, cli):
   results = tmp_path / 'results.jsonl'
   results.write_text(''.join(json.dumps(r) + '\n' for r in _spec_records()))
-  subprocess.run([sys.executable, '-m', 'experiments.report', str(results), '--out',
-                  str(tmp_path / 'out'), '--experiment=speculative'], cwd=ROOT, check=True)
+  made = cli(['-m', 'experiments.report', str(results), '--out', str(tmp_path / 'out'),
+              '--experiment=speculative'], cwd=ROOT)
+  assert made.returncode == 0, made.stderr
   assert (tmp_path / 'out' / 'summary.csv').exists()
   assert (tmp_path / 'out' / 'plots' / 'speedup_vs_k.png').stat().st_size > 0
   edited = _spec_records()
   edited[3]['k'] = '2'                 # a hand-edited record: the plot cannot order '2' and 1
   results.write_text(''.join(json.dumps(r) + '\n' for r in edited))
-  bad = subprocess.run([sys.executable, '-m', 'experiments.report', str(results), '--out',
-                        str(tmp_path / 'bad'), '--experiment=speculative'], cwd=ROOT,
-                       capture_output=True, text=True)
+  bad = cli(['-m', 'experiments.report', str(results), '--out', str(tmp_path / 'bad'),
+             '--experiment=speculative'], cwd=ROOT)
   assert bad.returncode == 1 and 'Traceback' not in bad.stderr, bad.stderr
   assert "FATAL: the 'speculative' plots / summary cannot read these records" in bad.stderr
   assert (tmp_path / 'bad' / 'summary.csv').exists()
 
 
-def _cli(tmp_path, *flags):
+def _cli(cli, tmp_path, *flags):
   code = ('import sys; sys.path.insert(0, "tests"); import fake_experiment; '
           'sys.modules["experiments.fake"] = fake_experiment; from absl import app; '
           'from experiments import sweep; sweep.define_flags(); app.run(sweep.main)')
-  return subprocess.run([sys.executable, '-c', code, f'--workdir={tmp_path}', *flags], cwd=ROOT,
-                        capture_output=True, text=True)
+  return cli(['-c', code, f'--workdir={tmp_path}', *flags], cwd=ROOT)
 
 
-def test_cli_applies_base_overrides_to_every_case_and_exits_nonzero_on_failure(tmp_path):
-  ok = _cli(tmp_path, '--config=tests/fake_config.py:smoke', '--config.num_prompts=3',
+def test_cli_applies_base_overrides_to_every_case_and_exits_nonzero_on_failure(tmp_path, cli):
+  ok = _cli(cli, tmp_path, '--config=tests/fake_config.py:smoke', '--config.num_prompts=3',
             '--only=k=1', '--only=temperature=0.0')
   assert ok.returncode == 0, ok.stderr
   records = read_results(tmp_path / 'fake' / 'sweep-smoke' / 'results.jsonl')   # the variant's
   assert [r['num_prompts'] for r in records] == [3, 3]
-  failed = _cli(tmp_path, '--config=tests/fake_config.py', '--sweep_name=s2', '--shard=0/3',
+  failed = _cli(cli, tmp_path, '--config=tests/fake_config.py', '--sweep_name=s2', '--shard=0/3',
                 '--config.fail_on=k=1,temperature=0.0')
   assert failed.returncode == 1, failed.stderr
-  bad = _cli(tmp_path, '--config=tests/fake_config.py', '--only=kk=1')
+  bad = _cli(cli, tmp_path, '--config=tests/fake_config.py', '--only=kk=1')
   assert bad.returncode == 1 and "'kk'" in bad.stderr
 
 
@@ -270,7 +268,7 @@ def test_resuming_with_another_base_config_is_refused(tmp_path):
   assert _sweep(tmp_path, only=['k=2']).exit_code == 0       # same base: resumes
 
 
-def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
+def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch, cli):
   monkeypatch.setenv('FAKE_INTERRUPT_ON', 'k=1,temperature=0.0')
   with pytest.raises(KeyboardInterrupt):
     _sweep(tmp_path)
@@ -279,28 +277,27 @@ def test_summary_leaves_out_unfinished_cases(tmp_path, monkeypatch):
   assert {r['case_id'] for r in outcome.records} == {'k=2,temperature=0.0', 'k=2,temperature=1.0'}
   assert 'k=1,temperature=0.0' not in (outcome.sweep_dir / 'summary.md').read_text()
   # The report CLI on the sweep directory leaves the unfinished case out too.
-  proc = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
-                         '--out', str(tmp_path / 'cli')], cwd=ROOT,
-                        capture_output=True, text=True, check=True)
+  proc = cli(['-m', 'experiments.report', str(outcome.sweep_dir), '--out', str(tmp_path / 'cli')],
+             cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr
   assert '1 records of unfinished cases or cases no longer in sweep.json left out' in proc.stdout
   assert 'k=1,temperature=0.0' not in (tmp_path / 'cli' / 'summary.md').read_text()
   # ... and, as the sweep does, the cases a sweep.json no longer lists (the grid shrank).
   sweep_json = outcome.sweep_dir / 'sweep.json'
   cases = [c for c in json.loads(sweep_json.read_text()) if c['case_id'] != 'k=2,temperature=1.0']
   sweep_json.write_text(json.dumps(cases))
-  subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir), '--out',
-                  str(tmp_path / 'cli2')], cwd=ROOT, capture_output=True, text=True, check=True)
+  again = cli(['-m', 'experiments.report', str(outcome.sweep_dir), '--out', str(tmp_path / 'cli2')],
+              cwd=ROOT)
+  assert again.returncode == 0, again.stderr
   summary = (tmp_path / 'cli2' / 'summary.md').read_text()
   assert 'k=2,temperature=0.0' in summary and 'k=2,temperature=1.0' not in summary
   for name in ('speculativ', 'common'):      # a typo; a module of experiments/ but no experiment
-    typo = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
-                           '--out', str(tmp_path / 'cli3'), f'--experiment={name}'], cwd=ROOT,
-                          capture_output=True, text=True)
+    typo = cli(['-m', 'experiments.report', str(outcome.sweep_dir), '--out',
+                str(tmp_path / 'cli3'), f'--experiment={name}'], cwd=ROOT)
     assert typo.returncode == 1 and f"FATAL: --experiment='{name}' names no experiment" in (
         typo.stderr)
-  train = subprocess.run([sys.executable, '-m', 'experiments.report', str(outcome.sweep_dir),
-                          '--out', str(tmp_path / 'cli4'), '--experiment=train'], cwd=ROOT,
-                         capture_output=True, text=True)      # an experiment without plots
+  train = cli(['-m', 'experiments.report', str(outcome.sweep_dir), '--out',
+               str(tmp_path / 'cli4'), '--experiment=train'], cwd=ROOT)   # one without plots
   assert train.returncode == 0 and (tmp_path / 'cli4' / 'summary.md').exists(), train.stderr
 
 
