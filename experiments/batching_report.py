@@ -190,8 +190,9 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)],
     'adaptive': [row per (B, workload, non-fixed policy): tokens/s as a fraction of the best
     static setting (K = 0 included), the same pass by pass with its standard error
-    (`_per_pass`), and against the static setting chosen on the other passes (`_held_out`)]}.
-    α* is math.inf where no K pays.
+    (`_per_pass`), and against the static setting chosen on the other passes (`_held_out`)],
+    'at_k0': the adaptive settings' passes that ran K = 0 only, over the K = 0 setting's
+    (`at_k0`)}. α* is math.inf where no K pays.
   Raises:
     ValueError: records of one (B, workload, setting) from several sweep cases
       (`_check_one_case`).
@@ -245,7 +246,7 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
                            held_out=_held_out(groups[cell + (row['setting'],)],
                                               [groups[cell + (s['setting'],)] for s in static])))
   return dict(cost_source=source, costs=costs, thresholds=thresholds, settings=rows,
-              adaptive=adaptive, validation=validation(rows))
+              adaptive=adaptive, at_k0=at_k0(groups), validation=validation(rows))
 
 
 def _by_pass(records: list[dict]) -> dict:
@@ -292,6 +293,39 @@ def _held_out(adaptive: list[dict], static: list[list[dict]]) -> float | None:
     chosen = max(others, key=lambda o: statistics.mean(o[q] for q in rest))
     fractions.append(mine[p] / chosen[p])
   return statistics.mean(fractions)
+
+
+def _ran_k0_only(record: dict) -> bool:
+  """Whether a record's decode rounds all ran at K = 0 (`rounds_by_k`, its keys ints or the
+  strings a results file holds); False without rounds."""
+  ks = {int(k) for k, n in (record.get('rounds_by_k') or {}).items() if n}
+  return ks == {0}
+
+
+def at_k0(groups: dict) -> list[dict]:
+  """The adaptive settings' passes that ran K = 0 in every round, over the K = 0 setting's
+  tokens/s in the same pass (paired by case and repeat, as `_per_pass`), per batch size and
+  setting over the workloads: [{'batch_size', 'setting', 'passes': how many such passes,
+  'of': the setting's passes at that B, 'mean', 'sd' (None with fewer than two)}]. In those
+  passes the policy's engine ran the K = 0 engine's target rounds (the same tokens at greedy)
+  plus its own work: the mean is what that work costs while it does not speculate (its
+  choices, the lazy draft's probes), the spread mostly how far two runs of the same rounds land
+  apart in one pass, the noise each pass of a fraction carries (a cell's fraction, the mean of
+  R passes, carries ~sd / √R). Empty where no adaptive setting ran a whole pass at K = 0 or
+  there is no K = 0 setting."""
+  base = {(b, w): s for (b, w, s), rs in groups.items()
+          if rs[0].get('k_policy') in (None, 'fixed') and rs[0].get('k') == 0}
+  ratios, total = collections.defaultdict(list), collections.Counter()
+  for (b, workload, setting), rs in groups.items():
+    if rs[0].get('k_policy') in (None, 'fixed') or (b, workload) not in base:
+      continue
+    rate = _by_pass(groups[(b, workload, base[(b, workload)])])
+    mine = _by_pass([r for r in rs if _ran_k0_only(r)])
+    total[(b, setting)] += len(_by_pass(rs))
+    ratios[(b, setting)] += [t / rate[p] for p, t in mine.items() if rate.get(p)]
+  return [dict(batch_size=b, setting=setting, passes=len(r), of=total[(b, setting)],
+               mean=statistics.mean(r), sd=statistics.stdev(r) if len(r) > 1 else None)
+          for (b, setting), r in sorted(ratios.items()) if r]
 
 
 def validation(rows: list[dict]) -> dict:
@@ -383,6 +417,15 @@ def markdown(result: dict) -> str:
                     [[a['batch_size'], a['workload'], a['setting'], a['fraction_of_best_static'],
                       a['best_static'], ' '.join(_fmt(f) for f in a.get('per_pass', [])),
                       a.get('per_pass_se'), a.get('held_out')] for a in result['adaptive']])
+  if result.get('at_k0'):
+    lines += ['', '## Adaptive policies in passes at K = 0 only: tokens/s ÷ the K = 0 setting\'s',
+              '', 'The passes in which an adaptive setting ran K = 0 in every round ran the K = 0 '
+              "engine's rounds plus the policy's own work: mean, that work's cost while it does "
+              'not speculate; sd, mostly the noise one pass of a fraction carries (over R '
+              'passes, ~sd / √R).', '']
+    lines += _table(['B', 'setting', 'passes', 'mean', 'sd'],
+                    [[a['batch_size'], a['setting'], f'{a["passes"]} of {a["of"]}',
+                      _fmt(a['mean'], 3), _fmt(a['sd'], 3)] for a in result['at_k0']])
   return '\n'.join(lines) + '\n'
 
 

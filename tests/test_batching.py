@@ -3,6 +3,7 @@
 import json
 import math
 import pathlib
+import statistics
 import types
 
 import pytest
@@ -204,6 +205,31 @@ def test_held_out_fraction_chooses_the_static_setting_on_the_other_passes():
   assert '| 1.22 |' in br.markdown(br.analyze(records))
   one = [r for r in records if r['repeat'] == 0]
   assert br.analyze(one)['adaptive'][0]['held_out'] is None
+
+
+def test_passes_an_adaptive_policy_ran_at_k0_only_measure_its_cost_and_the_noise():
+  # goodput ran K = 0 in every round of passes 0 and 2 of json and pass 0 of code (0.98, 1.02,
+  # 0.96 of k0's tokens/s in those passes: mean 0.987); pass 1 of json and pass 1 of code
+  # speculated, and a pass without rounds counts as neither. k0's speed differs pass to pass.
+  rounds = {('json', 0): {'0': 62}, ('json', 1): {'0': 10, '2': 20}, ('json', 2): {0: 62},
+            ('code', 0): {'0': 62, '2': 0}, ('code', 1): {'1': 30}, ('code', 2): {}}
+  k0_tps = {0: 100.0, 1: 90.0, 2: 120.0}
+  ratio = {('json', 0): 0.98, ('json', 2): 1.02, ('code', 0): 0.96}
+  records = []
+  for (workload, repeat), by_k in rounds.items():
+    records.append(_record(4, workload, 'k0', 0, repeat, k0_tps[repeat], 0.01))
+    tps = k0_tps[repeat] * ratio.get((workload, repeat), 1.1)
+    records.append(dict(_record(4, workload, 'goodput', 8, repeat, tps, 0.01, 0.5,
+                                policy='goodput'), rounds_by_k=by_k))
+  [row] = br.analyze(records)['at_k0']
+  assert (row['batch_size'], row['setting'], row['passes'], row['of']) == (4, 'goodput', 3, 6)
+  assert row['mean'] == pytest.approx((0.98 + 1.02 + 0.96) / 3)
+  assert row['sd'] == pytest.approx(statistics.stdev([0.98, 1.02, 0.96]))
+  assert '| 4 | goodput | 3 of 6 | 0.987 | 0.031 |' in br.markdown(br.analyze(records))
+  # Without a K = 0 setting, or when the policy always speculated: nothing to report.
+  assert br.analyze([r for r in records if r['setting'] != 'k0'])['at_k0'] == []
+  assert br.analyze([r for r in records if r['repeat'] == 1])['at_k0'] == []
+  assert 'at K = 0 only' not in br.markdown(br.analyze([r for r in records if r['repeat'] == 1]))
 
 
 def test_records_without_a_fixed_k_say_why_there_is_no_threshold():
