@@ -297,8 +297,11 @@ def _held_out(adaptive: list[dict], static: list[list[dict]]) -> float | None:
 
 def _ran_k0_only(record: dict) -> bool:
   """Whether a record's decode rounds all ran at K = 0 (`rounds_by_k`, its keys ints or the
-  strings a results file holds); False without rounds."""
-  ks = {int(k) for k, n in (record.get('rounds_by_k') or {}).items() if n}
+  strings a results file holds); False without rounds, or with a key that names no int."""
+  try:
+    ks = {int(k) for k, n in (record.get('rounds_by_k') or {}).items() if n}
+  except (TypeError, ValueError):
+    return False
   return ks == {0}
 
 
@@ -311,17 +314,23 @@ def at_k0(groups: dict) -> list[dict]:
   plus its own work: the mean is what that work costs while it does not speculate (its
   choices, the lazy draft's probes), the spread mostly how far two runs of the same rounds land
   apart in one pass, the noise each pass of a fraction carries (a cell's fraction, the mean of
-  R passes, carries ~sd / √R). Empty where no adaptive setting ran a whole pass at K = 0 or
-  there is no K = 0 setting."""
-  base = {(b, w): s for (b, w, s), rs in groups.items()
-          if rs[0].get('k_policy') in (None, 'fixed') and rs[0].get('k') == 0}
+  R passes, carries ~sd / √R). The K = 0 setting of a (B, workload) is its one fixed K = 0
+  setting without a drafter; a cell with none, or with several (other engine arguments), is
+  left out. Empty where no adaptive setting ran a whole pass at K = 0."""
+  zero = collections.defaultdict(list)
+  for (b, w, s), rs in groups.items():
+    if rs[0].get('k_policy') in (None, 'fixed') and rs[0].get('k') == 0 and \
+        rs[0].get('drafter') in (None, 'none'):
+      zero[(b, w)].append(s)
   ratios, total = collections.defaultdict(list), collections.Counter()
   for (b, workload, setting), rs in groups.items():
-    if rs[0].get('k_policy') in (None, 'fixed') or (b, workload) not in base:
+    if rs[0].get('k_policy') in (None, 'fixed') or len(zero[(b, workload)]) != 1:
       continue
-    rate = _by_pass(groups[(b, workload, base[(b, workload)])])
-    mine = _by_pass([r for r in rs if _ran_k0_only(r)])
-    total[(b, setting)] += len(_by_pass(rs))
+    rate = _by_pass(groups[(b, workload, zero[(b, workload)][0])])
+    passes = _by_pass(rs)                     # each pass once (`_by_pass`), then K = 0 only
+    mine = {p: t for p, t in passes.items()
+            if _ran_k0_only(next(r for r in rs if (r.get('case_id'), r.get('repeat')) == p))}
+    total[(b, setting)] += len(passes)
     ratios[(b, setting)] += [t / rate[p] for p, t in mine.items() if rate.get(p)]
   return [dict(batch_size=b, setting=setting, passes=len(r), of=total[(b, setting)],
                mean=statistics.mean(r), sd=statistics.stdev(r) if len(r) > 1 else None)
@@ -358,7 +367,8 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 
 def markdown(result: dict) -> str:
   """The analysis as markdown: threshold table, measured speedups per workload (end to end and
-  decode-only, with the model's prediction), adaptive vs best static."""
+  decode-only, with the model's prediction), adaptive vs best static, and the adaptive settings'
+  passes at K = 0 only against the K = 0 setting (`at_k0`)."""
   ks = sorted({k for t in result['costs'].values() for k in t if k})
   steps = result.get('cost_source', 'steps') == 'steps'
   how = ('decode-only engine steps of the runs' if steps else

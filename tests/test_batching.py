@@ -226,6 +226,16 @@ def test_passes_an_adaptive_policy_ran_at_k0_only_measure_its_cost_and_the_noise
   assert row['mean'] == pytest.approx((0.98 + 1.02 + 0.96) / 3)
   assert row['sd'] == pytest.approx(statistics.stdev([0.98, 1.02, 0.96]))
   assert '| 4 | goodput | 3 of 6 | 0.987 | 0.031 |' in br.markdown(br.analyze(records))
+  # A pass appended twice is no pass (as for the fractions); a round count under a key that is
+  # no K makes a pass not K = 0-only, not an error.
+  twice = records + [dict(records[1], tokens_per_s=1.0)]
+  assert [(r['passes'], r['of']) for r in br.analyze(twice)['at_k0']] == [(2, 5)]
+  odd = [dict(r, rounds_by_k={'0': 60, 'x': 2}) if r['setting'] == 'goodput' and
+         r['repeat'] == 0 and r['workload'] == 'json' else r for r in records]
+  assert br.analyze(odd)['at_k0'][0]['passes'] == 2
+  # Two K = 0 settings in a cell (other engine arguments): which one is the base is unclear.
+  other = records + [dict(r, setting='k0big') for r in records if r['setting'] == 'k0']
+  assert br.analyze(other)['at_k0'] == []
   # Without a K = 0 setting, or when the policy always speculated: nothing to report.
   assert br.analyze([r for r in records if r['setting'] != 'k0'])['at_k0'] == []
   assert br.analyze([r for r in records if r['repeat'] == 1])['at_k0'] == []
