@@ -1,7 +1,8 @@
 """The lazy draft cache's probes (`DraftSync`): the doubling gap before it asks the policy's
 `worth_probing` again, the probe budget (a refused probe is not asked about, nor looked for
-until affordable; a `cold` policy is probed outside it), and a forced K = 0 round that keeps the
-draft's prefill eager. Host-side, no model."""
+until affordable; a `cold` policy is probed outside it), `probe_new` (unscored requests probed
+first, unasked), and a forced K = 0 round that keeps the draft's prefill eager. Host-side, no
+model."""
 
 import types
 
@@ -152,3 +153,47 @@ def test_a_refused_probe_is_not_looked_for_until_affordable():
   assert priced.count(1) == 1                    # refused once (round 7), then not looked for
   sync.zero_s = 50.0 / 0.03                      # the refused probe's cost / budget: due again
   assert sync.probe_due(decodes) and priced.count(1) == 2
+
+
+@pytest.mark.parametrize('probe_new', [False, True])
+def test_probe_new_probes_a_request_joining_unscored_first_and_unasked(probe_new):
+  """After a long stretch of answers 'no' (gap QUIET x probe_every), a request joins the batch
+  that the draft has never scored: with `probe_new` the next probe is due within probe_every
+  rounds and scores it, not the scored request less behind, without asking the policy; without
+  it the policy is asked (and says no: nothing is caught up)."""
+  asked, caught = [], []
+
+  class Never:            # a `KPolicy` stand-in: what DraftSync reads of one
+    cold = False
+
+    def worth_probing(self, ids):
+      asked.append(ids)
+      return False
+  engine = types.SimpleNamespace(policy=Never(), chunk_size=8, prefill_rows=2,
+                                 prefill_buckets=(1, 2))
+  sync = DraftSync(engine, ModelDrafter(probe_every=4, probe_budget=None, probe_new=probe_new))
+
+  def catch_up(requests):
+    caught.append([r.id for r in requests])
+    for r in requests:
+      r.draft_computed = r.num_computed
+    sync.rounds_since = 0
+  sync.catch_up = catch_up
+  scored = types.SimpleNamespace(id='a', room=50, num_computed=40, draft_computed=38,
+                                 token_p=[0.5])
+  for _ in range(200):
+    sync.before_choice([scored])
+    sync.after_round([scored], 0, 1.0)
+  assert sync.backoff == DraftSync.QUIET * 4 and caught == []
+  before = len(asked)
+  new = types.SimpleNamespace(id='b', room=50, num_computed=70, draft_computed=0, token_p=[0.5])
+  for _ in range(5):      # the last 'no' may have been the last round: due 4 rounds after it
+    sync.before_choice([scored, new])
+    sync.after_round([scored, new], 0, 1.0)
+    if caught:
+      break
+  if probe_new:
+    assert caught == [['b']] and len(asked) == before      # unasked, the unscored one
+    assert sync.backoff == 4
+  else:
+    assert caught == [] and sync.backoff == DraftSync.QUIET * 4

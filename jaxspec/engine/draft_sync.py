@@ -100,6 +100,13 @@ class DraftSync:
     fill_prefill: whether prefill fills the draft at K = 0 too while K >= 1 is within reach
       (`fills_prefill`; the drafter's, default False: only while the engine speculates,
       `eager`).
+    probe_new: whether probes go to requests the draft has not scored (`draft_computed` 0)
+      first, without asking `worth_probing`, and a request joining the batch unscored cuts the
+      gap before the next probe back to `probe_every` (the drafter's, default False: probes
+      take the least behind, each asked about). Its case: after a stretch of low α the gap grows
+      to `QUIET` x `probe_every` rounds and the global α's error, `worth_probing`'s margin, is
+      small, so requests of another workload arriving at K = 0 were not probed for whole B = 4
+      passes (docs/adaptive_k.md, *The study's sweeps*). The budget still bounds the probes.
   """
 
   RATIO_WINDOW = 8
@@ -124,6 +131,7 @@ class DraftSync:
     self._afford_s = 0.0         # zero_s at which the last probe the budget refused fits it
     self._due = None             # (decodes, probe) of this round's `probe_due`
     self.overlap_choice, self.fill_prefill = drafter.overlap_choice, drafter.fill_prefill
+    self.probe_new = drafter.probe_new
     self._k0_rounds = 0          # rounds in a row run at K = 0 as the policy chose for them
     self._batch = frozenset()    # the request ids of the last decode round
     self.choice_error = None     # an exception of a choice made while a round ran (`overlaps`)
@@ -168,21 +176,24 @@ class DraftSync:
         all(r.id in self._batch for r in decodes) and not self.probe_due(decodes)
 
   def _probe(self, decodes) -> list:
-    """The requests a probe would catch up this round (the `probe_rows` least behind of those
-    with drawn tokens to score), if one is due (the K = 0 rounds since the last catch-up
-    reached the current gap) and affordable (an early probe, or one within `probe_budget`);
-    else []. Affordability comes first: a probe the budget refuses is not worth a question
-    (one scores the batch), and asking every round until the budget allows cost B = 2 rounds
-    ~5 % on the development CPU. A probe the budget refused is not looked for again until the
-    K = 0 rounds since have cost what would have afforded it then (its lag grows meanwhile,
-    so it may be refused again): looking costs a sort and a price of the batch per round.
-    While the policy is `cold` (`KPolicy.cold`: its estimates rest on a few observations) no
-    budget applies."""
+    """The requests a probe would catch up this round (the `probe_rows` least behind of those with
+    drawn tokens to score; `probe_new`: the unscored first), if one is due (the K = 0 rounds since
+    the last catch-up reached the current gap) and affordable (an early probe, or one within
+    `probe_budget`); else []. Affordability comes first: a probe the budget refuses is not worth a
+    question (one scores the batch), and asking every round until the budget allows cost B = 2
+    rounds ~5 % on the development CPU. A probe the budget refused is not looked for again until the
+    K = 0 rounds since have cost what would have afforded it then (its lag grows meanwhile, so it
+    may be refused again): looking costs a sort and a price of the batch per round. While the policy
+    is `cold` (`KPolicy.cold`: its estimates rest on a few observations) no budget applies."""
+    if self.probe_every is not None and self.probe_new and \
+        any(r.id not in self._batch and r.draft_computed == 0 for r in decodes):
+      self.backoff = min(self.backoff, self.probe_every)   # an unscored request joined
     if self.probe_every is None or self.rounds_since < self.backoff or \
         self.zero_s < self._afford_s:
       return []
     probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
-                   key=lambda r: r.num_computed - r.draft_computed)[:self.probe_rows]
+                   key=lambda r: (self.probe_new and r.draft_computed > 0,
+                                  r.num_computed - r.draft_computed))[:self.probe_rows]
     if not probe or self.backoff < self.probe_every or self.probe_budget is None or \
         (self.engine.policy is not None and self.engine.policy.cold):
       return probe
@@ -201,7 +212,8 @@ class DraftSync:
     due, self._due = self._due, None
     probe = due[1] if due is not None and due[0] is decodes else self._probe(decodes)
     policy = self.engine.policy
-    if probe and policy is not None:    # could a better α estimate change the choice?
+    unscored = self.probe_new and any(r.draft_computed == 0 for r in probe)
+    if probe and policy is not None and not unscored:   # could a better α change the choice?
       policy.sync_s = self.pending_s(decodes)
       if not policy.worth_probing([r.id for r in decodes]):
         # Asked again after a gap twice as long (at most QUIET x probe_every rounds): far

@@ -137,8 +137,10 @@ class ModelDrafter(Drafter):
       (`DraftSync.fills_prefill`, which asks the probes' state: needs probe_every; off: only
       while the engine speculates).
     overlap_choice: K = 0 rounds may run while the policy chooses (`DraftSync.overlaps`).
+    probe_new: probes go to requests the draft has not scored yet, first and without asking
+      the policy (`DraftSync.probe_new`; off by default, an experiment).
   Raises:
-    ValueError: a value out of range, lazy, fill_prefill or overlap_choice not a bool,
+    ValueError: a value out of range, lazy, fill_prefill, overlap_choice or probe_new not a bool,
       fill_prefill without probes (probe_every None: it would never fill).
   """
 
@@ -146,13 +148,13 @@ class ModelDrafter(Drafter):
   # The options that act on the lazy draft cache only (`jaxspec.engine.draft_sync`): an engine
   # that keeps none (a fixed K >= 1, or lazy=False) leaves them unused.
   LAZY_OPTIONS = ('probe_every', 'probe_rows', 'probe_budget', 'observe_tokens', 'fill_prefill',
-                  'overlap_choice')
+                  'overlap_choice', 'probe_new')
 
   def __init__(self, lazy: bool = True, probe_every: Optional[int] = 8, probe_rows: int = 1,
                probe_budget: Optional[float] = 0.01, observe_tokens: int = 8,
-               fill_prefill: bool = False, overlap_choice: bool = True):
+               fill_prefill: bool = False, overlap_choice: bool = True, probe_new: bool = False):
     for name, flag in (('lazy', lazy), ('fill_prefill', fill_prefill),
-                       ('overlap_choice', overlap_choice)):
+                       ('overlap_choice', overlap_choice), ('probe_new', probe_new)):
       if not isinstance(flag, bool):
         raise ValueError(f'{name} must be a bool, got {flag!r}')
     if probe_every is not None:
@@ -167,6 +169,7 @@ class ModelDrafter(Drafter):
     self.lazy, self.probe_every, self.probe_rows = lazy, probe_every, probe_rows
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
     self.fill_prefill, self.overlap_choice = fill_prefill, overlap_choice
+    self.probe_new = probe_new
 
   def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0
