@@ -107,6 +107,7 @@ class DraftSync:
       to `QUIET` x `probe_every` rounds and the global α's error, `worth_probing`'s margin, is
       small, so requests of another workload arriving at K = 0 were not probed for whole B = 4
       passes (docs/adaptive_k.md, *The study's sweeps*). The budget still bounds the probes.
+      Off: in two B = 4 A/Bs it probed them and gained nothing measurable (the same section).
   """
 
   RATIO_WINDOW = 8
