@@ -328,8 +328,7 @@ def at_k0(groups: dict) -> list[dict]:
       continue
     rate = _by_pass(groups[(b, workload, zero[(b, workload)][0])])
     passes = _by_pass(rs)                     # each pass once (`_by_pass`), then K = 0 only
-    mine = {p: t for p, t in passes.items()
-            if _ran_k0_only(next(r for r in rs if (r.get('case_id'), r.get('repeat')) == p))}
+    mine = {p: t for p, t in _by_pass([r for r in rs if _ran_k0_only(r)]).items() if p in passes}
     total[(b, setting)] += len(passes)
     ratios[(b, setting)] += [t / rate[p] for p, t in mine.items() if rate.get(p)]
   return [dict(batch_size=b, setting=setting, passes=len(r), of=total[(b, setting)],

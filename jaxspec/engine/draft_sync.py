@@ -187,13 +187,13 @@ class DraftSync:
     may be refused again): looking costs a sort and a price of the batch per round. While the policy
     is `cold` (`KPolicy.cold`: its estimates rest on a few observations) no budget applies."""
     if self.probe_every is not None and self.probe_new and \
-        any(r.id not in self._batch and r.draft_computed == 0 for r in decodes):
+        any(r.id not in self._batch and _unscored(r) for r in decodes):
       self.backoff = min(self.backoff, self.probe_every)   # an unscored request joined
     if self.probe_every is None or self.rounds_since < self.backoff or \
         self.zero_s < self._afford_s:
       return []
     probe = sorted((r for r in _lagging(decodes) if any(r.token_p)),
-                   key=lambda r: (self.probe_new and r.draft_computed > 0,
+                   key=lambda r: (self.probe_new and not _unscored(r),
                                   r.num_computed - r.draft_computed))[:self.probe_rows]
     if not probe or self.backoff < self.probe_every or self.probe_budget is None or \
         (self.engine.policy is not None and self.engine.policy.cold):
@@ -213,7 +213,7 @@ class DraftSync:
     due, self._due = self._due, None
     probe = due[1] if due is not None and due[0] is decodes else self._probe(decodes)
     policy = self.engine.policy
-    unscored = self.probe_new and any(r.draft_computed == 0 for r in probe)
+    unscored = self.probe_new and any(_unscored(r) for r in probe)
     if probe and policy is not None and not unscored:   # could a better α change the choice?
       policy.sync_s = self.pending_s(decodes)
       if not policy.worth_probing([r.id for r in decodes]):
@@ -378,6 +378,12 @@ class DraftSync:
     if self.short_width < engine.chunk_size:
       self._short_measured = self.short_width
     return self.costs
+
+
+def _unscored(request) -> bool:
+  """Whether the draft has not caught up any of the request's context since its admission
+  (`draft_computed` 0: no catch-up has scored it; `probe_new`)."""
+  return request.draft_computed == 0
 
 
 def _lagging(decodes) -> list:
