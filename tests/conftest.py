@@ -48,8 +48,8 @@ def pytest_unconfigure(config):  # pylint: disable=unused-argument
 def cli():
   """`run(args, cwd=ROOT, timeout=120)`: `python ARGS` from a process that imported jax and
   jaxspec once (tests/cli_server.py), a `subprocess.CompletedProcess` with text stdout/stderr;
-  for runs in the environment of the test process when its first run started the server (a
-  test that sets variables for its run starts its own subprocess)."""
+  for runs in the test process's environment as of this fixture's setup, before any test body
+  (a test that sets variables for its run starts its own subprocess)."""
   server = cli_server.CliServer()
   yield server.run
   server.close()
