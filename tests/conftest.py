@@ -10,6 +10,18 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+# XLA:CPU compiles the tests' programs with LLVM's optimisations off (xla_backend_optimization_level
+# 0): a test runs each program a few times on tiny shapes, so compiling is most of its time, and
+# -O0 compiles the engine's steps ~30 % faster (tests/test_engine_rows.py, test_engine_drafters.py
+# and test_paged_cache.py: 291 s at the default level, 215 s at 0, two workers). What the tests
+# compare (greedy equality, bit-for-bit verify against decode, kernels against their references)
+# runs under one level within a run; the smoke runs in .ci/run compile at the default level. The
+# workers and subprocesses inherit it through XLA_FLAGS (read when a backend starts, after this
+# import); a level already in XLA_FLAGS is kept.
+if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
+                             ' --xla_backend_optimization_level=0').strip()
+
 # One XLA compilation cache for the whole test run, shared by the xdist workers and the
 # subprocesses some tests start (CLI runs, the 8-device worker): most of an engine test's time is
 # compiling steps (model shapes, K, row buckets) that other tests compile too

@@ -194,7 +194,8 @@ def test_sweep_shard_process_takes_the_cases_of_this_process(tmp_path, monkeypat
 
 @pytest.fixture(scope='module')
 def worker(smoke_runs):  # pylint: disable=unused-argument  (started first: both run at once)
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8 ' +
+         os.environ.get('XLA_FLAGS', ''),
          'PYTHONPATH': str(ROOT)}
   proc = subprocess.run([sys.executable, str(TESTS / 'parallel_worker.py')], env=env,
                         capture_output=True, text=True, timeout=600, check=False)
@@ -310,6 +311,10 @@ def smoke_runs(tmp_path_factory):
            '--config.workloads=json']
   env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_', 'XLA_FLAGS'))}
   env['PYTHONPATH'] = str(ROOT)
+  # Of XLA_FLAGS only the compile level tests/conftest.py sets (not a device count).
+  level = [f for f in os.environ.get('XLA_FLAGS', '').split()
+           if f.startswith('--xla_backend_optimization_level')]
+  env.update({'XLA_FLAGS': level[0]} if level else {})
   launch = lambda args, env: subprocess.Popen(smoke + args, env=env, cwd=ROOT, text=True,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   procs = [launch([f'--workdir={tmp / "one"}'], env)]
