@@ -131,7 +131,7 @@ def test_goodput_leaves_k0_when_the_draft_agrees(tiny, lazy):
   config, params = tiny
   policy = GoodputK(tracker=AlphaTracker(prior=0.0), costs={k: 1.0 for k in range(K + 1)},
                     spec_margin=0.0)
-  drafter = ModelDrafter(lazy=lazy, probe_every=4, probe_budget=None)
+  drafter = ModelDrafter(probe_every=4, probe_budget=None) if lazy else ModelDrafter(lazy=False)
   engine = Engine(config, params, num_pages=BIG, draft=config, draft_params=params, k=K,
                   k_policy=policy, drafter=drafter, **SHAPES)
   prompt = _prompts([11], seed=3)[0]
@@ -334,6 +334,12 @@ def test_bad_engine_arguments(tiny, tiny_draft):
       (dict(drafter='ngram', k=2, k_policy='best'), "unknown k_policy 'best'"),
       (dict(drafter='ngram', k=2, k_policy=GoodputK(candidates=[0, 5])), r'candidates \(0, 5\)'),
       (dict(drafter='ngram', k=2, k_policy=GoodputK(costs={0: 1.0, 1: 1.0})), 'misses K in'),
+      # Options of a lazy draft cache where the engine keeps none: a fixed K >= 1, lazy=False.
+      (dict(drafter=ModelDrafter(probe_every=3, fill_prefill=True), k=2, **draft),
+       r"drafter options \['fill_prefill', 'probe_every'\] act on the lazy draft cache, which "
+       r"this engine does not keep \(its K policy, FixedK, never chooses K = 0"),
+      (dict(drafter=ModelDrafter(lazy=False, probe_new=True), k=2, k_policy='goodput', **draft),
+       r"drafter options \['probe_new'\] act on the lazy draft cache"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):
@@ -367,6 +373,17 @@ def test_bad_engine_arguments(tiny, tiny_draft):
   with pytest.raises(ValueError, match='ScheduleK min_k=3 exceeds K_max=2'):
     Engine(config, params, **base, drafter='ngram', k=2, k_policy=picky)
   Engine(config, params, **base, drafter='ngram', k=3, k_policy=picky)   # was: already bound
+  # The same options where a lazy draft cache is kept; defaults anywhere; the refused engine's
+  # policy instance freed for the next.
+  lazy = Engine(config, params, **base, **draft, k=2, k_policy='goodput',
+                drafter=ModelDrafter(probe_every=3, fill_prefill=True))
+  assert (lazy.draft_sync.probe_every, lazy.draft_sync.fill_prefill) == (3, True)
+  assert Engine(config, params, **base, **draft, k=2, drafter=ModelDrafter()).draft_sync is None
+  fixed = FixedK()
+  with pytest.raises(ValueError, match=r"\['probe_budget'\] act on the lazy draft cache"):
+    Engine(config, params, **base, **draft, k=2, k_policy=fixed,
+           drafter=ModelDrafter(probe_budget=0.5))
+  Engine(config, params, **base, **draft, k=2, k_policy=fixed)
   Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)
   with pytest.raises(ValueError, match='already bound to an engine'):
     Engine(config, params, **base, drafter='ngram', k=2, k_policy=shared)

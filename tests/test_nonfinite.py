@@ -140,7 +140,8 @@ def test_a_failed_draft_is_counted_in_k0_rounds_and_probes_too(tiny, tiny_draft,
       lambda x: x * jnp.nan, draft_params['params']['final_norm'])}}
   engine = Engine(config, params, num_slots=2, num_pages=24, page_size=8, chunk_size=8,
                   draft=draft, draft_params=broken, k=3, k_policy=AlwaysK0(),
-                  drafter=ModelDrafter(lazy=lazy, probe_every=2, probe_budget=None))
+                  drafter=ModelDrafter(probe_every=2, probe_budget=None) if lazy else
+                  ModelDrafter(lazy=False))
   ids = [engine.add_request(p, max_tokens=MAX_NEW) for p in PROMPTS]
   outs = engine.run()
   want = generate(config, params, PROMPTS, max_new_tokens=MAX_NEW, page_size=8).tokens

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 from typing import Optional, Sequence
 
 import numpy as np
@@ -170,6 +171,14 @@ class ModelDrafter(Drafter):
     self.probe_budget, self.observe_tokens = probe_budget, observe_tokens
     self.fill_prefill, self.overlap_choice = fill_prefill, overlap_choice
     self.probe_new = probe_new
+
+  def lazy_options_set(self) -> list:
+    """The `LAZY_OPTIONS` whose values differ from the constructor's defaults (sorted names):
+    an engine that keeps no lazy draft cache refuses a drafter with any
+    (`jaxspec.engine.speculation.setup`)."""
+    defaults = inspect.signature(ModelDrafter.__init__).parameters
+    return sorted(name for name in self.LAZY_OPTIONS
+                  if getattr(self, name) != defaults[name].default)
 
   def decode(self, engine, caches, *, k, pending, room, stop, caps, contexts, rng, sampling):
     busy = room > 0

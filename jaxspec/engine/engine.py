@@ -37,7 +37,7 @@ from jaxspec.decoding.generate import ContextOverflowError, check_request
 from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
 from jaxspec.decoding.output import non_finite_message
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
-from jaxspec.engine.drafters import Drafter, ModelDrafter, plain_round
+from jaxspec.engine.drafters import Drafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.live_costs import LiveRatio
 from jaxspec.engine.request import Request, RequestMetrics, RequestOutput, State
@@ -111,7 +111,8 @@ class Engine:
       an unknown drafter or k_policy, drafter='ngram' with a draft model, an adaptive k_policy
       without speculation, draft and target vocabularies that differ, prefix_caching not a bool
       (or False with host_pages > 0), a seed that is not a 64-bit int, a max_seq_len too short
-      for any request (< K + 3), sampling that is not a SamplingParams, target + draft pools
+      for any request (< K + 3), sampling that is not a SamplingParams, a `ModelDrafter` with
+      lazy draft cache options set where the engine keeps none, target + draft pools
       past the device's memory, a full host tier past the machine's (`check_host_fits`).
     CheckpointError: target_params (draft_params) that are not the config's params (named).
   Warns:
@@ -191,9 +192,8 @@ class Engine:
       # After the pools are known to fit: its free list holds every page (a MemoryError, not a
       # message, for num_pages=10**11 when it came first).
       self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
-      lazy = (isinstance(self.drafter, ModelDrafter) and self.drafter.lazy and
-              0 in self.policy.candidates)
-      self.draft_sync = draft_sync.DraftSync(self, self.drafter) if lazy else None
+      self.draft_sync = draft_sync.DraftSync(self, self.drafter) if \
+          speculation.keeps_lazy_draft(self.drafter, self.policy) else None
       self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
                                  prefill_rows=prefill_rows, apply_plan=self._apply_plan)
       self.outputs: dict[Hashable, RequestOutput] = {}

@@ -15,7 +15,7 @@ from jaxspec.decoding.generate import MAX_K
 from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.decoding.speculative import proposals_in_reach
 from jaxspec.engine.acceptance import AlphaTracker
-from jaxspec.engine.drafters import make_drafter
+from jaxspec.engine.drafters import ModelDrafter, make_drafter
 from jaxspec.engine.k_policy import FixedK, KPolicy, make_policy
 
 
@@ -32,7 +32,9 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
     ValueError: naming the value: a drafter without k >= 1 or k without a drafter, a drafter
       that needs a draft model without one (or takes none and got one), k > MAX_K, an adaptive
       policy without speculation, a policy whose candidates are not ints in [0, k] or that is
-      already bound to another engine, an unknown drafter or policy.
+      already bound to another engine, an unknown drafter or policy, a `ModelDrafter` whose
+      lazy draft cache options (`ModelDrafter.lazy_options_set`) the engine would not use (its
+      policy never chooses K = 0, or lazy=False).
   """
   made = make_drafter(drafter, has_draft_model)
   got = f'draft={"a model" if has_draft_model else "None"}'
@@ -60,11 +62,23 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
     if bad or not policy.candidates:
       raise ValueError(f'k_policy {policy!r} declares candidates {policy.candidates}: each must '
                        f'be an int in [0, k={k}]')
+    idle = made.lazy_options_set() if isinstance(made, ModelDrafter) and \
+        not keeps_lazy_draft(made, policy) else []
+    if idle:
+      raise ValueError(f'drafter options {idle} act on the lazy draft cache, which this engine '
+                       f'does not keep (its K policy, {type(policy).__name__}, never chooses '
+                       f'K = 0, or the drafter has lazy=False)')
   except BaseException:
     if unbound:        # bound here: free for the corrected engine (another's binding stays)
       policy.release()
     raise
   return made, policy
+
+
+def keeps_lazy_draft(drafter, policy) -> bool:
+  """Whether an engine with this drafter and policy keeps its draft cache lazily
+  (`jaxspec.engine.draft_sync`): a lazy `ModelDrafter` and a policy that may choose K = 0."""
+  return isinstance(drafter, ModelDrafter) and drafter.lazy and 0 in policy.candidates
 
 
 @contextlib.contextmanager
