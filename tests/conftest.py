@@ -15,7 +15,7 @@ import pytest
 # -O0 compiles the engine's steps ~30 % faster (tests/test_engine_rows.py, test_engine_drafters.py
 # and test_paged_cache.py: 291 s at the default level, 215 s at 0, two workers). What the tests
 # compare (greedy equality, bit-for-bit verify against decode, kernels against their references)
-# runs under one level within a run; the smoke runs in .ci/run compile at the default level. The
+# runs under one level within a run (.ci/run sets the same level for its smoke runs too). The
 # workers and subprocesses inherit it through XLA_FLAGS (read when a backend starts, after this
 # import); a level already in XLA_FLAGS is kept.
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
