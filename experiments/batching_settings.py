@@ -214,7 +214,8 @@ def make_engines(config, settings: dict, target, target_params, draft, draft_par
 
   Raises:
     ValueError: naming the setting whose Engine arguments the Engine refuses, that sets a lazy
-      draft cache's option (`ModelDrafter.LAZY_OPTIONS`) for an engine that keeps none, or whose
+      draft cache's option (`ModelDrafter.LAZY_OPTIONS`) for an engine that keeps none (named
+      at any value: the Engine itself refuses only values away from the defaults), or whose
       engine cannot hold a request of the run (e.g. too few pool pages: `--config.pool_pages`).
   """
   engines = {}

@@ -490,6 +490,9 @@ def test_an_engine_built_from_drafter_options_keeps_its_draft_cache_by_them(tiny
      r"setting 'n'.*min_ngram must be an int >= 1, got 0"),
     ('k0=k:0;f=k:2,drafter.fill_prefill:true', 0,     # a fixed K >= 1 keeps no lazy draft cache
      r"setting 'f'.*drafter options \['fill_prefill'\] act on the lazy draft cache"),
+    ('k0=k:0;f=k:2,drafter.probe_every:8', 0,         # named at its default: refused by name
+     r"setting 'f': drafter options \['probe_every'\] act on the lazy draft cache, which this "
+     r"engine does not keep"),
     ('k0=k:0;f=k:2,k_policy:goodput,drafter.fill_prefill:true,drafter.probe_every:none', 0,
      r"setting 'f'.*fill_prefill=True fills the draft at K = 0 only while probes may run"),
 ])

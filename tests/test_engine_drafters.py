@@ -339,7 +339,10 @@ def test_bad_engine_arguments(tiny, tiny_draft):
        r"drafter options \['fill_prefill', 'probe_every'\] act on the lazy draft cache, which "
        r"this engine does not keep \(its K policy, FixedK, never chooses K = 0"),
       (dict(drafter=ModelDrafter(lazy=False, probe_new=True), k=2, k_policy='goodput', **draft),
-       r"drafter options \['probe_new'\] act on the lazy draft cache"),
+       r"drafter options \['probe_new'\] act on the lazy draft cache.*\(the drafter has "
+       r"lazy=False\)"),
+      (dict(drafter=ModelDrafter(probe_every=4), k=2, k_policy='schedule', **draft),
+       r"\['probe_every'\] act on .*\(its K policy, ScheduleK, never chooses K = 0\)"),
   ]
   for kwargs, message in cases:
     with pytest.raises(ValueError, match=message):

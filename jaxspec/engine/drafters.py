@@ -147,7 +147,8 @@ class ModelDrafter(Drafter):
 
   uses_draft_model = True
   # The options that act on the lazy draft cache only (`jaxspec.engine.draft_sync`): an engine
-  # that keeps none (a fixed K >= 1, or lazy=False) leaves them unused.
+  # that keeps none (its policy never chooses K = 0, e.g. a fixed K >= 1 or 'schedule', or
+  # lazy=False) would leave them unused, and refuses them set (`lazy_options_set`).
   LAZY_OPTIONS = ('probe_every', 'probe_rows', 'probe_budget', 'observe_tokens', 'fill_prefill',
                   'overlap_choice', 'probe_new')
 
@@ -176,7 +177,7 @@ class ModelDrafter(Drafter):
     """The `LAZY_OPTIONS` whose values differ from the constructor's defaults (sorted names):
     an engine that keeps no lazy draft cache refuses a drafter with any
     (`jaxspec.engine.speculation.setup`)."""
-    defaults = inspect.signature(ModelDrafter.__init__).parameters
+    defaults = inspect.signature(type(self).__init__).parameters
     return sorted(name for name in self.LAZY_OPTIONS
                   if getattr(self, name) != defaults[name].default)
 

@@ -192,8 +192,8 @@ class Engine:
       # After the pools are known to fit: its free list holds every page (a MemoryError, not a
       # message, for num_pages=10**11 when it came first).
       self.prefix = PrefixCache(num_pages, page_size, host_pages, enabled=prefix_caching)
-      self.draft_sync = draft_sync.DraftSync(self, self.drafter) if \
-          speculation.keeps_lazy_draft(self.drafter, self.policy) else None
+      self.draft_sync = (draft_sync.DraftSync(self, self.drafter) if
+                         speculation.keeps_lazy_draft(self.drafter, self.policy) else None)
       self.scheduler = Scheduler(self.prefix, num_slots=num_slots, chunk_size=chunk_size,
                                  prefill_rows=prefill_rows, apply_plan=self._apply_plan)
       self.outputs: dict[Hashable, RequestOutput] = {}

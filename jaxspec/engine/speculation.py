@@ -34,7 +34,7 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
       policy without speculation, a policy whose candidates are not ints in [0, k] or that is
       already bound to another engine, an unknown drafter or policy, a `ModelDrafter` whose
       lazy draft cache options (`ModelDrafter.lazy_options_set`) the engine would not use (its
-      policy never chooses K = 0, or lazy=False).
+      policy never chooses K = 0, e.g. a fixed K >= 1 or 'schedule', or lazy=False).
   """
   made = make_drafter(drafter, has_draft_model)
   got = f'draft={"a model" if has_draft_model else "None"}'
@@ -62,12 +62,13 @@ def setup(drafter, k_policy, *, has_draft_model: bool, k: int):
     if bad or not policy.candidates:
       raise ValueError(f'k_policy {policy!r} declares candidates {policy.candidates}: each must '
                        f'be an int in [0, k={k}]')
-    idle = made.lazy_options_set() if isinstance(made, ModelDrafter) and \
-        not keeps_lazy_draft(made, policy) else []
+    idle = (made.lazy_options_set() if isinstance(made, ModelDrafter) and
+            not keeps_lazy_draft(made, policy) else [])
     if idle:
+      why = (f'its K policy, {type(policy).__name__}, never chooses K = 0' if made.lazy else
+             'the drafter has lazy=False')
       raise ValueError(f'drafter options {idle} act on the lazy draft cache, which this engine '
-                       f'does not keep (its K policy, {type(policy).__name__}, never chooses '
-                       f'K = 0, or the drafter has lazy=False)')
+                       f'does not keep ({why})')
   except BaseException:
     if unbound:        # bound here: free for the corrected engine (another's binding stays)
       policy.release()
