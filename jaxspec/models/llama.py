@@ -114,7 +114,9 @@ class RMSNorm(nn.Module):
 
   With `per_token=True` the [B, T, D] input is normalised one token at a time (unrolled over
   T): XLA:CPU's row reduction changes its summation order with the number of rows, so this is how
-  (K+1)-token verification rounds exactly like single-token decode (see `matmul_rows`).
+  (K+1)-token verification rounds exactly like single-token decode (see `matmul_rows`). Unlike
+  the attention's (`gqa_attention_per_query`), a `lax.map` here does not round like decode at
+  XLA:CPU's optimising levels (tests/test_paged_cache.py failed at -O2, test-tiny float32).
   """
 
   eps: float = 1e-5
