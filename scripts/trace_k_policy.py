@@ -4,7 +4,7 @@ by pass.
 
     python scripts/trace_k_policy.py [--batch 4] [--passes 6] [--workloads json,code,retrieval]
         [--settings 'k0=k:0;k2=k:2;goodput=k:8,k_policy:goodput']
-        [--set 'goodput.policy.spec_margin=0.1' ...]
+        [--set 'goodput.policy.spec_margin=0.1' ...] [--scores]
 
 Engines are built, warmed up and stepped in turn as in the study (`configs/batching.py`,
 `experiments.batching`: N = max(2 x B, 8) held-out prompts of 64 tokens per workload and pass,
@@ -22,20 +22,27 @@ that round, which ran K = 0, and the next round's choice after it. Then per work
 setting's mean speedup over the passes and each policy's mean over the best static setting's.
 (The study's *fraction* divides mean tokens/s instead; the mean of per-pass ratios leaves out
 the machine's drift between passes.)
+
+With --scores, every full scoring of a goodput policy's choice (`GoodputK._scores` called from
+`choose`, not from probes' what-ifs) is listed under its runs (`scoring_line`): the queue, the
+requests' rooms and mean α / β estimates, the cost table's t(0) and t(2) / t(0), host seconds
+per round at K = 0 and 2, the one-time costs (`once_s`, its catch-up part `sync_s`, `split_s`)
+and each K <= 4's goodput over K = 0's before the policy's margins: what it weighed each time.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import statistics
-
 import pathlib
+import statistics
 import sys
 
 # This checkout's code first (as `python -m` from the repository root), not an installed copy.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import numpy as np
 
 from experiments import batching
 from jaxspec.data import make_prompts
@@ -60,12 +67,38 @@ def runs_of(events: list) -> str:
   return ' '.join(out)
 
 
-def _traced(policy, events: list, draft_sync=None) -> None:
+def scoring_line(policy, alphas, later, goodput: dict) -> str:
+  """One full scoring of a `GoodputK` as text: 'q2 n4 rooms100 a0.62 b0.55 t0 5.10ms t2/t0 1.90
+  h0 0.80ms h2 1.20ms once 12.0ms (sync 10.0) split 21.0ms | 1:1.041 2:0.987 ...', from its
+  arguments alphas [n] and later [n, K_max] and its result {K: goodput}, each K <= 4 over
+  K = 0's (a missing K is left out). Reads the policy's state as `_scores` left it."""
+  table = policy.live.table(policy.rows)
+  ratio = ' '.join(f'{k}:{v / goodput[0]:.3f}' for k, v in sorted(goodput.items()) if 0 < k <= 4)
+  t2 = f' t2/t0 {table[2] / table[0]:.2f}' if 2 in table else ''
+  return (f'q{policy.queued or 0} n{len(alphas)} rooms{sum(policy.rooms or [])} '
+          f'a{float(np.mean(alphas)):.2f} b{float(np.mean(later)):.2f} '
+          f't0 {table[0] * 1e3:.2f}ms{t2} h0 {policy.host.of(0) * 1e3:.2f}ms '
+          f'h2 {policy.host.of(2) * 1e3:.2f}ms once {policy.once_s * 1e3:.1f}ms '
+          f'(sync {policy.sync_s * 1e3:.1f}) split {policy.split_s * 1e3:.1f}ms | {ratio}')
+
+
+def _traced(policy, events: list, draft_sync=None, scores: list | None = None) -> None:
   """Wrap the policy's K choices (`repeat`, `choose`) and catch-up scores to append to `events`:
   a K per round, '[s/t gα]' per probe and '{s/t gα}' per catch-up of `draft_sync` (the engine's
   lazy draft cache, if any) before a round at K >= 1, put before that round's K (the engine
-  chooses K first, then catches the draft up)."""
+  chooses K first, then catches the draft up). With a `scores` list and a policy that scores
+  (`GoodputK._scores`), each scoring inside `choose` appends its `scoring_line` there."""
   choose, repeat, probe = policy.choose, policy.repeat, policy.observe_probe
+  choosing = [False]
+  if scores is not None and hasattr(policy, '_scores'):
+    score = policy._scores
+
+    def scored(alphas, later, *args, **kwargs):
+      out = score(alphas, later, *args, **kwargs)
+      if choosing[0]:
+        scores.append(scoring_line(policy, alphas, later, out))
+      return out
+    policy._scores = scored
   syncing = [False]
   if draft_sync is not None:
     before_round = draft_sync.before_round
@@ -79,7 +112,11 @@ def _traced(policy, events: list, draft_sync=None) -> None:
     draft_sync.before_round = synced
 
   def chosen(request_ids):
-    k, ks = choose(request_ids)
+    choosing[0] = True
+    try:
+      k, ks = choose(request_ids)
+    finally:
+      choosing[0] = False
     events.append(int(k))
     return k, ks
 
@@ -112,6 +149,8 @@ def main():
                       help='as configs/batching.py settings; the first is the baseline')
   parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
                       help='override an attribute of a built engine (repeatable)')
+  parser.add_argument('--scores', action='store_true',
+                      help="list every full scoring of a goodput policy's choice")
   args = parser.parse_args()
   if args.batch < 1 or args.passes < 1:
     parser.error(f'--batch and --passes must be >= 1, got {args.batch} and {args.passes}')
@@ -132,13 +171,15 @@ def main():
     batching.measure({name: engines[name]}, warm, max_tokens=4, stop_tokens=stop)
   events = {name: [] for name, (e, _) in engines.items() if e.policy is not None and
             batching.describe(settings[name])['k_policy'] != 'fixed'}
+  scorings = {name: [] for name in events} if args.scores else {}
   for name in events:
-    _traced(engines[name][0].policy, events[name], engines[name][0].draft_sync)
+    _traced(engines[name][0].policy, events[name], engines[name][0].draft_sync,
+            scorings.get(name))
   base = next(iter(engines))
   speeds = collections.defaultdict(list)
   for p in range(args.passes):
     for w, workload in enumerate(workloads):
-      for trace in events.values():
+      for trace in [*events.values(), *scorings.values()]:
         trace.clear()
       runs = batching.measure(engines, prompts_of(workload, p), max_tokens=config.max_tokens,
                               stop_tokens=stop, seed=p * len(workloads) + w)
@@ -153,6 +194,8 @@ def main():
       print(f'pass {p} {workload}: {line}')
       for name, trace in events.items():
         print(f'  {name}: {runs_of(trace)}')
+        for line in scorings.get(name, ()):
+          print(f'    {line}')
   for workload in workloads:
     means = {name: statistics.mean(speeds[(workload, name)]) for name in engines}
     best = max((name for name in engines if name not in events), key=means.get)

@@ -50,3 +50,21 @@ def test_a_catch_up_before_a_round_at_k_ge_1_is_put_before_that_round():
   sync.before_round([], 2)
   policy.observe_probe('a', 1.0, 1.0, 0.0, 0.0)  # a probe: after the round
   assert trace_k_policy.runs_of(events) == 'K0x1 {1/2 g0.50} K2x1 [1/1 g0.50]'
+
+
+def test_scores_lists_each_scoring_of_a_choice_and_not_the_probes_what_ifs():
+  """--scores: a choice's scoring is listed with its inputs and each K's goodput over K = 0's,
+  the same numbers the policy compared; `worth_probing`'s raised what-ifs are left out."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 3.0})
+  policy.setup(2)
+  events, scores = [], []
+  trace_k_policy._traced(policy, events, scores=scores)
+  policy.choose(['a'])
+  assert len(scores) == 1
+  goodput = policy._scores(*policy._alphas(['a']))         # the wrapper: a call outside choose
+  assert len(scores) == 1                                  # is not listed
+  line = scores[0]
+  assert line.startswith('q0 n1 rooms0 a0.50 b') and 't0 1000.00ms t2/t0 3.00' in line
+  assert line.endswith(f'| 1:{goodput[1] / goodput[0]:.3f} 2:{goodput[2] / goodput[0]:.3f}')
+  policy.worth_probing(['a'])
+  assert len(scores) == 1

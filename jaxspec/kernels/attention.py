@@ -99,8 +99,12 @@ def gqa_attention_per_query(q, k, v, mask):
   a (K+1)-token verification rounds like K+1 decode steps. A loop rather than T unrolled copies:
   one compiled body whatever T is (the test-tiny 16-token call compiled in ~1.9 s instead of
   ~3.5 s at XLA:CPU -O0), bit for bit the same at -O0 and at the default level
-  (tests/test_paged_cache.py). Same args and result as gqa_attention.
+  (tests/test_paged_cache.py); one query is `gqa_attention` itself (eagerly, a one-step loop
+  rounded unlike the op-by-op call: tests/test_kernels_eviction.py). Same args and result as
+  gqa_attention.
   """
+  if q.shape[1] == 1:
+    return gqa_attention(q, k, v, mask)                               # a decode step's own call
   qs = jnp.moveaxis(q, 1, 0)[:, :, None]                              # [T, B, 1, N, H]
   ms = jnp.moveaxis(mask, 1, 0)[:, :, None]                           # [T, B, 1, S]
   out = jax.lax.map(lambda a: gqa_attention(a[0], k, v, a[1]), (qs, ms))   # [T, B, 1, N, H]
