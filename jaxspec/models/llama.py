@@ -86,9 +86,17 @@ def check_cache(config: ModelConfig, cache: paged.PagedKVCache) -> None:
 
 
 def exact_per_token(config, x, cache) -> bool:
-  """Whether a [B, T, D] call must reduce one token at a time so that it rounds exactly like T
-  single-token decode steps: exact mode, a cached call of 2..EXACT_ROWS tokens (verification)."""
+  """Whether a [B, T, D] call's attention must run one query at a time so that it rounds
+  exactly like T single-token decode steps: exact mode, a cached call of 2..EXACT_ROWS tokens
+  (verification)."""
   return config.exact_verify and cache is not None and 1 < x.shape[1] <= EXACT_ROWS
+
+
+def exact_norm(config, x, cache) -> bool:
+  """Whether a [B, T, D] call's norms must sum in `RMSNorm`'s fixed tree so that they round
+  alike for every T: exact mode, a cached call of at most EXACT_ROWS tokens (one-token decode
+  and verification)."""
+  return config.exact_verify and cache is not None and x.shape[1] <= EXACT_ROWS
 
 
 class Linear(nn.Module):
@@ -112,17 +120,19 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
   """x / rms(x) * scale, computed in float32 (Zhang & Sennrich 2019).
 
-  With `per_token=True` the [B, T, D] input is normalised one token at a time (unrolled over
-  T): XLA:CPU's row reduction changes its summation order with the number of rows, so this is how
-  (K+1)-token verification rounds exactly like single-token decode (see `matmul_rows`). Unlike
-  the attention's (`gqa_attention_per_query`), a `lax.map` here does not round like decode at
-  XLA:CPU's optimising levels (tests/test_paged_cache.py failed at -O2, test-tiny float32).
+  With `exact=True` (`exact_norm`) the mean of squares over the feature axis is summed as a
+  fixed binary tree of elementwise adds (the axis zero-padded to a power of two), the same
+  order for every token whatever T is: XLA:CPU's row reduction changes its summation order with
+  the number of rows, so this is how (K+1)-token verification rounds exactly like single-token
+  decode (see `matmul_rows`). Before, each token was normalised on its own, unrolled over T (T
+  copies to compile: 1.9 s against 0.9 s for the test-tiny 16-token call at XLA:CPU -O0); a
+  `lax.map` over T did not round like decode at -O2.
   """
 
   eps: float = 1e-5
 
   @nn.compact
-  def __call__(self, x, per_token: bool = False):
+  def __call__(self, x, exact: bool = False):
     scale = self.param('scale', nn.initializers.ones, (x.shape[-1],))
 
     if x.dtype in (jnp.bfloat16, jnp.float16):
@@ -133,14 +143,21 @@ class RMSNorm(nn.Module):
       info = jnp.finfo(x.dtype)
       x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
-    def norm(x):
-      x32 = x.astype(jnp.float32)
-      y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-      return (y * scale).astype(x.dtype)
-
-    if per_token:
-      return jnp.concatenate([norm(x[:, t:t + 1]) for t in range(x.shape[1])], axis=1)
-    return norm(x)
+    x32 = x.astype(jnp.float32)
+    if exact:
+      squares = x32 * x32
+      d = squares.shape[-1]
+      width = 1 << (d - 1).bit_length()
+      if width != d:
+        squares = jnp.pad(squares, [(0, 0)] * (squares.ndim - 1) + [(0, width - d)])
+      while squares.shape[-1] > 1:
+        half = squares.shape[-1] // 2
+        squares = squares[..., :half] + squares[..., half:]
+      mean = squares / d
+    else:
+      mean = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(mean + self.eps)
+    return (y * scale).astype(x.dtype)
 
 
 def apply_rope(x, positions, theta: float, scaling: tuple = ()):
@@ -221,11 +238,11 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, positions, slots, cache, eviction=None):
     c = self.config
-    per_token = exact_per_token(c, x, cache)
+    exact = exact_norm(c, x, cache)
     h, cache, history = Attention(c, self.layer, name='attn')(
-        RMSNorm(c.norm_eps, name='attn_norm')(x, per_token), positions, slots, cache, eviction)
+        RMSNorm(c.norm_eps, name='attn_norm')(x, exact), positions, slots, cache, eviction)
     x = x + h
-    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x, per_token))
+    x = x + MLP(c, name='mlp')(RMSNorm(c.norm_eps, name='mlp_norm')(x, exact))
     return x, cache, history
 
 
@@ -274,7 +291,7 @@ class Transformer(nn.Module):
       histories.append(history)
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[..., None], axis=1)
-    x = RMSNorm(c.norm_eps, name='final_norm')(x, exact_per_token(c, x, cache))
+    x = RMSNorm(c.norm_eps, name='final_norm')(x, exact_norm(c, x, cache))
     if c.tie_embeddings:
       logits = matmul_rows(x, embed.embedding.T.astype(c.dtype), c.exact_verify)
     else:
