@@ -64,7 +64,27 @@ def test_scores_lists_each_scoring_of_a_choice_and_not_the_probes_what_ifs():
   goodput = policy._scores(*policy._alphas(['a']))         # the wrapper: a call outside choose
   assert len(scores) == 1                                  # is not listed
   line = scores[0]
-  assert line.startswith('q0 n1 rooms0 a0.50 b') and 't0 1000.00ms t2/t0 3.00' in line
+  assert line.startswith('q0 n1 rooms- a0.50 b') and 't0 1000.00ms t2/t0 3.00' in line
   assert line.endswith(f'| 1:{goodput[1] / goodput[0]:.3f} 2:{goodput[2] / goodput[0]:.3f}')
   policy.worth_probing(['a'])
   assert len(scores) == 1
+
+
+def test_a_scoring_line_prices_as_the_scoring_did():
+  """Without K = 0 the ratios are over the smallest K (a run with candidates 1, 2 once crashed
+  here); while requests wait, the full batch's table is shown, the one the scoring priced."""
+  policy = GoodputK(costs={1: 1.5, 2: 3.0}, candidates=(1, 2))
+  policy.setup(2)
+  line = trace_k_policy.scoring_line(policy, [0.5], [[0.5, 0.5]], {1: 2.0, 2: 1.0})
+  assert 't1 1500.00ms t2/t1 2.00' in line and line.endswith('| 2:0.500')
+  policy = GoodputK()
+  policy.setup(2)
+  policy.set_costs({0: 1.0, 1: 1.5, 2: 3.0}, by_rows={1: {0: 0.2, 1: 0.4, 2: 0.9}})
+  policy.rows, policy.queued, policy.slots, policy.rooms, policy.queue_rooms = 1, 3, 2, [10], [20]
+  scores = []
+  trace_k_policy._traced(policy, [], scores=scores)
+  policy.choose(['a'])
+  assert scores[0].startswith('q3 n1 rooms10 ') and ' t0 1000.00ms t2/t0 3.00 ' in scores[0]
+  policy.queued = 0                               # nothing waits: the round's bucket's table
+  policy.choose(['a'])
+  assert ' t0 200.00ms t2/t0 4.50 ' in scores[-1]
