@@ -25,9 +25,10 @@ the machine's drift between passes.)
 
 With --scores, every full scoring of a goodput policy's choice (`GoodputK._scores` called from
 `choose`, not from probes' what-ifs) is listed under its runs (`scoring_line`): the queue, the
-requests' rooms and mean α / β estimates, the cost table's t(0) and t(2) / t(0), host seconds
-per round at K = 0 and 2, the one-time costs (`once_s`, its catch-up part `sync_s`, `split_s`)
-and each K <= 4's goodput over K = 0's before the policy's margins: what it weighed each time.
+requests' rooms, how it priced them (`GoodputK.pricing`), their mean α / β estimates, the cost
+table's t(0) and t(2) / t(0), host seconds per round at K = 0 and 2, the one-time costs
+(`once_s`, its catch-up part `sync_s`, `split_s`) and each K <= 4's goodput over K = 0's before
+the policy's margins: what it weighed each time.
 """
 
 from __future__ import annotations
@@ -68,23 +69,21 @@ def runs_of(events: list) -> str:
 
 
 def scoring_line(policy, alphas, later, goodput: dict) -> str:
-  """One full scoring of a `GoodputK` as text: 'q2 n4 rooms100 a0.62 b0.55 t0 5.10ms t2/t0 1.90
-  h0 0.80ms h2 1.20ms once 12.0ms (sync 10.0) split 21.0ms | 1:1.041 2:0.987 ...', from its
+  """One full scoring of a `GoodputK` as text: 'q2 n4 rooms100 queue a0.62 b0.55 t0 5.10ms t2/t0
+  1.90 h0 0.80ms h2 1.20ms once 12.0ms (sync 10.0) split 21.0ms | 1:1.041 2:0.987 ...', from its
   arguments alphas [n] and later [n, K_max] and its result {K: goodput}: each K <= 4 over the
-  smallest K's goodput (K = 0's when it is a candidate; a missing K is left out), the rooms
-  `_scores` used (none unless one per request: 'rooms-') and the cost table it priced with (the
-  full batch's while requests wait and the engine lists their rooms, else the round's bucket's).
-  Reads the policy's state as `_scores` left it."""
-  rooms = policy.rooms if policy.rooms is not None and len(policy.rooms) == len(alphas) else None
-  queued = rooms is not None and policy.queued != 0 and policy.queue_rooms is not None and \
-      (policy.slots or 0) > 1 and len(rooms) <= policy.slots
-  table = policy.live.table(None if queued else policy.rows)
+  smallest K's goodput (K = 0's when it is a candidate; a missing K is left out), and as
+  `GoodputK.pricing` gives them for the policy's state as `_scores` left it, the rooms `_scores`
+  used (none unless one per request: 'rooms-'), how it priced ('finish', 'queue' or 'round')
+  and the cost table it priced with (the full batch's for 'queue', else the round's bucket's)."""
+  rooms, priced = policy.pricing(len(alphas))
+  table = policy.live.table(None if priced == 'queue' else policy.rows)
   base = min(goodput)
   ratio = ' '.join(f'{k}:{v / goodput[base]:.3f}' for k, v in sorted(goodput.items())
                    if base < k <= 4)
   t2 = f' t2/t{base} {table[2] / table[base]:.2f}' if 2 in table and base < 2 else ''
   return (f'q{policy.queued or 0} n{len(alphas)} rooms{"-" if rooms is None else sum(rooms)} '
-          f'a{float(np.mean(alphas)):.2f} b{float(np.mean(later)):.2f} '
+          f'{priced} a{float(np.mean(alphas)):.2f} b{float(np.mean(later)):.2f} '
           f't{base} {table[base] * 1e3:.2f}ms{t2} h0 {policy.host.of(0) * 1e3:.2f}ms '
           f'h2 {policy.host.of(2) * 1e3:.2f}ms once {policy.once_s * 1e3:.1f}ms '
           f'(sync {policy.sync_s * 1e3:.1f}) split {policy.split_s * 1e3:.1f}ms | {ratio}')

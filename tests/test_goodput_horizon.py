@@ -3,6 +3,7 @@
 probe could change its choice (`GoodputK.worth_probing`). Host-side, no model."""
 
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -179,3 +180,45 @@ def test_goodput_stays_speculating_unless_k0_wins_by_the_stay_margin():
     assert policy.choose(ids)[0] == (1 if stays else 0)
   with pytest.raises(ValueError, match='stay_margin'):
     GoodputK(stay_margin=-0.1)
+
+
+def test_pricing_names_how_a_scoring_prices_the_batch():
+  policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9})
+  assert policy.pricing(2) == (None, 'round')                  # no rooms given
+  policy.rooms, policy.queued = [5, 7], 0
+  assert policy.pricing(3) == (None, 'round')                  # rooms not one per request
+  assert policy.pricing(2) == ([5, 7], 'finish')               # nothing waits
+  policy.queued, policy.queue_rooms, policy.slots = 2, [9, 9], 2
+  assert policy.pricing(2) == ([5, 7], 'queue')
+  policy.slots = 1                                             # one slot: per round
+  assert policy.pricing(1) == (None, 'round') and policy.pricing(2) == ([5, 7], 'round')
+  policy.slots, policy.queue_rooms = 2, None                   # the queue's rooms unknown
+  assert policy.pricing(2) == ([5, 7], 'round')
+
+
+@pytest.mark.parametrize('queued', [0, 2])
+def test_a_batch_with_nothing_left_to_emit_chooses_the_smallest_k(queued):
+  """Every room 0 (no token left to emit) once raised a bare `min()` error after 0 / 0."""
+  for candidates, expect in ((None, 0), ((1, 2), 1)):
+    policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9}, candidates=candidates)
+    policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [0, 0], queued, [9], 2
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      assert policy.choose(['a', 'b']) == (expect, [expect, expect])
+
+
+@pytest.mark.parametrize('queued', [0, 2, None])
+def test_finished_rows_are_scored_as_absent(queued):
+  """A row with room 0 emits nothing and takes no round: the batch scores as the others alone
+  (the makespan once divided 0 by 0 for it, the queue's horizon rejected it)."""
+  def scores(rooms, ids):
+    policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9})
+    policy.rooms, policy.queued, policy.queue_rooms, policy.slots = rooms, queued, [9], 2
+    policy.sync_s = 0.5
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      return policy._scores(*policy._alphas(ids))
+  assert scores([0, 6], ['a', 'b']) == pytest.approx(scores([6], ['b']))
+  policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9})
+  policy.sync_s = 0.5                                # a once-cost over no tokens: 0, not 1 / 0
+  assert policy.goodput([0.7, 0.7], 2, rooms=[0, 0]) == 0.0

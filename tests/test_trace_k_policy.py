@@ -64,7 +64,7 @@ def test_scores_lists_each_scoring_of_a_choice_and_not_the_probes_what_ifs():
   goodput = policy._scores(*policy._alphas(['a']))         # the wrapper: a call outside choose
   assert len(scores) == 1                                  # is not listed
   line = scores[0]
-  assert line.startswith('q0 n1 rooms- a0.50 b') and 't0 1000.00ms t2/t0 3.00' in line
+  assert line.startswith('q0 n1 rooms- round a0.50 b') and 't0 1000.00ms t2/t0 3.00' in line
   assert line.endswith(f'| 1:{goodput[1] / goodput[0]:.3f} 2:{goodput[2] / goodput[0]:.3f}')
   policy.worth_probing(['a'])
   assert len(scores) == 1
@@ -84,7 +84,8 @@ def test_a_scoring_line_prices_as_the_scoring_did():
   scores = []
   trace_k_policy._traced(policy, [], scores=scores)
   policy.choose(['a'])
-  assert scores[0].startswith('q3 n1 rooms10 ') and ' t0 1000.00ms t2/t0 3.00 ' in scores[0]
+  assert scores[0].startswith('q3 n1 rooms10 queue ') and ' t0 1000.00ms t2/t0 3.00 ' in scores[0]
   policy.queued = 0                               # nothing waits: the round's bucket's table
   policy.choose(['a'])
-  assert ' t0 200.00ms t2/t0 4.50 ' in scores[-1]
+  assert scores[-1].startswith('q0 n1 rooms10 finish ') and ' t0 200.00ms t2/t0 4.50 ' in \
+      scores[-1]

@@ -29,9 +29,9 @@ class GoodputK(KPolicy):
 
   t(K) = d(K) + h(K), plus at K >= 1 one-time costs spread over the rounds they serve (see
   `goodput`): a lazy draft cache's catch-up and, after K = 0 rounds, the slower first rounds of
-  a K >= 1 stretch (`once_s`), and the extra prefill calls that breaking
-  the lock-step of requests that would finish together costs (`split_s`,
-  `jaxspec.engine.speculation.split_cost`). d(K) is the wall time of the device call of one
+  a K >= 1 stretch (`once_s`), and the extra prefill calls that breaking the lock-step of
+  requests that would finish together costs (`split_s`, `speculation.split_cost`). Rows with
+  room 0 (finished) are left out. d(K) is the wall time of the device call of one
   decode round at K for the round's row bucket (`KPolicy.rows`; the call computes all its rows,
   idle ones included, so d depends on K and the bucket, not on how many rows are busy; the
   batch enters through Σ_i: more rows gain more tokens from the same round), h(K) the host
@@ -51,11 +51,9 @@ class GoodputK(KPolicy):
   admission unless the batch finishes together, as at K = 0; the last wave's tail), t(K) the
   full batch's; each of the W = (queued - q) / slots waves queued past the listed q requests
   adds the listed wave's tokens, its share of the time and, at K >= 1, split_s again (finishes
-  apart stay apart, so every later admission is prefilled alone). A per-round score misses
-  both and overrates K >= 1 once the batch is large (B = 8 on the development CPU: +4 %
-  predicted for K = 2, -10 % measured). With one slot (`KPolicy.slots` 1) the queue is left
-  out: nothing couples the requests, each queued one gets its own K when it runs, and the
-  horizon would price its rounds, at the global α, at the K chosen for the decoding request.
+  apart stay apart, so every later admission is prefilled alone); a per-round score overrates
+  K >= 1 at large B (docs/adaptive_k.md). With one slot the queue is left out: each queued
+  request gets its own K when it runs (`pricing` says which of the three a scoring used).
 
   A choice of K = 0 is held (its scoring skipped) for up to `HOLD_ROUNDS` rounds (4x as many
   when it led the best K >= 1 by more than `CLEAR_LEAD`, 10 %) while no new observation came and
@@ -71,8 +69,7 @@ class GoodputK(KPolicy):
   Args:
     tracker: the `AlphaTracker` (default: a new one).
     margin: a larger K must beat the smallest near-best K by more than this fraction of goodput
-      (ties and noise-level gains go to the smaller, cheaper K: with flat costs and α ≈ 0 every
-      K gains ~1 token and K = 0 is chosen).
+      (ties and noise-level gains go to the smaller, cheaper K).
     candidates: the K values considered (default 0..K_max; each is one compiled step).
     costs: the cost table d(K) {K: seconds} of a full round, if known (else the engine measures
       it, per row bucket too); a known table serves every bucket.
@@ -85,25 +82,20 @@ class GoodputK(KPolicy):
     stay_margin: after a round at K >= 1 (the draft cache in sync), K = 0 must beat the best
       K >= 1 by more than this fraction of goodput: a request's α estimate swings with a few
       rounds, and each return to K >= 1 after K = 0 rounds pays a catch-up.
-    spec_margin: every K >= 1 must beat K = 0 by more than this fraction of goodput to be
-      chosen (its score is divided by 1 + spec_margin before `margin` and `stay_margin` apply):
-      speculating costs what the model leaves out (the extra prefill calls of admissions that
-      do not come in lock-step, idle rows at a wave's end, catch-ups, scoring it more often),
-      and measured speedups sit below the model's (`experiments.batching_report`), so near the
-      threshold K = 0 is the side that cannot lose much; with the stay margin the policy
-      enters K >= 1 above (1 + spec_margin) x K = 0's goodput and leaves it below
-      (1 + spec_margin) / (1 + stay_margin) x.
+    spec_margin: every K >= 1 must beat K = 0 by more than this fraction of goodput (its score
+      is divided by 1 + spec_margin before `margin` and `stay_margin` apply): speculating costs
+      what the model leaves out (lone admissions' prefills, idle rows at a wave's end,
+      catch-ups, more scorings) and measured speedups sit below the model's
+      (`experiments.batching_report`), so near the threshold K = 0 cannot lose much.
     cold_rounds: the engine's first live rounds of each group left out of d(K) and h(K)
       (`LiveCosts`; priced in, the cold first K >= 1 round kept K >= 1 out, probes too, at B = 1).
     switch_rounds: the first rounds of each K >= 1 stretch after K = 0 rounds left out of d(K)
-      and h(K) (`LiveCosts`: they run slower than the stretch's later ones; `once_s` prices
-      their excess once).
+      and h(K) (`LiveCosts`: slower than the later ones; `once_s` prices their excess once).
     use_confidence: move a request's α and β priors, and the queue's, by the target's
       confidence on its recent tokens, weighed by how many (`AlphaTracker.confidence_shift`,
       `confidence_weight`; `KPolicy.confidences`, `KPolicy.confidence_tokens`).
     spec_confidence: count the tokens of rounds at K >= 1 in those confidences too
-      (`KPolicy.wants_spec_confidences`; off: in A/B runs at B = 2 it cost json 3-6 %, the
-      policy switching K more often, docs/adaptive_k.md).
+      (`KPolicy.wants_spec_confidences`; off: it cost json 3-6 % at B = 2, docs/adaptive_k.md).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
@@ -198,7 +190,7 @@ class GoodputK(KPolicy):
         raise ValueError(f'goodput needs one {name} value per α: got {len(values)} for '
                          f'{len(alphas)}')
     tokens = round_tokens(alphas, alphas if later is None else later, rooms, k)[k]
-    return self._per_second(tokens, len(alphas), k, rooms)
+    return self._per_second(tokens, k, rooms)
 
   @property
   def once_s(self) -> float:
@@ -206,10 +198,10 @@ class GoodputK(KPolicy):
     K = 0 rounds, the first rounds' excess over steady ones (`LiveCosts.switch_s`)."""
     return self.sync_s + (self.live.switch_s if self.live.zero_rounds else 0.0)
 
-  def _per_second(self, tokens: float, rows: int, k: int, rooms) -> float:
+  def _per_second(self, tokens: float, k: int, rooms) -> float:
     seconds = self.live.table(self.rows)[k] + self.host.of(k)
     once = self.once_s if k >= 1 else 0.0
-    if k >= 1 and (once > 0 or self.split_s > 0):
+    if k >= 1 and tokens > 0 and (once > 0 or self.split_s > 0):
       left = sum(rooms) if rooms else 0.0    # tokens the decoding requests may still emit
       seconds += once / max(1.0, left / tokens)
       seconds += self.split_s / max(1.0, (left + self.split_tokens) / tokens)
@@ -220,21 +212,23 @@ class GoodputK(KPolicy):
     later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests at
     `AlphaTracker.queue_estimates`, raised by `raise_by` as `worth_probing` raises the running
     ones'."""
-    rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == len(alphas) \
-        else None
-    if rooms is not None and self.queued == 0:
+    rooms, priced = self.pricing(len(alphas))
+    if rooms is not None and min(rooms) < 1:     # finished rows: no tokens, no rounds
+      keep = [i for i, room in enumerate(rooms) if room >= 1]
+      if not keep:
+        return {k: 0.0 for k in self.candidates}
+      alphas, later, rooms = alphas[keep], later[keep], [rooms[i] for i in keep]
+    if priced == 'finish':
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
       rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
       table, once = self.live.table(self.rows), self.once_s
       return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) + (once if k else 0.0))
               for k in self.candidates}
     queue = self.queue_rooms
-    if rooms is not None and queue is not None and (self.slots or 0) > 1 and \
-        len(rooms) <= self.slots:
+    if priced == 'queue':
       # Requests wait: the time until they are done too (`makespan.rounds_with_queue`); the
       # rounds run the full batch; K >= 1 pays `once_s` once, the split once per wave.
-      profile = self._profile if self._profile is not None else \
-          self.tracker.profile(self.k_max)
+      profile = self.tracker.profile(self.k_max) if self._profile is None else self._profile
       xs, ns = zip(*self._x.values()) if self._x else ((), ())
       queue_alpha, queue_later = self.tracker.queue_estimates(xs, profile, raise_by, ns)
       rounds = makespan.rounds_with_queue(alphas, rooms, self.k_max, later, queue, queue_alpha,
@@ -256,13 +250,22 @@ class GoodputK(KPolicy):
       return scores
     # Per round (one slot, or no queue inputs), as `goodput` prices one K.
     totals = round_tokens(alphas.tolist(), later.tolist(), rooms, self.k_max)
-    return {k: self._per_second(totals[k], len(alphas), k, rooms) for k in self.candidates}
+    return {k: self._per_second(totals[k], k, rooms) for k in self.candidates}
+
+  def pricing(self, n: int) -> tuple:
+    """(rooms: a list or None unless one per request, 'finish' | 'queue' | 'round'): how
+    `_scores` prices n requests (the class doc; 'queue' with the full batch's cost table)."""
+    rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == n else None
+    if rooms is not None and self.queued == 0:
+      return rooms, 'finish'
+    waits = rooms is not None and self.queue_rooms is not None and 1 < (self.slots or 0) and \
+        len(rooms) <= self.slots
+    return rooms, 'queue' if waits else 'round'
 
   def _scored(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
     hurdle = 1.0 + self.spec_margin
-    return {k: g / hurdle if k else g
-            for k, g in self._scores(alphas, later, raise_by).items()}
+    return {k: g / hurdle if k else g for k, g in self._scores(alphas, later, raise_by).items()}
 
   def _pick(self, scores: dict) -> int:
     best = max(scores.values())
@@ -324,19 +327,19 @@ class GoodputK(KPolicy):
     if k == 0:       # a clear lead holds 4x longer
       best = max((g for c, g in scores.items() if c), default=0.0)
       limit = self.HOLD_ROUNDS * (4 if scores[0] >= best * (1 + self.CLEAR_LEAD) else 1)
-      self._held = holds.Hold(inputs, ratios, limit=limit, host=host, left=left, sync_s=self.sync_s,
-                         split_s=self.split_s)
+      self._held = holds.Hold(inputs, ratios, limit=limit, host=host, left=left,
+                              sync_s=self.sync_s, split_s=self.split_s)
     return k, [k] * len(request_ids)
 
   def repeat(self, request_ids, rows, queued, rooms=None):
     """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
     the estimates are unchanged and the cost ratios and host time have not moved (None
     otherwise; the confidences, which move every round, are not checked). The rest `choose`
-    checks cannot move against K = 0 meanwhile: with the same
-    requests decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only
-    shrink, the draft's lag and its catch-up seconds only grow, and the queue and the split
-    stay as they were. The cost ratios and host time are checked every `CHECK_EVERY` rounds of
-    the hold. A held K >= 1 choice is kept under its own rules (`_repeat_spec`)."""
+    checks cannot move against K = 0 meanwhile: with the same requests decoding at K = 0 and no
+    catch-up (no probe was due, `KPolicy.repeat`), rooms only shrink, the draft's lag and its
+    catch-up seconds only grow, and the queue and the split stay as they were. The cost ratios
+    and host time are checked every `CHECK_EVERY` rounds of the hold. A held K >= 1 choice is
+    kept under its own rules (`_repeat_spec`)."""
     if self._spec_held is not None:
       return self._repeat_spec(request_ids, rows, queued, rooms)
     held = self._held
@@ -368,8 +371,7 @@ class GoodputK(KPolicy):
     spec.rounds += 1
     return spec.k, [spec.k] * len(request_ids)
 
-  def _k0_stands(self, held, ratios, host) -> bool:
-    """Whether the K = 0 hold `held` has rounds left, steady cost ratios and no rise of h."""
+  def _k0_stands(self, held, ratios, host) -> bool:   # rounds left, steady ratios, no rise of h
     return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE
 
   def _spec_hold_rounds(self) -> int:
@@ -377,11 +379,9 @@ class GoodputK(KPolicy):
     in plain Python there, and a 32-token request lives ~12 rounds)."""
     return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
 
-  HOLD_ROUNDS = 8
-  CLEAR_LEAD = 0.1
+  HOLD_ROUNDS, CLEAR_LEAD = 8, 0.1
   HOST_RISE = 0.05   # rise of h, in start-up K = 0 rounds, that ends a K = 0 hold
-  SPEC_HOLD_ROUNDS = 8
-  ONE_SLOT_HOLD_ROUNDS = 2
+  SPEC_HOLD_ROUNDS, ONE_SLOT_HOLD_ROUNDS = 8, 2
   CHECK_EVERY = 4    # rounds of a repeated K = 0 hold between checks of its costs (`repeat`)
   COLD_TRIALS = 12   # global first-proposal trials (4 the default prior's) to be warm (`cold`)
   FIT_TOKENS = AlphaTracker.FIT_TOKENS   # a request's confidence enters the fit from this many
@@ -389,8 +389,8 @@ class GoodputK(KPolicy):
 
   @property
   def cold(self) -> bool:
-    """`KPolicy.cold`: the global first-proposal α rests on fewer than `COLD_TRIALS` trials, its
-    prior's included (why: docs/adaptive_k.md, *One prompt set per pass*)."""
+    """`KPolicy.cold`: the global first α rests on < `COLD_TRIALS` trials, the prior's included
+    (docs/adaptive_k.md, *One prompt set per pass*)."""
     return self.tracker.global_trials < self.COLD_TRIALS
 
   def worth_probing(self, request_ids) -> bool:
