@@ -11,8 +11,12 @@ bit (`jaxspec.models.llama.matmul_rows`, `RMSNorm(exact=True)`,
 so its compile time is a large part of the test suite's. Per T the script prints the jaxpr's
 equation count and the trace, lower and XLA compile seconds in each mode, and exact's compile
 seconds over the default's. --opt_level sets XLA:CPU's backend optimisation level (the tests
-run at 0, tests/conftest.py; XLA's default is 3). Nothing runs: the weights are shapes
-(`jax.eval_shape`), which is all that compiles.
+run at 0, tests/conftest.py; XLA's default is 3; called in a process whose JAX backend has
+started, the level it started with stays). Nothing runs: the weights are shapes
+(`jax.eval_shape`), which is all that compiles. One untimed trace comes first (the first pays
+JAX's own start-up). T is at most 32 (`llama.EXACT_ROWS`: longer calls are not exact); exact
+mode also cuts a call's batch x T rows into blocks of 32 (`matmul_rows`), so beyond batch 1 its
+program grows with batch x T / 32.
 """
 
 from __future__ import annotations
@@ -74,9 +78,19 @@ def main(argv=None) -> None:
     parser.error(f'--tokens must be comma-separated ints, got {args.tokens!r}')
   if any(t < 1 for t in tokens) or args.batch < 1:
     parser.error(f'--tokens and --batch must be >= 1, got {tokens} and {args.batch}')
-  # Before JAX initialises its backend (imports above are deferred for this).
+  # Before JAX initialises its backend (the imports of jax are deferred for this).
   flags = os.environ.get('XLA_FLAGS', '')
   os.environ['XLA_FLAGS'] = f'{flags} --xla_backend_optimization_level={args.opt_level}'.strip()
+  from jaxspec.models import ModelConfig
+  from jaxspec.models.llama import EXACT_ROWS
+  if max(tokens) > EXACT_ROWS:
+    parser.error(f'--tokens {max(tokens)} is above {EXACT_ROWS} (llama.EXACT_ROWS): such a call '
+                 f'is not exact, and both modes would compile the same program')
+  try:
+    ModelConfig.from_name(args.model)
+  except ValueError as error:
+    parser.error(f'--model: {error}')
+  compile_times(args.model, 1, args.batch, False, compile_=False)      # JAX's start-up, untimed
   print(f'{args.model}, batch {args.batch}, XLA:CPU -O{args.opt_level}')
   print(f'{"T":>3} {"mode":>7} {"eqns":>5} {"trace s":>8} {"lower s":>8} {"compile s":>10}')
   for t in tokens:

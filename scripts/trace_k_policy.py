@@ -72,18 +72,20 @@ def scoring_line(policy, alphas, later, goodput: dict) -> str:
   """One full scoring of a `GoodputK` as text: 'q2 n4 rooms100 queue a0.62 b0.55 t0 5.10ms t2/t0
   1.90 h0 0.80ms h2 1.20ms once 12.0ms (sync 10.0) split 21.0ms | 1:1.041 2:0.987 ...', from its
   arguments alphas [n] and later [n, K_max] and its result {K: goodput}: each K <= 4 over the
-  smallest K's goodput (K = 0's when it is a candidate; a missing K is left out), and as
-  `GoodputK.pricing` gives them for the policy's state as `_scores` left it, the rooms `_scores`
-  used (none unless one per request: 'rooms-'), how it priced ('finish', 'queue' or 'round')
-  and the cost table it priced with (the full batch's for 'queue', else the round's bucket's)."""
-  rooms, priced = policy.pricing(len(alphas))
+  smallest K's goodput (K = 0's when it is a candidate; a missing K is left out; '-' when that
+  is 0: nothing left to emit), and as `GoodputK.pricing` gives them for the policy's state as
+  `_scores` left it, the rows it scored (those not finished: n) with their rooms (none unless
+  one per request: 'rooms-') and mean α / β, how it priced ('finish', 'queue' or 'round') and
+  the cost table it priced with (the full batch's for 'queue', else the round's bucket's)."""
+  rooms, priced, keep = policy.pricing(len(alphas))
   table = policy.live.table(None if priced == 'queue' else policy.rows)
   base = min(goodput)
-  ratio = ' '.join(f'{k}:{v / goodput[base]:.3f}' for k, v in sorted(goodput.items())
-                   if base < k <= 4)
+  ratio = ' '.join(f'{k}:{v / goodput[base]:.3f}' if goodput[base] else f'{k}:-'
+                   for k, v in sorted(goodput.items()) if base < k <= 4)
   t2 = f' t2/t{base} {table[2] / table[base]:.2f}' if 2 in table and base < 2 else ''
-  return (f'q{policy.queued or 0} n{len(alphas)} rooms{"-" if rooms is None else sum(rooms)} '
-          f'{priced} a{float(np.mean(alphas)):.2f} b{float(np.mean(later)):.2f} '
+  mean = lambda x: f'{float(np.mean(np.asarray(x)[keep])):.2f}' if keep else '-'
+  return (f'q{policy.queued or 0} n{len(keep)} rooms{"-" if rooms is None else sum(rooms)} '
+          f'{priced} a{mean(alphas)} b{mean(later)} '
           f't{base} {table[base] * 1e3:.2f}ms{t2} h0 {policy.host.of(0) * 1e3:.2f}ms '
           f'h2 {policy.host.of(2) * 1e3:.2f}ms once {policy.once_s * 1e3:.1f}ms '
           f'(sync {policy.sync_s * 1e3:.1f}) split {policy.split_s * 1e3:.1f}ms | {ratio}')

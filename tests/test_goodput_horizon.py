@@ -184,16 +184,18 @@ def test_goodput_stays_speculating_unless_k0_wins_by_the_stay_margin():
 
 def test_pricing_names_how_a_scoring_prices_the_batch():
   policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9})
-  assert policy.pricing(2) == (None, 'round')                  # no rooms given
+  assert policy.pricing(2) == (None, 'round', [0, 1])          # no rooms given
   policy.rooms, policy.queued = [5, 7], 0
-  assert policy.pricing(3) == (None, 'round')                  # rooms not one per request
-  assert policy.pricing(2) == ([5, 7], 'finish')               # nothing waits
+  assert policy.pricing(3) == (None, 'round', [0, 1, 2])       # rooms not one per request
+  assert policy.pricing(2) == ([5, 7], 'finish', [0, 1])       # nothing waits
   policy.queued, policy.queue_rooms, policy.slots = 2, [9, 9], 2
-  assert policy.pricing(2) == ([5, 7], 'queue')
+  assert policy.pricing(2) == ([5, 7], 'queue', [0, 1])
+  policy.rooms = [0, 7]                                        # a finished row is left out
+  assert policy.pricing(2) == ([7], 'queue', [1])
   policy.slots = 1                                             # one slot: per round
-  assert policy.pricing(1) == (None, 'round') and policy.pricing(2) == ([5, 7], 'round')
+  assert policy.pricing(1) == (None, 'round', [0]) and policy.pricing(2) == ([7], 'round', [1])
   policy.slots, policy.queue_rooms = 2, None                   # the queue's rooms unknown
-  assert policy.pricing(2) == ([5, 7], 'round')
+  assert policy.pricing(2) == ([7], 'round', [1])
 
 
 @pytest.mark.parametrize('queued', [0, 2])

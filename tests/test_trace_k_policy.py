@@ -89,3 +89,19 @@ def test_a_scoring_line_prices_as_the_scoring_did():
   policy.choose(['a'])
   assert scores[-1].startswith('q0 n1 rooms10 finish ') and ' t0 200.00ms t2/t0 4.50 ' in \
       scores[-1]
+
+
+def test_a_scoring_line_lists_only_the_rows_the_scoring_kept():
+  """Finished rows (room < 1) are left out as `_scores` leaves them; with none left every score
+  is 0 and the ratios are '-' (they once divided by that 0)."""
+  policy = GoodputK(costs={0: 1.0, 1: 1.5, 2: 3.0})
+  policy.setup(2)
+  policy.rooms, policy.queued = [0, 6], 0
+  line = trace_k_policy.scoring_line(policy, [0.9, 0.3], [[0.9, 0.9], [0.3, 0.3]],
+                                     {0: 1.0, 1: 1.2, 2: 0.9})
+  assert line.startswith('q0 n1 rooms6 finish a0.30 b0.30 ') and line.endswith('| 1:1.200 2:0.900')
+  policy.rooms = [0, -1]
+  scores = []
+  trace_k_policy._traced(policy, [], scores=scores)
+  assert policy.choose(['a', 'b'])[0] == 0
+  assert scores[0].startswith('q0 n0 rooms0 finish a- b- ') and scores[0].endswith('| 1:- 2:-')

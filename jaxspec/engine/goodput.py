@@ -209,15 +209,13 @@ class GoodputK(KPolicy):
 
   def _scores(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
-    later [n, K_max] (proposal j = 2, 3, ..., `_alphas`); the queued requests at
-    `AlphaTracker.queue_estimates`, raised by `raise_by` as `worth_probing` raises the running
-    ones'."""
-    rooms, priced = self.pricing(len(alphas))
-    if rooms is not None and min(rooms) < 1:     # finished rows: no tokens, no rounds
-      keep = [i for i, room in enumerate(rooms) if room >= 1]
+    later [n, K_max] (proposals 2, 3, ...: `_alphas`); the queue at
+    `AlphaTracker.queue_estimates` raised by `raise_by` (as `worth_probing` raises the rows')."""
+    rooms, priced, keep = self.pricing(len(alphas))
+    if len(keep) < len(alphas):                 # finished rows: no tokens, no rounds
       if not keep:
         return {k: 0.0 for k in self.candidates}
-      alphas, later, rooms = alphas[keep], later[keep], [rooms[i] for i in keep]
+      alphas, later = alphas[keep], later[keep]
     if priced == 'finish':
       # Nothing waits: the batch's remaining time is its slowest request's (`makespan`).
       rounds = makespan.rounds_to_finish(alphas, rooms, self.k_max, later)
@@ -235,10 +233,9 @@ class GoodputK(KPolicy):
                                           queue_later, self.slots)
       table = self.live.table(None)
       tokens, wave = sum(rooms) + sum(queue), sum(queue)
-      # Waves admitted after the horizon's (`later_waves` of them, each like the listed one:
-      # its tokens, its share of the rounds) pay the split again: once the finishes are apart
-      # at K >= 1 they stay apart, and every admission is prefilled alone (B = 2 on the
-      # development CPU: 7 prefill calls for 8 requests against K = 0's 4, +8 % of the run).
+      # Waves admitted after the horizon's (`later_waves`, each like the listed one: its tokens,
+      # its share of the rounds) pay the split again: finishes apart at K >= 1 stay apart and
+      # every admission is prefilled alone (B = 2: 7 prefill calls for 8 requests, K = 0's 4).
       later_waves = max(0, (self.queued or 0) - len(queue)) / self.slots if wave else 0.0
       scores, once = {}, self.once_s
       for k in self.candidates:
@@ -253,14 +250,17 @@ class GoodputK(KPolicy):
     return {k: self._per_second(totals[k], k, rooms) for k in self.candidates}
 
   def pricing(self, n: int) -> tuple:
-    """(rooms: a list or None unless one per request, 'finish' | 'queue' | 'round'): how
-    `_scores` prices n requests (the class doc; 'queue' with the full batch's cost table)."""
+    """(rooms, how, keep): how `_scores` prices n requests (the class doc). keep: the indices
+    of the rows it scores (all but those with room < 1, which have finished); rooms: theirs (a
+    list; None unless one per request); how: 'finish', 'queue' (the full batch's table), 'round'."""
     rooms = list(self.rooms) if self.rooms is not None and len(self.rooms) == n else None
+    keep = list(range(n)) if rooms is None else [i for i, room in enumerate(rooms) if room >= 1]
+    rooms = None if rooms is None else [rooms[i] for i in keep]
     if rooms is not None and self.queued == 0:
-      return rooms, 'finish'
+      return rooms, 'finish', keep
     waits = rooms is not None and self.queue_rooms is not None and 1 < (self.slots or 0) and \
         len(rooms) <= self.slots
-    return rooms, 'queue' if waits else 'round'
+    return rooms, 'queue' if waits else 'round', keep
 
   def _scored(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
     """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
