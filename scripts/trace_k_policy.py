@@ -83,7 +83,10 @@ def scoring_line(policy, alphas, later, goodput: dict) -> str:
   ratio = ' '.join(f'{k}:{v / goodput[base]:.3f}' if goodput[base] else f'{k}:-'
                    for k, v in sorted(goodput.items()) if base < k <= 4)
   t2 = f' t2/t{base} {table[2] / table[base]:.2f}' if 2 in table and base < 2 else ''
-  mean = lambda x: f'{float(np.mean(np.asarray(x)[keep])):.2f}' if keep else '-'
+
+  def mean(values) -> str:          # over the rows the scoring kept
+    return f'{float(np.mean(np.asarray(values)[keep])):.2f}' if keep else '-'
+
   return (f'q{policy.queued or 0} n{len(keep)} rooms{"-" if rooms is None else sum(rooms)} '
           f'{priced} a{mean(alphas)} b{mean(later)} '
           f't{base} {table[base] * 1e3:.2f}ms{t2} h0 {policy.host.of(0) * 1e3:.2f}ms '
