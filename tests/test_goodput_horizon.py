@@ -224,3 +224,16 @@ def test_finished_rows_are_scored_as_absent(queued):
   policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9})
   policy.sync_s = 0.5                                # a once-cost over no tokens: 0, not 1 / 0
   assert policy.goodput([0.7, 0.7], 2, rooms=[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize('field, value', [('sync_s', -1000.0), ('sync_s', float('nan')),
+                                          ('split_s', float('nan'))])
+def test_a_score_that_is_not_a_rate_is_named(field, value):
+  """A one-time cost set by hand to a negative or NaN value once ended in a bare `min()` of an
+  empty sequence; now the choice names the scores and the costs behind them."""
+  policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9}, candidates=(1, 2))
+  policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [12, 12], 2, [9], 2
+  setattr(policy, field, value)
+  with pytest.raises(ValueError, match=rf'GoodputK scores .* must be finite and >= 0: .*'
+                                       rf'{field}={value}'):
+    policy.choose(['a', 'b'])

@@ -99,7 +99,8 @@ class GoodputK(KPolicy):
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
-      stay_margin or spec_margin < 0, window < 1, cold_rounds or switch_rounds not an int >= 0.
+      stay_margin or spec_margin < 0, window < 1, cold_rounds or switch_rounds not an int >= 0;
+      in a choice, a score not finite and >= 0 (sync_s or split_s set negative or NaN).
   """
 
   def __init__(self, tracker: Optional[AlphaTracker] = None, margin: float = 0.01,
@@ -268,6 +269,9 @@ class GoodputK(KPolicy):
     return {k: g / hurdle if k else g for k, g in self._scores(alphas, later, raise_by).items()}
 
   def _pick(self, scores: dict) -> int:
+    if not all(0.0 <= g < math.inf for g in scores.values()):      # NaN fails too
+      raise ValueError(f'GoodputK scores {scores} must be finite and >= 0: check the cost '
+                       f'table and sync_s={self.sync_s}, split_s={self.split_s}')
     best = max(scores.values())
     return min(k for k, g in scores.items() if g * (1 + self.margin) >= best)
 
@@ -375,8 +379,7 @@ class GoodputK(KPolicy):
     return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE
 
   def _spec_hold_rounds(self) -> int:
-    """`SPEC_HOLD_ROUNDS`, or `ONE_SLOT_HOLD_ROUNDS` with one slot (`_scores` prices per round
-    in plain Python there, and a 32-token request lives ~12 rounds)."""
+    """`SPEC_HOLD_ROUNDS`, or `ONE_SLOT_HOLD_ROUNDS` with one slot (cheap scorings, short lives)."""
     return self.ONE_SLOT_HOLD_ROUNDS if self.slots == 1 else self.SPEC_HOLD_ROUNDS
 
   HOLD_ROUNDS, CLEAR_LEAD = 8, 0.1
@@ -389,19 +392,16 @@ class GoodputK(KPolicy):
 
   @property
   def cold(self) -> bool:
-    """`KPolicy.cold`: the global first α rests on < `COLD_TRIALS` trials, the prior's included
-    (docs/adaptive_k.md, *One prompt set per pass*)."""
+    """`KPolicy.cold`: the global first α rests on < `COLD_TRIALS` trials, the prior's too."""
     return self.tracker.global_trials < self.COLD_TRIALS
 
   def worth_probing(self, request_ids) -> bool:
     """Whether α and β estimates higher by `probe_margin` + 2 sd would choose some K >= 1, sd =
     sqrt(g (1 - g) / n) the standard error of the global estimate g over its n (decayed)
-    trials: with few observations (one request, or a batch that has not been probed yet) the
-    estimates are loose and a probe is worth its cost; many probes' worth of trials pin them.
-    Raised are the running requests' estimates and the global ones the queue is priced at (at
-    B = 2 the queue holds most of the horizon's tokens), each moved by its confidence only
-    upward: a slope fitted wrong must not stop the probes that would correct it. Always True
-    while `cold`."""
+    trials: few observations leave the estimates loose and a probe worth its cost. Raised are
+    the running requests' estimates and the global ones the queue is priced at (at B = 2 the
+    queue holds most of the horizon's tokens), each moved by its confidence only upward: a
+    slope fitted wrong must not stop the probes that would correct it. True while `cold`."""
     if not self.live.idle or self.cold:
       return True
     g, n = self.tracker.global_alpha, self.tracker.global_trials
