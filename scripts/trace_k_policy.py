@@ -26,9 +26,10 @@ the machine's drift between passes.)
 With --scores, every full scoring of a goodput policy's choice (`GoodputK._scores` called from
 `choose`, not from probes' what-ifs) is listed under its runs (`scoring_line`): the queue, the
 requests' rooms, how it priced them (`GoodputK.pricing`), their mean α / β estimates, the cost
-table's t(0) and t(2) / t(0), host seconds per round at K = 0 and 2, the one-time costs
-(`once_s`, its catch-up part `sync_s`, `split_s`) and each K <= 4's goodput over K = 0's before
-the policy's margins: what it weighed each time.
+table's t(0) and t(2) / t(0), host seconds per round at K = 0 and 2, the one-time costs of
+K >= 1 (`once_s`: the catch-up `sync_s` plus, after K = 0 rounds, the switch's slower first
+rounds; `split_s` apart) and each K <= 4's goodput over K = 0's before the policy's margins: what
+it weighed each time.
 """
 
 from __future__ import annotations
