@@ -36,7 +36,8 @@ PAGE = 8
 def compile_times(model: str, tokens: int, batch: int, exact: bool, compile_: bool = True):
   """{'eqns', 'trace_s', 'lower_s', 'compile_s'} of `Transformer.apply` jitted on a paged cache,
   `tokens` tokens per sequence at positions 0..tokens - 1, `batch` sequences (compile_s None
-  unless compile_). Seconds of wall time; eqns: the top-level jaxpr's equation count."""
+  unless compile_). Seconds of wall time; eqns: the top-level jaxpr's equation count.
+  Raises ValueError for a model that is not a preset (`ModelConfig.from_name`)."""
   import jax
   import jax.numpy as jnp
   import numpy as np

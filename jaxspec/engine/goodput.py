@@ -223,10 +223,10 @@ class GoodputK(KPolicy):
       table, once = self.live.table(self.rows), self.once_s
       return {k: sum(rooms) / (rounds[k] * (table[k] + self.host.of(k)) + (once if k else 0.0))
               for k in self.candidates}
-    queue = self.queue_rooms
     if priced == 'queue':
       # Requests wait: the time until they are done too (`makespan.rounds_with_queue`); the
       # rounds run the full batch; K >= 1 pays `once_s` once, the split once per wave.
+      queue = self.queue_rooms
       profile = self.tracker.profile(self.k_max) if self._profile is None else self._profile
       xs, ns = zip(*self._x.values()) if self._x else ((), ())
       queue_alpha, queue_later = self.tracker.queue_estimates(xs, profile, raise_by, ns)

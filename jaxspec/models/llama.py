@@ -89,7 +89,7 @@ def exact_per_token(config, x, cache) -> bool:
   """Whether a [B, T, D] call's attention must run one query at a time so that it rounds
   exactly like T single-token decode steps: exact mode, a cached call of 2..EXACT_ROWS tokens
   (verification)."""
-  return config.exact_verify and cache is not None and 1 < x.shape[1] <= EXACT_ROWS
+  return exact_norm(config, x, cache) and x.shape[1] > 1
 
 
 def exact_norm(config, x, cache) -> bool:
@@ -126,7 +126,7 @@ class RMSNorm(nn.Module):
   the number of rows, so this is how (K+1)-token verification rounds exactly like single-token
   decode (see `matmul_rows`). Each token normalised on its own, unrolled over T, was T copies
   to compile (`scripts/exact_compile_time.py` times the exact call); a `lax.map` over T did
-  not round like decode at -O2.
+  not round like decode at -O2. x: [..., D] of any float dtype; returns the same shape and dtype.
   """
 
   eps: float = 1e-5
