@@ -10,17 +10,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-# XLA:CPU compiles the tests' programs with LLVM's optimisations off (xla_backend_optimization_level
-# 0): a test runs each program a few times on tiny shapes, so compiling is most of its time, and
-# -O0 compiles the engine's steps ~30 % faster (tests/test_engine_rows.py, test_engine_drafters.py
-# and test_paged_cache.py: 291 s at the default level, 215 s at 0, two workers). What the tests
-# compare (greedy equality, bit-for-bit verify against decode, kernels against their references)
-# runs under one level within a run (.ci/run sets the same level for its smoke runs too). The
-# workers and subprocesses inherit it through XLA_FLAGS (read when a backend starts, after this
-# import); a level already in XLA_FLAGS is kept.
-if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0').strip()
+from xla_flags import with_test_flags
+
+# XLA:CPU compiles the tests' programs with LLVM's optimisations off and through its older
+# fusion emitters (tests/xla_flags.py: compiling is most of a test's time; the full suite took
+# 10:31 against 16:44 at -O0 alone, two workers, 2026-12-07). What the tests compare runs under
+# one set of flags within a run (.ci/run exports the same for its smoke runs). The workers and
+# subprocesses inherit them through XLA_FLAGS (read when a backend starts, after this import);
+# flags that already name a level are kept as they are.
+os.environ['XLA_FLAGS'] = with_test_flags(os.environ.get('XLA_FLAGS', ''))
 
 # One XLA compilation cache for the whole test run, shared by the xdist workers and the
 # subprocesses some tests start (CLI runs, the 8-device worker): most of an engine test's time is

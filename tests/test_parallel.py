@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import fake_experiment
+from xla_flags import compile_settings
 from experiments.records import read_results
 from experiments.sweep import run_sweep
 from jaxspec.decoding.steps import LOCAL_STEPS
@@ -192,19 +193,16 @@ def test_sweep_shard_process_takes_the_cases_of_this_process(tmp_path, monkeypat
 
 # ---- 8 simulated CPU devices, mesh data=2 x model=4 (tests/parallel_worker.py) ----
 
-def _compile_level() -> list:
-  """Of this process's XLA_FLAGS, the compile level (the last one, which XLA takes; the one
-  tests/conftest.py sets unless XLA_FLAGS named one) as a one-flag list, [] without: what the
-  subprocesses below keep of XLA_FLAGS (not a device count or a dump folder)."""
-  level = [f for f in os.environ.get('XLA_FLAGS', '').split()
-           if 'xla_backend_optimization_level' in f]
-  return level[-1:]
+def _compile_settings() -> list:
+  """What the subprocesses below keep of this process's XLA_FLAGS: its compile settings
+  (`xla_flags.compile_settings`), not a device count or a dump folder."""
+  return compile_settings(os.environ.get('XLA_FLAGS', ''))
 
 
 @pytest.fixture(scope='module')
 def worker(smoke_runs):  # pylint: disable=unused-argument  (started first: both run at once)
   env = {**os.environ, 'PYTHONPATH': str(ROOT),
-         'XLA_FLAGS': ' '.join(_compile_level() + ['--xla_force_host_platform_device_count=8'])}
+         'XLA_FLAGS': ' '.join(_compile_settings() + ['--xla_force_host_platform_device_count=8'])}
   proc = subprocess.run([sys.executable, str(TESTS / 'parallel_worker.py')], env=env,
                         capture_output=True, text=True, timeout=600, check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith('RESULT ')]
@@ -319,7 +317,7 @@ def smoke_runs(tmp_path_factory):
            '--config.workloads=json']
   env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_', 'XLA_FLAGS'))}
   env['PYTHONPATH'] = str(ROOT)
-  env.update({'XLA_FLAGS': ' '.join(_compile_level())} if _compile_level() else {})
+  env.update({'XLA_FLAGS': ' '.join(_compile_settings())} if _compile_settings() else {})
   launch = lambda args, env: subprocess.Popen(smoke + args, env=env, cwd=ROOT, text=True,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   procs = [launch([f'--workdir={tmp / "one"}'], env)]
