@@ -22,6 +22,17 @@ def test_flags_that_name_a_level_are_kept_as_they_are():
     assert with_test_flags(flags) == flags
 
 
+def test_a_fusion_setting_named_without_a_level_is_kept():
+  for flags in ('--xla_cpu_use_fusion_emitters=true', FUSION):
+    assert with_test_flags(flags).split() == [flags, LEVEL]
+
+
+def test_a_flag_whose_value_contains_a_setting_name_is_not_that_setting():
+  dump = '--xla_dump_to=/tmp/xla_backend_optimization_level_dumps'
+  assert with_test_flags(dump).split()[:2] == [dump, LEVEL]
+  assert compile_settings(f'{dump} --xla_cpu_use_fusion_emitters_x=1') == []
+
+
 def test_the_fusion_flag_is_added_only_where_jaxlib_defines_it(monkeypatch):
   monkeypatch.setattr(xla_flags, 'xla_defines', lambda name: False)
   assert with_test_flags('') == LEVEL

@@ -15,8 +15,9 @@ the same flags within a run):
   12.8 s of backend compile against 19.9 s). Added only where the installed jaxlib defines the
   flag (XLA stops at an unknown one).
 
-Flags that already name a level are left as they are: a run at a chosen level (e.g. the
-README's exactness check at the default, level 3) compiles as it would outside the tests.
+Flags that already name a level are left as they are: a run at a chosen level (e.g. checking
+exactness at XLA's default, level 3) compiles as it would outside the tests; a fusion-emitter
+setting already named is kept.
 """
 
 import importlib.util
@@ -47,12 +48,19 @@ def xla_defines(name: str) -> bool:
   return False
 
 
+def _name(flag: str) -> str:
+  """The name of one XLA_FLAGS entry ('--xla_foo=1' -> 'xla_foo')."""
+  return flag.lstrip('-').split('=', 1)[0]
+
+
 def with_test_flags(flags: str) -> str:
   """`flags` (an XLA_FLAGS value) with the tests' compile settings added, unless it names a
-  level already (then unchanged)."""
-  if 'xla_backend_optimization_level' in flags:
+  level already (then unchanged); a fusion-emitter setting it names is kept, not overridden."""
+  named = {_name(f) for f in flags.split()}
+  if 'xla_backend_optimization_level' in named:
     return flags
-  extra = [LEVEL] + ([FUSION] if xla_defines('xla_cpu_use_fusion_emitters') else [])
+  extra = [LEVEL] + ([FUSION] if 'xla_cpu_use_fusion_emitters' not in named and
+                     xla_defines('xla_cpu_use_fusion_emitters') else [])
   return ' '.join([flags.strip()] + extra).strip()
 
 
@@ -60,11 +68,7 @@ def compile_settings(flags: str) -> list:
   """Of an XLA_FLAGS value, the flags that set how programs compile (the ones above, the last of
   each name, which XLA takes): what a test's subprocesses keep, without a device count or a dump
   folder, so that they compile as the test process does and share its compilation cache."""
-  kept = {}
-  for flag in flags.split():
-    for name in NAMES:
-      if name in flag:
-        kept[name] = flag
+  kept = {_name(flag): flag for flag in flags.split() if _name(flag) in NAMES}
   return [kept[name] for name in NAMES if name in kept]
 
 
