@@ -13,7 +13,9 @@ the same flags within a run):
 - `--xla_cpu_use_fusion_emitters=false`: fusions through XLA:CPU's older loop emitters, not
   its MLIR fusion emitters (jax 0.10.2, the README's goodput engine warm-up at -O0 on 2 cores:
   12.8 s of backend compile against 19.9 s). Added only where the installed jaxlib defines the
-  flag (XLA stops at an unknown one).
+  flag (XLA stops at an unknown one). A gain at -O0 only: at XLA's default level the same
+  engine's full warm-up (K = 0..8, 8 slots) took 163 s against 146 s with it, and its decode
+  rounds ran 10-20 % slower (2026-12-07), so the experiments keep XLA's defaults.
 
 Flags that already name a level are left as they are: a run at a chosen level (e.g. checking
 exactness at XLA's default, level 3) compiles as it would outside the tests; a fusion-emitter
