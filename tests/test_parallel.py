@@ -317,7 +317,8 @@ def smoke_runs(tmp_path_factory):
            '--config.workloads=json']
   env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX_', 'XLA_FLAGS'))}
   env['PYTHONPATH'] = str(ROOT)
-  env.update({'XLA_FLAGS': ' '.join(_compile_settings())} if _compile_settings() else {})
+  if _compile_settings():
+    env['XLA_FLAGS'] = ' '.join(_compile_settings())
   launch = lambda args, env: subprocess.Popen(smoke + args, env=env, cwd=ROOT, text=True,
                                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   procs = [launch([f'--workdir={tmp / "one"}'], env)]
