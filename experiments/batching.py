@@ -30,6 +30,10 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
   speedup, decode_speedup, round_cost  tokens_per_s, decode_tokens_per_s, round_s divided by
                       the baseline setting's (K = 0) in the same repeat and workload
   rounds_by_k         {K: decode rounds run at K} (adaptive policies choose K per round)
+  matches_baseline    at temperature 0: every request's tokens equal those the baseline
+                      (K = 0) engine emitted for it in the same pass (None for the baseline
+                      and when sampling); with config.exact_verify it must be true, without it
+                      equality is to floating-point rounding (README, *Exact numerics*)
   idle_round_s, idle_round_cost  one decode round of all B slots on idle rows, timed
                       `cost_rounds` times with the settings interleaved round by round (median
                       seconds; median ratio to the baseline's), the same for every workload of
@@ -171,7 +175,16 @@ def _summary(engine: Engine, run: dict) -> dict:
       decode_steps=len(decode_s), prefill_steps=run['prefill_steps'],
       round_s=statistics.median(decode_s) if decode_s else None,
       decode_tokens_per_s=run['decode_tokens'] / sum(decode_s) if decode_s else None,
-      preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k)
+      preemptions=sum(m.preemptions for m in metrics), rounds_by_k=by_k,
+      outputs=[list(o.tokens) for o in outs])
+
+
+def _matches(outputs, baseline, is_baseline: bool, temperature: float) -> bool | None:
+  """Whether a greedy run emitted, request for request, the tokens the baseline (K = 0) run
+  emitted; None for the baseline itself, when sampling, or without both outputs."""
+  if is_baseline or temperature != 0 or outputs is None or baseline is None:
+    return None
+  return outputs == baseline
 
 
 def _ratio(num, den):
@@ -358,6 +371,7 @@ def run(config, results) -> None:
                             max_tokens=int(config.max_tokens), stop_tokens=stop,
                             seed=repeat * len(workloads) + w))
       ref = runs.get(base, {})
+      outputs = {name: runs[name].pop('outputs', None) for name in names}
       for name in names:
         m = runs[name]
         engine = engines[name][0]
@@ -370,5 +384,7 @@ def run(config, results) -> None:
             **m, speedup=_ratio(m['tokens_per_s'], ref.get('tokens_per_s')),
             decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
             round_cost=_ratio(m['round_s'], ref.get('round_s')),
+            matches_baseline=_matches(outputs[name], outputs.get(base), name == base,
+                                      float(config.temperature)),
             idle_round_s=idle_s, idle_round_cost=idle_cost,
             warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())}))

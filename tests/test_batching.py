@@ -298,6 +298,8 @@ def test_measure_times_only_decode_only_steps_and_counts_every_token(tiny):
     assert (m['decode_steps'], m['mean_accepted_length'], m['acceptance_rate']) == (8, 1.0, None)
     assert m['round_s'] > 0 and m['tokens_per_s'] == pytest.approx(15 / m['engine_s'])
     assert 0 < m['ttft_s'] < m['engine_s'] and m['tpot_s'] > 0 and m['rounds_by_k'] == {'0': 8}
+    assert [len(t) for t in m['outputs']] == [5, 5, 5]          # in prompt order
+  assert both['a']['outputs'] == both['b']['outputs']             # one model, greedy
   assert not engine.outputs and not twin.outputs
   idle = batching.idle_round_costs(engines, {'a': {'k': 0}, 'b': {'k': 0}}, 'a', rounds=3)
   assert idle['a'][1] == 1.0 and idle['b'][0] > 0 and idle['b'][1] > 0
@@ -392,6 +394,38 @@ def test_run_draws_new_prompts_for_every_repeat_unless_told_not_to(monkeypatch, 
   batching.run(config, types.SimpleNamespace(write=written.append))
   assert submitted == seeds
   assert [r['prompt_seed'] for r in written] == [s for s in seeds for _ in range(2)]
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_run_records_whether_each_greedy_setting_emitted_the_baselines_tokens(monkeypatch,
+                                                                             temperature):
+  """At temperature 0 every record but the baseline's says whether its requests' tokens equal
+  the K = 0 baseline's in the same pass (one differing request makes it false); when sampling,
+  and for the baseline, it is None. The token lists themselves stay out of the records."""
+  from configs import batching as batching_config
+  config = batching_config.get_config('smoke')
+  config.settings, config.cost_rounds = 'k0=k:0;same=k:2;differs=k:2', 0
+  config.temperature = temperature
+  engine = types.SimpleNamespace(step_costs={})
+  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
+                                                        types.SimpleNamespace(eos_ids=())))
+  monkeypatch.setattr(batching, 'make_prompts', lambda *a, **k: [
+      types.SimpleNamespace(tokens=[1, 2, 3])])
+  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
+      n: (engine, None) for n in settings})
+  outputs = {'k0': [[4, 5], [6]], 'same': [[4, 5], [6]], 'differs': [[4, 5], [7]]}
+
+  def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
+    return {n: dict(tokens_per_s=1.0, decode_tokens_per_s=1.0, round_s=1.0,
+                    outputs=outputs[n]) for n in engines}
+  monkeypatch.setattr(batching, 'measure', measure)
+  written = []
+  batching.run(config, types.SimpleNamespace(write=written.append))
+  got = {r['setting']: r['matches_baseline'] for r in written}
+  greedy = temperature == 0
+  assert got == {'k0': None, 'same': True if greedy else None,
+                 'differs': False if greedy else None}
+  assert not any('outputs' in r for r in written)
 
 
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():

@@ -1,0 +1,54 @@
+"""scripts/check_matches.py: CI's gate on the equality checks recorded in results files."""
+
+import importlib.util
+import json
+import pathlib
+
+_PATH = pathlib.Path(__file__).parent.parent / 'scripts' / 'check_matches.py'
+_SPEC = importlib.util.spec_from_file_location('check_matches', _PATH)
+check_matches = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(check_matches)
+
+
+def _write(path, records):
+  path.write_text(''.join(json.dumps(r) + '\n' for r in records))
+  return str(path)
+
+
+def test_every_true_check_passes_and_nulls_are_not_counted(tmp_path, capsys):
+  a = _write(tmp_path / 'a.jsonl', [
+      {'workload': 'json', 'matches_autoregressive': True, 'speedup': 1.2},
+      {'workload': 'json', 'setting': 'k0', 'matches_baseline': None},
+      {'workload': 'json', 'setting': 'k2', 'matches_baseline': True}])
+  b = _write(tmp_path / 'b.jsonl', [{'replay_matches': True, 'matches_off': True}])
+  assert check_matches.main([a, b]) == 0
+  assert '4 equality checks held, 0 failed' in capsys.readouterr().out
+
+
+def test_a_false_check_fails_naming_the_record_and_field(tmp_path, capsys):
+  a = _write(tmp_path / 'a.jsonl', [
+      {'workload': 'json', 'setting': 'k0', 'matches_baseline': None},
+      {'workload': 'code', 'setting': 'k2', 'k': 2, 'matches_baseline': False},
+      {'workload': 'code', 'setting': 'k4', 'matches_baseline': True}])
+  assert check_matches.main([a]) == 1
+  out = capsys.readouterr().out
+  assert f'FAILED {a} record 2 (workload=code, setting=k2, k=2): matches_baseline = False' in out
+  assert '1 equality checks held, 1 failed' in out
+
+
+def test_a_non_boolean_value_is_a_failure_not_a_pass(tmp_path):
+  a = _write(tmp_path / 'a.jsonl', [{'matches_autoregressive': 'true'}])
+  assert check_matches.main([a]) == 1
+
+
+def test_files_without_any_check_fail(tmp_path, capsys):
+  a = _write(tmp_path / 'a.jsonl', [{'workload': 'json', 'matches_baseline': None},
+                                    {'speedup': 1.0}])
+  assert check_matches.main([a]) == 1
+  assert 'no equality check' in capsys.readouterr().out
+
+
+def test_a_missing_file_or_no_argument_is_a_usage_error(tmp_path, capsys):
+  assert check_matches.main([str(tmp_path / 'missing.jsonl')]) == 2
+  assert 'missing.jsonl' in capsys.readouterr().err
+  assert check_matches.main([]) == 2
