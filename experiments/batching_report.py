@@ -187,7 +187,8 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     'settings': [row per (B, workload, setting): means over repeats of
     tokens_per_s, speedup, decode_speedup, α, τ, TTFT, TPOT, and for fixed-K draft-model settings
     the model's predicted speedups τ(α, K) / c(B, K) (predicted_speedup) and τ_measured / c(B, K)
-    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`)],
+    (predicted_from_tau), and alpha_equivalent (see `equivalent_alpha`); matches_baseline: the
+    fraction of greedy passes whose tokens equalled the K = 0 engine's, None if none checked],
     'adaptive': [row per (B, workload, non-fixed policy): tokens/s as a fraction of the best
     static setting (K = 0 included), the same pass by pass with its standard error
     (`_per_pass`), and against the static setting chosen on the other passes (`_held_out`)],
@@ -219,6 +220,8 @@ def analyze(records: list[dict], source: str = 'steps') -> dict:
     for f in ('tokens_per_s', 'speedup', 'decode_speedup', 'round_cost', 'acceptance_rate',
               'mean_accepted_length', 'ttft_s', 'tpot_s'):
       row[f] = _mean(r.get(f) for r in rs)
+    checked = [r['matches_baseline'] for r in rs if r.get('matches_baseline') is not None]
+    row['matches_baseline'] = sum(map(bool, checked)) / len(checked) if checked else None
     k, alpha, c = row['k'], row['acceptance_rate'], costs.get(b, {}).get(row['k'])
     if _static_model(rs[0]) and k and alpha is not None and c:
       row['cost'] = c
@@ -403,15 +406,17 @@ def markdown(result: dict) -> str:
               'speedup = tokens/s ÷ K = 0 tokens/s (whole run, prefill included); decode = '
               'the same over decode-only steps; predicted (α) = τ(α, K) ÷ c(B, K) with the '
               'measured α (i.i.d. model); predicted (τ) = measured τ ÷ c(B, K); α_eq = the '
-              'i.i.d. α with τ(α_eq, K) = measured τ, the α to hold against α*.', '']
+              'i.i.d. α with τ(α_eq, K) = measured τ, the α to hold against α*; = K0: the '
+              'fraction of greedy passes whose tokens equalled the K = 0 engine\'s.', '']
     lines += _table(
         ['B', 'setting', 'tokens/s', 'speedup', 'decode speedup', 'predicted (α)',
-         'predicted (τ)', 'α', 'α_eq', 'τ', 'TTFT ms', 'TPOT ms'],
+         'predicted (τ)', 'α', 'α_eq', 'τ', 'TTFT ms', 'TPOT ms', '= K0'],
         [[r['batch_size'], r['setting'], _fmt(r['tokens_per_s'], 0), r['speedup'],
           r['decode_speedup'], r.get('predicted_speedup'), r.get('predicted_from_tau'),
           r['acceptance_rate'], r.get('alpha_equivalent'),
           r['mean_accepted_length'], None if r['ttft_s'] is None else r['ttft_s'] * 1e3,
-          None if r['tpot_s'] is None else r['tpot_s'] * 1e3] for r in rows])
+          None if r['tpot_s'] is None else r['tpot_s'] * 1e3, r.get('matches_baseline')]
+         for r in rows])
   for name, v in result.get('validation', {}).items():
     what = {'iid_alpha': 'τ(α, K) / c (i.i.d. α)', 'measured_tau': 'τ_measured / c'}[name]
     lines += ['', f'Measured decode-only speedup ÷ predicted {what}: median {v["median"]:.2f}, '

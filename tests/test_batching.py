@@ -160,6 +160,25 @@ def test_analyze_recovers_costs_thresholds_predictions_and_adaptive_fraction():
   assert all(a['per_pass_se'] == pytest.approx(0.0, abs=1e-12) for a in result['adaptive'])
 
 
+def test_analyze_gives_the_fraction_of_greedy_passes_matching_k0_and_the_table_shows_it():
+  """matches_baseline per (B, workload, setting): the fraction of its passes whose greedy tokens
+  equalled the K = 0 engine's (one of two: 0.5); None where no record checked (the baseline,
+  records from before the field)."""
+  records = _records()
+  for r in records:
+    if r['setting'] == 'k2':
+      r['matches_baseline'] = not (r['batch_size'] == 8 and r['repeat'] == 1)
+    elif r['setting'] == 'k0':
+      r['matches_baseline'] = None
+  result = br.analyze(records)
+  got = {(r['batch_size'], r['workload'], r['setting']): r['matches_baseline']
+         for r in result['settings']}
+  assert got[(1, 'json', 'k2')] == 1.0 and got[(8, 'retrieval', 'k2')] == 0.5
+  assert got[(1, 'json', 'k0')] is None and got[(1, 'json', 'goodput')] is None
+  md = br.markdown(result)
+  assert '| = K0 |' in md and '| 0.50 |' in md
+
+
 def test_adaptive_fraction_pass_by_pass_pairs_records_by_repeat():
   # Pass 1 ran 20 % slower for every setting (the machine's load): the paired ratios see
   # goodput at 0.8 and 1.0 of k0 in its two passes, whatever each pass's speed.
