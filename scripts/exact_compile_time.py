@@ -31,6 +31,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 PAGE = 8
+MAX_BATCH = 256     # sequences per call; 4x the study's largest batch (B = 64)
 
 
 def compile_times(model: str, tokens: int, batch: int, exact: bool, compile_: bool = True):
@@ -79,6 +80,10 @@ def main(argv=None) -> None:
     parser.error(f'--tokens must be comma-separated ints, got {args.tokens!r}')
   if any(t < 1 for t in tokens) or args.batch < 1:
     parser.error(f'--tokens and --batch must be >= 1, got {tokens} and {args.batch}')
+  if args.batch > MAX_BATCH:     # exact mode's program grows with batch x T / 32 row blocks
+    parser.error(f'--batch {args.batch} is above {MAX_BATCH}: exact mode compiles one block of '
+                 f'32 rows per 32 of batch x T, so its program (and its compile memory) grows '
+                 f'with --batch (the largest B of the batching study is 64)')
   # Before JAX initialises its backend (the imports of jax are deferred for this).
   flags = os.environ.get('XLA_FLAGS', '')
   os.environ['XLA_FLAGS'] = f'{flags} --xla_backend_optimization_level={args.opt_level}'.strip()

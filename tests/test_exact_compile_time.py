@@ -31,7 +31,8 @@ def test_the_script_prints_both_modes_and_their_ratio(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize('argv', [['--tokens', '0'], ['--tokens', 'a,b'], ['--batch', '0'],
-                                  ['--tokens', '33'], ['--model', 'nope']])
+                                  ['--batch', '100000000'], ['--tokens', '33'],
+                                  ['--model', 'nope']])
 def test_bad_arguments_are_named(argv, capsys):
   with pytest.raises(SystemExit):
     exact_compile_time.main(argv)
