@@ -359,19 +359,25 @@ def test_measure_shuffles_the_step_order_every_round_reproducibly(tiny):
   assert again == steps and other != steps and same == results == results_other
 
 
+def _stub_study(monkeypatch, make_prompts=None):
+  """Stub out what `batching.run` loads and builds: the model pair, the prompts (by default one
+  of 3 tokens per pass) and the engines (one stand-in shared by every setting)."""
+  engine = types.SimpleNamespace(step_costs={})
+  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
+                                                        types.SimpleNamespace(eos_ids=())))
+  monkeypatch.setattr(batching, 'make_prompts', make_prompts or (lambda *a, **k: [
+      types.SimpleNamespace(tokens=[1, 2, 3])]))
+  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
+      n: (engine, None) for n in settings})
+
+
 def test_run_gives_each_repeat_and_workload_its_own_step_order(monkeypatch):
   """`run` seeds `measure`'s per-round shuffles per (repeat, workload), so the passes of a sweep
   do not all replay one sequence of orders (with the model, engines and runs stubbed out)."""
   from configs import batching as batching_config
   config = batching_config.get_config('smoke')
   config.workloads, config.repeats, config.cost_rounds = 'json,code', 2, 0
-  engine = types.SimpleNamespace(step_costs={})
-  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
-                                                        types.SimpleNamespace(eos_ids=())))
-  monkeypatch.setattr(batching, 'make_prompts', lambda *a, **k: [
-      types.SimpleNamespace(tokens=[1, 2, 3])])
-  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
-      n: (engine, None) for n in settings})
+  _stub_study(monkeypatch)
   seeds = []
 
   def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
@@ -395,13 +401,8 @@ def test_run_draws_new_prompts_for_every_repeat_unless_told_not_to(monkeypatch, 
   config = batching_config.get_config('smoke')
   config.workloads, config.repeats, config.cost_rounds = 'json,code', 2, 0
   config.seed, config.new_prompts = 7, new_prompts
-  engine = types.SimpleNamespace(step_costs={})
-  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
-                                                        types.SimpleNamespace(eos_ids=())))
-  monkeypatch.setattr(batching, 'make_prompts', lambda w, tok, n, length, split, seed: [
+  _stub_study(monkeypatch, lambda w, tok, n, length, split, seed: [
       types.SimpleNamespace(tokens=[seed, len(w)])])
-  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
-      n: (engine, None) for n in settings})
   submitted = []
 
   def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
@@ -425,13 +426,7 @@ def test_run_records_whether_each_greedy_setting_emitted_the_baselines_tokens(mo
   config = batching_config.get_config('smoke')
   config.settings, config.cost_rounds = 'k0=k:0;same=k:2;differs=k:2', 0
   config.temperature = temperature
-  engine = types.SimpleNamespace(step_costs={})
-  monkeypatch.setattr(batching, 'load_pair', lambda c: (None, None, None, None,
-                                                        types.SimpleNamespace(eos_ids=())))
-  monkeypatch.setattr(batching, 'make_prompts', lambda *a, **k: [
-      types.SimpleNamespace(tokens=[1, 2, 3])])
-  monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
-      n: (engine, None) for n in settings})
+  _stub_study(monkeypatch)
   outputs = {'k0': [[4, 5], [6]], 'same': [[4, 5], [6]], 'differs': [[4, 5], [7]]}
 
   def measure(engines, prompts, *, max_tokens, stop_tokens, seed=0):
