@@ -11,11 +11,12 @@ numerics* is checked where the experiments run.
 
 Exit status: 0 when every check held (it prints how many); 1 naming each record and field that
 did not, or when the files hold no check at all (a gate that checked nothing must not pass);
-2 for a file that cannot be read.
+2 for a file that cannot be read, or no file named.
 """
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 
@@ -52,18 +53,18 @@ def failures(paths) -> tuple[int, list[str]]:
 
 
 def main(argv: list[str]) -> int:
-  if not argv:
-    print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-    return 2
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('results', nargs='+', help='results.jsonl files')
+  paths = parser.parse_args(argv).results
   try:
-    held, failed = failures(argv)
+    held, failed = failures(paths)
   except (OSError, ValueError) as error:
     print(f'check_matches: {error}', file=sys.stderr)
     return 2
   for line in failed:
     print(f'FAILED {line}')
   if not held and not failed:
-    print(f'check_matches: no equality check in {", ".join(argv)}')
+    print(f'check_matches: no equality check in {", ".join(paths)}')
     return 1
   print(f'{held} equality checks held, {len(failed)} failed')
   return 1 if failed else 0

@@ -4,6 +4,8 @@ import importlib.util
 import json
 import pathlib
 
+import pytest
+
 _PATH = pathlib.Path(__file__).parent.parent / 'scripts' / 'check_matches.py'
 _SPEC = importlib.util.spec_from_file_location('check_matches', _PATH)
 check_matches = importlib.util.module_from_spec(_SPEC)
@@ -51,4 +53,6 @@ def test_files_without_any_check_fail(tmp_path, capsys):
 def test_a_missing_file_or_no_argument_is_a_usage_error(tmp_path, capsys):
   assert check_matches.main([str(tmp_path / 'missing.jsonl')]) == 2
   assert 'missing.jsonl' in capsys.readouterr().err
-  assert check_matches.main([]) == 2
+  with pytest.raises(SystemExit) as exit_:
+    check_matches.main([])
+  assert exit_.value.code == 2 and 'usage:' in capsys.readouterr().err
