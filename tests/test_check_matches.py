@@ -24,7 +24,7 @@ def test_every_true_check_passes_and_nulls_are_not_counted(tmp_path, capsys):
       {'workload': 'json', 'setting': 'k2', 'matches_baseline': True}])
   b = _write(tmp_path / 'b.jsonl', [{'replay_matches': True, 'matches_off': True}])
   assert check_matches.main([a, b]) == 0
-  assert '4 equality checks held, 0 failed' in capsys.readouterr().out
+  assert 'equality checks: 4 held, 0 failed' in capsys.readouterr().out
 
 
 def test_a_false_check_fails_naming_the_record_and_field(tmp_path, capsys):
@@ -34,8 +34,8 @@ def test_a_false_check_fails_naming_the_record_and_field(tmp_path, capsys):
       {'workload': 'code', 'setting': 'k4', 'matches_baseline': True}])
   assert check_matches.main([a]) == 1
   out = capsys.readouterr().out
-  assert f'FAILED {a} record 2 (workload=code, setting=k2, k=2): matches_baseline = False' in out
-  assert '1 equality checks held, 1 failed' in out
+  assert f'FAILED {a} line 2 (workload=code, setting=k2, k=2): matches_baseline = False' in out
+  assert 'equality checks: 1 held, 1 failed' in out
 
 
 def test_a_non_boolean_value_is_a_failure_not_a_pass(tmp_path):
@@ -48,6 +48,29 @@ def test_files_without_any_check_fail(tmp_path, capsys):
                                     {'speedup': 1.0}])
   assert check_matches.main([a]) == 1
   assert 'no equality check' in capsys.readouterr().out
+
+
+def test_each_file_must_hold_a_check_of_its_own(tmp_path, capsys):
+  """The speculative and batching results are checked together in CI: a file whose checks are
+  all null (or absent) fails even beside one whose checks held."""
+  ok = _write(tmp_path / 'ok.jsonl', [{'matches_autoregressive': True}])
+  nulls = _write(tmp_path / 'nulls.jsonl', [{'setting': 'k0', 'matches_baseline': None}])
+  empty = _write(tmp_path / 'empty.jsonl', [])
+  assert check_matches.main([ok, nulls, empty]) == 1
+  out = capsys.readouterr().out
+  assert f'FAILED {nulls}: no equality check' in out and f'FAILED {empty}: no equality check' in out
+  assert f'FAILED {ok}' not in out
+
+
+@pytest.mark.parametrize('text', [
+    '{"matches_x": true}\n{"matches_x": fal',          # torn last line
+    '{"matches_x": fal\n{"matches_x": true}\n',        # damaged line in the middle
+    '{"matches_x": true}\n[{"matches_x": false}]\n'])  # a JSON value that is not a record
+def test_a_line_that_is_not_a_record_fails_naming_it(tmp_path, capsys, text):
+  path = tmp_path / 'r.jsonl'
+  path.write_text(text)
+  assert check_matches.main([str(path)]) == 1
+  assert 'not a JSON record' in capsys.readouterr().out
 
 
 def test_a_missing_file_or_no_argument_is_a_usage_error(tmp_path, capsys):
