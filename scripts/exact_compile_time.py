@@ -16,7 +16,7 @@ started, the level it started with stays). Nothing runs: the weights are shapes
 (`jax.eval_shape`), which is all that compiles. One untimed trace comes first (the first pays
 JAX's own start-up). T is at most 32 (`llama.EXACT_ROWS`: longer calls are not exact); exact
 mode also cuts a call's batch x T rows into blocks of 32 (`matmul_rows`), so beyond batch 1 its
-program grows with batch x T / 32.
+program grows with batch x T / 32 (--batch is refused above 256).
 """
 
 from __future__ import annotations
