@@ -1,0 +1,68 @@
+"""experiments/batching_runs.py: adaptive K against the best static setting across runs."""
+
+import json
+
+import pytest
+
+from experiments import batching_runs
+
+
+def _run(goodput_tps, k1_tps, b=2, workload='code', repeats=2):
+  """One run's records: K = 0 at 100 tokens/s, K = 1 and goodput as given, every pass alike."""
+  out = []
+  for repeat in range(repeats):
+    for setting, k, policy, tps, alpha in (('k0', 0, 'fixed', 100.0, None),
+                                           ('k1', 1, 'fixed', k1_tps, 0.6),
+                                           ('goodput', 8, 'goodput', goodput_tps, 0.6)):
+      out.append(dict(case_id=f'batch_size={b}', batch_size=b, workload=workload,
+                      setting=setting, k=k, drafter='model' if k else 'none', k_policy=policy,
+                      repeat=repeat, tokens_per_s=tps, decode_tokens_per_s=tps,
+                      round_s=0.01 * (1 + 0.4 * (k == 1)), acceptance_rate=alpha,
+                      mean_accepted_length=1.6 if k else 1.0, ttft_s=0.01, tpot_s=0.002,
+                      speedup=tps / 100.0, decode_speedup=tps / 100.0))
+  return out
+
+
+def test_each_run_is_held_against_its_own_best_static_setting():
+  """Run 1: K = 1 best (110), goodput 99 -> 0.9; run 2: K = 0 best, goodput 98 -> 0.98; the
+  mean, the spread between runs and its standard error follow."""
+  rows = batching_runs.across_runs([_run(99.0, 110.0), _run(98.0, 90.0)])
+  assert len(rows) == 1
+  row = rows[0]
+  assert (row['batch_size'], row['workload'], row['setting']) == (2, 'code', 'goodput')
+  assert row['fractions'] == [pytest.approx(0.9), pytest.approx(0.98)]
+  assert row['mean'] == pytest.approx(0.94)
+  assert row['sd'] == pytest.approx(0.08 / 2 ** 0.5)
+  assert row['se'] == pytest.approx(0.04)
+  md = batching_runs.table(rows, aim=0.95)
+  assert '| 2 | code | goodput | 2 | 0.900 0.980 | 0.940 | 0.057 | 0.040 | 1 |' in md
+
+
+def test_one_run_has_no_spread_and_cells_missing_from_a_run_count_only_where_present():
+  rows = batching_runs.across_runs([_run(99.0, 110.0),
+                                    _run(97.0, 90.0, workload='json')])
+  assert [(r['workload'], len(r['fractions']), r['sd'], r['se']) for r in rows] == [
+      ('code', 1, None, None), ('json', 1, None, None)]
+
+
+def test_cli_reads_files_and_directories_and_names_what_it_cannot(tmp_path, capsys):
+  for i, run in enumerate((_run(99.0, 110.0), _run(98.0, 90.0))):
+    (tmp_path / f'r{i}').mkdir()
+    (tmp_path / f'r{i}' / 'results.jsonl').write_text(
+        ''.join(json.dumps(r) + '\n' for r in run))
+  assert batching_runs.main([str(tmp_path / 'r0'), str(tmp_path / 'r1' / 'results.jsonl')]) == 0
+  assert '| 2 | code | goodput | 2 | 0.900 0.980 |' in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    batching_runs.main([str(tmp_path / 'missing')])
+  assert 'missing' in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    batching_runs.main([str(tmp_path / 'r0'), '--aim', '0'])
+  assert '--aim' in capsys.readouterr().err
+
+
+def test_records_without_an_adaptive_setting_say_so(tmp_path, capsys):
+  run = [r for r in _run(99.0, 110.0) if r['setting'] != 'goodput']
+  path = tmp_path / 'results.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in run))
+  assert batching_runs.main([str(path)]) == 1
+  assert 'nothing to compare' in capsys.readouterr().out
