@@ -8,9 +8,10 @@ The passes of one run share its engines, their warm-up cost tables and where a p
 estimates stand, so a run can settle in one regime for all its passes: runs differ by more than
 the per-pass error `threshold.md` gives (two nine-pass runs of B = 2 code, same code, 40 minutes
 apart on the development CPU: goodput 0.938 and 0.982 of the best static setting, per-pass
-errors 0.012 and 0.004; docs/adaptive_k.md). Whether a policy meets an aim such as issue 6's
-("within 5 % of the best static setting at every batch size") is a question about its expected
-fraction, which only independent runs measure.
+errors 0.012 and 0.004; docs/adaptive_k.md). An aim such as issue 6's ("within 5 % of the best
+static setting at every batch size, so turning it on never loses") asks both for a policy's
+expected fraction and for how often a single run, one deployment, falls short of it; only
+independent runs measure either.
 
 Per (B, workload, adaptive setting) it prints each run's fraction of the best static setting
 (`batching_report.analyze`: mean tokens/s over that run's passes, the best static chosen in that

@@ -8,6 +8,7 @@ interrupted run loses nothing; `read_results` skips a line torn by a kill.
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import math
 import os
@@ -147,17 +148,23 @@ def format_record(record: dict) -> str:
 
 
 def read_results(path) -> list[dict]:
-  """All records of a results.jsonl file: the JSON objects of its lines. A line that is not a
-  JSON object is skipped: silently if it is the last (torn by a killed run), else with a
-  warning naming the line numbers (a record damaged in the middle of a file is a lost result).
-  Blank lines are skipped silently.
+  """All records of a results.jsonl file (or of a gzip-compressed one, named *.gz: records kept
+  in the repository, docs/batching/). A line that is not a JSON object is skipped: silently if
+  it is the last (torn by a killed run), else with a warning naming the line numbers (a record
+  damaged in the middle of a file is a lost result). Blank lines are skipped silently.
 
   Raises:
-    ValueError: the file is not UTF-8 text (naming it)."""
+    ValueError: the file is not UTF-8 text, or a *.gz file is not gzip data (naming it)."""
   try:
-    text = pathlib.Path(path).read_text()
+    if str(path).endswith('.gz'):
+      with gzip.open(path, 'rt', encoding='utf-8') as f:
+        text = f.read()
+    else:
+      text = pathlib.Path(path).read_text()
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
+  except (gzip.BadGzipFile, EOFError) as e:
+    raise ValueError(f'{path} is not a results file (not gzip data: {e})') from None
   lines = text.splitlines()
   records, bad = [], []
   for number, line in enumerate(lines, start=1):

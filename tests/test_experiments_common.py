@@ -271,6 +271,18 @@ def test_read_results_names_damaged_lines_but_not_a_torn_last_one(tmp_path):
     assert read_results(path) == [{'a': 1}, {'a': 3}]
 
 
+def test_read_results_reads_gzip_compressed_records_and_names_a_file_that_is_not(tmp_path):
+  import gzip
+  path = tmp_path / 'results.jsonl.gz'
+  with gzip.open(path, 'wt') as f:
+    f.write('{"a": 1}\n{"a": 2}\n')
+  assert read_results(path) == [{'a': 1}, {'a': 2}]
+  plain = tmp_path / 'other.jsonl.gz'
+  plain.write_text('{"a": 1}\n')                             # named .gz, not compressed
+  with pytest.raises(ValueError, match=r'other.jsonl.gz is not a results file \(not gzip'):
+    read_results(plain)
+
+
 def test_the_eviction_worker_mode_does_not_check_the_quality_modes_budget():
   # budget_frac=0 was refused in worker mode, which keeps worker_budget tokens instead.
   config = importlib.import_module('configs.eviction').get_config('worker')
