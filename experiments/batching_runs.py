@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import pathlib
 import statistics
 import sys
 
 from experiments.batching_report import analyze
-from experiments.records import read_results
+from experiments.records import read_run
 
 
 def across_runs(runs: list[list[dict]]) -> list[dict]:
@@ -70,11 +69,6 @@ def table(rows: list[dict], aim: float) -> str:
   return '\n'.join(lines) + '\n'
 
 
-def _results_path(path: str) -> pathlib.Path:
-  p = pathlib.Path(path)
-  return p / 'results.jsonl' if p.is_dir() else p
-
-
 def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('runs', nargs='+', help='results.jsonl files, or the run / sweep '
@@ -86,11 +80,8 @@ def main(argv: list[str]) -> int:
     parser.error(f'--aim must be in (0, 2], got {args.aim}')
   runs = []
   for path in args.runs:
-    results = _results_path(path)
-    if not results.is_file():
-      parser.error(f'{path}: no results file ({results} is not a file)')
     try:
-      runs.append(read_results(results))
+      runs.append(read_run(path)[1])       # a sweep's: its finished cases (`read_run`)
     except ValueError as error:
       parser.error(str(error))
   try:

@@ -147,24 +147,33 @@ def format_record(record: dict) -> str:
   return '  '.join(parts)
 
 
-def read_results(path) -> list[dict]:
-  """All records of a results.jsonl file (or of a gzip-compressed one, named *.gz: records kept
-  in the repository, docs/batching/). A line that is not a JSON object is skipped: silently if
-  it is the last (torn by a killed run), else with a warning naming the line numbers (a record
-  damaged in the middle of a file is a lost result). Blank lines are skipped silently.
+def results_text(path) -> str:
+  """The text of a results.jsonl file, or of a gzip-compressed one named *.gz (records kept in
+  the repository, docs/batching/).
 
   Raises:
-    ValueError: the file is not UTF-8 text, or a *.gz file is not gzip data (naming it)."""
+    OSError: the file cannot be read. ValueError: it is not UTF-8 text, or a *.gz file is not
+      gzip data (naming it)."""
   try:
     if str(path).endswith('.gz'):
       with gzip.open(path, 'rt', encoding='utf-8') as f:
-        text = f.read()
-    else:
-      text = pathlib.Path(path).read_text()
+        return f.read()
+    return pathlib.Path(path).read_text()
   except UnicodeDecodeError as e:
     raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
   except (gzip.BadGzipFile, EOFError) as e:
     raise ValueError(f'{path} is not a results file (not gzip data: {e})') from None
+
+
+def read_results(path) -> list[dict]:
+  """All records of a results file (`results_text`: plain or *.gz). A line that is not a JSON
+  object is skipped: silently if it is the last (torn by a killed run), else with a warning
+  naming the line numbers (a record damaged in the middle of a file is a lost result). Blank
+  lines are skipped silently.
+
+  Raises:
+    ValueError: the file is not UTF-8 text, or not gzip data where named *.gz (naming it)."""
+  text = results_text(path)
   lines = text.splitlines()
   records, bad = [], []
   for number, line in enumerate(lines, start=1):
@@ -178,6 +187,40 @@ def read_results(path) -> list[dict]:
     warnings.warn(f'{path}: line{"s" if len(bad) > 1 else ""} {shown} not a JSON record, '
                   f'skipped', stacklevel=2)
   return records
+
+
+def read_run(path) -> tuple[pathlib.Path, list[dict], int]:
+  """(results file, records, records left out) of a results file or of the run or sweep
+  directory holding results.jsonl. A sweep's records are those of its finished cases (a `done`
+  marker) that its sweep.json still lists, in sweep order (every finished case when sweep.json
+  is missing or unreadable), as the sweep itself reports them.
+
+  Raises:
+    ValueError: no results file there, or one `read_results` refuses (naming it).
+  """
+  path = pathlib.Path(path)
+  if path.is_dir():                                   # a run or sweep directory
+    path = path / 'results.jsonl'
+  if not path.is_file():
+    raise ValueError(f'no results file {str(path)!r} (give a results.jsonl or its directory)')
+  records = read_results(path)
+  cases = path.parent / 'cases'
+  if not cases.is_dir():
+    return path, records, 0
+  ids = _sweep_ids(path.parent / 'sweep.json')
+  order = {cid: n for n, cid in enumerate(ids or ())}
+  kept = [r for r in records if (cases / str(r.get('case_id')) / 'done').exists()
+          and (ids is None or r.get('case_id') in order)]
+  return path, sorted(kept, key=lambda r: order.get(r.get('case_id'), 0)), len(records) - len(kept)
+
+
+def _sweep_ids(path: pathlib.Path) -> Optional[list]:
+  """The case ids a sweep's sweep.json lists, in sweep order; None if it is missing or
+  unreadable (every finished case is kept then)."""
+  try:
+    return [case['case_id'] for case in json.loads(path.read_text())]
+  except (OSError, ValueError, TypeError, KeyError):
+    return None
 
 
 def json_object(line: str) -> dict | None:

@@ -205,40 +205,18 @@ def guess_experiment(results_path) -> Optional[str]:
     return None
 
 
-def _sweep_ids(path: pathlib.Path) -> Optional[list]:
-  """The case ids a sweep's sweep.json lists, in sweep order; None if it is missing or
-  unreadable (every finished case is reported then)."""
-  try:
-    return [case['case_id'] for case in json.loads(path.read_text())]
-  except (OSError, ValueError, TypeError, KeyError):
-    return None
-
-
 def main(argv) -> None:
   """CLI: `python -m experiments.report RESULTS_JSONL [--out DIR] [--experiment NAME]`."""
   from absl import app, flags  # pylint: disable=g-import-not-at-top
-  from experiments.records import read_results  # pylint: disable=g-import-not-at-top
+  from experiments.records import read_run  # pylint: disable=g-import-not-at-top
   if len(argv) != 2:
     raise app.UsageError('usage: python -m experiments.report RESULTS_JSONL [--out DIR]')
-  path = pathlib.Path(argv[1])
-  if path.is_dir():                                   # a run or sweep directory
-    path = path / 'results.jsonl'
-  if not path.is_file():
-    sys.exit(f'FATAL: no results file {str(path)!r} (give a results.jsonl or its directory)')
   try:
-    records = read_results(path)
+    path, records, left_out = read_run(argv[1])
   except ValueError as error:
     sys.exit(f'FATAL: {error}')
-  cases = path.parent / 'cases'
-  if cases.is_dir():          # a sweep: as the sweep reports, its finished cases in its order
-    ids = _sweep_ids(path.parent / 'sweep.json')
-    order = {cid: n for n, cid in enumerate(ids or ())}
-    kept = [r for r in records if (cases / str(r.get('case_id')) / 'done').exists()
-            and (ids is None or r.get('case_id') in order)]
-    if len(kept) < len(records):
-      print(f'{len(records) - len(kept)} records of unfinished cases or cases no longer in '
-            f'sweep.json left out')
-    records = sorted(kept, key=lambda r: order.get(r.get('case_id'), 0))
+  if left_out:
+    print(f'{left_out} records of unfinished cases or cases no longer in sweep.json left out')
   if not records:                                     # never overwrite a report with nothing
     sys.exit(f'FATAL: no result records in {str(path)!r} (is it a results.jsonl?); nothing '
              f'written')

@@ -24,7 +24,7 @@ import sys
 # This checkout's code first (as `python -m` from the repository root), not an installed copy.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from experiments.records import json_object  # noqa: E402
+from experiments.records import json_object, results_text  # noqa: E402
 
 LABEL = ('batch_size', 'workload', 'setting', 'k', 'temperature', 'repeat')
 
@@ -40,14 +40,12 @@ def failures(paths) -> tuple[int, list[str]]:
   which a gate must not pass over), or a file holding no check at all.
 
   Raises:
-    OSError: a file that cannot be read; ValueError: one that is not UTF-8 text.
+    OSError: a file that cannot be read; ValueError: one that is not a results file
+      (`experiments.records.results_text`: UTF-8 text, gzip data where named *.gz).
   """
   held, failed = 0, []
   for path in paths:
-    try:
-      lines = pathlib.Path(path).read_text().splitlines()
-    except UnicodeDecodeError as e:
-      raise ValueError(f'{path} is not a results file (not UTF-8 text: {e.reason})') from None
+    lines = results_text(path).splitlines()
     checked = 0
     for number, line in enumerate(lines, start=1):
       if not line.strip():

@@ -27,6 +27,15 @@ def test_every_true_check_passes_and_nulls_are_not_counted(tmp_path, capsys):
   assert 'equality checks: 4 held, 0 failed' in capsys.readouterr().out
 
 
+def test_gzip_compressed_results_are_read(tmp_path, capsys):
+  import gzip
+  path = tmp_path / 'r.jsonl.gz'
+  with gzip.open(path, 'wt') as f:
+    f.write(json.dumps({'matches_baseline': True}) + '\n')
+  assert check_matches.main([str(path)]) == 0
+  assert 'equality checks: 1 held, 0 failed' in capsys.readouterr().out
+
+
 def test_a_false_check_fails_naming_the_record_and_field(tmp_path, capsys):
   a = _write(tmp_path / 'a.jsonl', [
       {'workload': 'json', 'setting': 'k0', 'matches_baseline': None},

@@ -14,7 +14,7 @@ import pytest
 
 from experiments import common
 from experiments.common import check_fields, empty_cache, import_experiment, parse_workloads
-from experiments.records import Results, new_run_dir, read_results
+from experiments.records import Results, new_run_dir, read_results, read_run
 from jaxspec.data import WORKLOADS
 from jaxspec.decoding import NonFiniteLogitsError
 from jaxspec.models import ModelConfig
@@ -281,6 +281,26 @@ def test_read_results_reads_gzip_compressed_records_and_names_a_file_that_is_not
   plain.write_text('{"a": 1}\n')                             # named .gz, not compressed
   with pytest.raises(ValueError, match=r'other.jsonl.gz is not a results file \(not gzip'):
     read_results(plain)
+
+
+def test_read_run_takes_a_file_or_its_directory_and_a_sweeps_finished_listed_cases(tmp_path):
+  run = tmp_path / 'run'
+  run.mkdir()
+  (run / 'results.jsonl').write_text('{"a": 1}\n')
+  assert read_run(run) == (run / 'results.jsonl', [{'a': 1}], 0)
+  assert read_run(run / 'results.jsonl')[1] == [{'a': 1}]
+  with pytest.raises(ValueError, match=r"no results file '.*missing/results.jsonl'"):
+    read_run(tmp_path / 'missing' / 'results.jsonl')
+  sweep = tmp_path / 'sweep'
+  for cid, done in (('b', True), ('a', True), ('c', False), ('gone', True)):
+    (sweep / 'cases' / cid).mkdir(parents=True)
+    if done:
+      (sweep / 'cases' / cid / 'done').write_text('')
+  (sweep / 'sweep.json').write_text(json.dumps([{'case_id': c} for c in 'abc']))
+  (sweep / 'results.jsonl').write_text(''.join(
+      json.dumps({'case_id': c}) + '\n' for c in ('b', 'c', 'a', 'gone')))
+  path, records, left_out = read_run(sweep)
+  assert [r['case_id'] for r in records] == ['a', 'b'] and left_out == 2   # unfinished, unlisted
 
 
 def test_the_eviction_worker_mode_does_not_check_the_quality_modes_budget():
