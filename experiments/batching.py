@@ -179,10 +179,10 @@ def _summary(engine: Engine, run: dict) -> dict:
       outputs=[list(o.tokens) for o in outs])
 
 
-def _matches(outputs, baseline, is_baseline: bool, temperature: float) -> bool | None:
+def _matches(outputs, baseline, is_baseline: bool, greedy: bool) -> bool | None:
   """Whether a greedy run emitted, request for request, the tokens the baseline (K = 0) run
   emitted; None for the baseline itself, when sampling, or without both outputs."""
-  if is_baseline or temperature != 0 or outputs is None or baseline is None:
+  if is_baseline or not greedy or outputs is None or baseline is None:
     return None
   return outputs == baseline
 
@@ -385,6 +385,6 @@ def run(config, results) -> None:
             decode_speedup=_ratio(m['decode_tokens_per_s'], ref.get('decode_tokens_per_s')),
             round_cost=_ratio(m['round_s'], ref.get('round_s')),
             matches_baseline=_matches(outputs[name], outputs.get(base), name == base,
-                                      float(config.temperature)),
+                                      _sampling(config).greedy),
             idle_round_s=idle_s, idle_round_cost=idle_cost,
             warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())}))
