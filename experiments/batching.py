@@ -43,6 +43,9 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       `engine.policy.costs`, is that made non-decreasing in K and updated from
                       live rounds); for fixed ones the last idle round of the interleaved
                       benchmark
+  calibration         for a goodput setting that calibrates: its realized-over-predicted
+                      factor on K >= 1 scores after the pass (`jaxspec.engine.calibration`;
+                      the engine's, so it carries over from the passes before); else None
 The α-threshold analysis over these records is `experiments.batching_report`.
 
 Settings are data (`experiments.batching_settings`): 'name=key:value,key:value;name2=...', each
@@ -185,6 +188,12 @@ def _matches(outputs, baseline, is_baseline: bool, greedy: bool) -> bool | None:
   if is_baseline or not greedy or outputs is None or baseline is None:
     return None
   return outputs == baseline
+
+
+def _calibration(engine: Engine) -> float | None:
+  """The K policy's `calibration.factor` after the pass (None without one)."""
+  calibration = getattr(getattr(engine, 'policy', None), 'calibration', None)
+  return None if calibration is None else calibration.factor
 
 
 def _ratio(num, den):
@@ -387,4 +396,5 @@ def run(config, results) -> None:
             matches_baseline=_matches(outputs[name], outputs.get(base), name == base,
                                       _sampling(config).greedy),
             idle_round_s=idle_s, idle_round_cost=idle_cost,
-            warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())}))
+            warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())},
+            calibration=_calibration(engine)))

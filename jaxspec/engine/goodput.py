@@ -14,6 +14,7 @@ import numpy as np
 from jaxspec.checks import check_int, check_real, is_int_in
 from jaxspec.engine import holds, makespan
 from jaxspec.engine.acceptance import AlphaTracker, round_observation
+from jaxspec.engine.calibration import Calibration
 from jaxspec.engine.makespan import round_tokens
 from jaxspec.engine.k_policy import KPolicy
 from jaxspec.engine.live_costs import LiveCosts, checked_table
@@ -96,6 +97,9 @@ class GoodputK(KPolicy):
       `confidence_weight`; `KPolicy.confidences`, `KPolicy.confidence_tokens`).
     spec_confidence: count the tokens of rounds at K >= 1 in those confidences too
       (`KPolicy.wants_spec_confidences`; off: it cost json 3-6 % at B = 2, docs/adaptive_k.md).
+    calibrate: multiply every K >= 1's score by `calibration.factor`, the K >= 1 rounds'
+      realized over predicted goodput so far (`jaxspec.engine.calibration`; an experiment,
+      off: no gain over 2-3 runs of B = 1-8, docs/adaptive_k.md, *Calibration*).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
@@ -108,7 +112,8 @@ class GoodputK(KPolicy):
                costs: Optional[Mapping[int, float]] = None, window: int = 16,
                probe_margin: float = 0.05, stay_margin: float = 0.05,
                spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2,
-               use_confidence: bool = True, spec_confidence: bool = False):
+               use_confidence: bool = True, spec_confidence: bool = False,
+               calibrate: bool = False):
     super().__init__()
     margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
@@ -133,6 +138,7 @@ class GoodputK(KPolicy):
     self._use_confidence, self._spec_confidence = bool(use_confidence), bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
+    self.calibration = Calibration() if calibrate else None
 
   wants_confidences = property(lambda self: self._use_confidence)      # fixed: the latter picks
   wants_spec_confidences = property(lambda self: self._spec_confidence)  # what warm_up compiles
@@ -264,8 +270,9 @@ class GoodputK(KPolicy):
     return rooms, 'queue' if waits else 'round', keep
 
   def _scored(self, alphas: np.ndarray, later: np.ndarray, raise_by: float = 0.0) -> dict:
-    """`_scores` with every K >= 1's divided by 1 + `spec_margin` (what a choice compares)."""
-    hurdle = 1.0 + self.spec_margin
+    """`_scores` with every K >= 1's divided by 1 + `spec_margin` and multiplied by the
+    calibration's factor (what a choice compares)."""
+    hurdle = (1.0 + self.spec_margin) / (self.calibration.factor if self.calibration else 1.0)
     return {k: g / hurdle if k else g for k, g in self._scores(alphas, later, raise_by).items()}
 
   def _pick(self, scores: dict) -> int:
@@ -319,11 +326,17 @@ class GoodputK(KPolicy):
         left <= held.left and self.sync_s >= held.sync_s and self.split_s >= held.split_s:
       held.rounds += 1
       return 0, [0] * len(request_ids)
-    scores = self._scored(*self._alphas(request_ids))
+    alphas, later = self._alphas(request_ids)
+    scores = self._scored(alphas, later)
     k = self._pick(scores)
     if k == 0 and self._last_k and len(scores) > 1 and \
         scores[0] < max(g for c, g in scores.items() if c) * (1 + self.stay_margin):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
+    if k and self.calibration is not None:     # what each round at K should deliver
+      rooms, _, keep = self.pricing(len(alphas))
+      tokens = round_tokens(alphas[keep].tolist(), later[keep].tolist(), rooms, k)[k]
+      self.calibration.expect(tokens, self.live.table(self.rows)[k] + self.host.of(k),
+                              self.once_s, self.sync_s)
     self._last_k = k
     self._held = None
     self._spec_held = holds.Hold(holds.spec_key(self, request_ids, queue, k), ratios, k=k,
@@ -419,6 +432,8 @@ class GoodputK(KPolicy):
       # The later trials sit at positions 2..min(n + 1, K): their profile values weigh the
       # request's `shape` (the profile of its last choice: one per round, not per row).
       n = max(0, min(int(accepted), int(k)))
+      if self.calibration is not None:
+        self.calibration.add_tokens(n + 1)
       weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
       self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight,
                            confidence=self._fit_x.get(request_id))
@@ -448,3 +463,5 @@ class GoodputK(KPolicy):
       ValueError: a time that is not a finite number >= 0.
     """
     self.live.add(k, self.rows, device_s, host_s)
+    if self.calibration is not None:
+      self.calibration.round(k, device_s + host_s)
