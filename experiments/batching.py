@@ -43,9 +43,11 @@ One record per (workload, setting, repeat); "engine seconds" = the sum of that e
                       `engine.policy.costs`, is that made non-decreasing in K and updated from
                       live rounds); for fixed ones the last idle round of the interleaved
                       benchmark
-  calibration         for a goodput setting that calibrates: its realized-over-predicted
-                      factor on K >= 1 scores after the pass (`jaxspec.engine.calibration`;
-                      the engine's, so it carries over from the passes before); else None
+  calibration, calibration_rounds  for a goodput setting that calibrates: its realized-over-
+                      predicted factor on K >= 1 scores after the pass and the K >= 1 rounds
+                      counted so far (`jaxspec.engine.calibration`; the engine's, so they carry
+                      over from the passes before; a factor of 1.0 on 0 rounds measured
+                      nothing); else None
 The α-threshold analysis over these records is `experiments.batching_report`.
 
 Settings are data (`experiments.batching_settings`): 'name=key:value,key:value;name2=...', each
@@ -190,10 +192,13 @@ def _matches(outputs, baseline, is_baseline: bool, greedy: bool) -> bool | None:
   return outputs == baseline
 
 
-def _calibration(engine: Engine) -> float | None:
-  """The K policy's `calibration.factor` after the pass (None without one)."""
+def _calibration(engine: Engine) -> dict:
+  """The record fields `calibration` and `calibration_rounds`: the K policy's `calibration.factor`
+  and the K >= 1 rounds it rests on, after the pass (both None without one)."""
   calibration = getattr(getattr(engine, 'policy', None), 'calibration', None)
-  return None if calibration is None else calibration.factor
+  if calibration is None:
+    return dict(calibration=None, calibration_rounds=None)
+  return dict(calibration=calibration.factor, calibration_rounds=calibration.rounds)
 
 
 def _ratio(num, den):
@@ -397,4 +402,4 @@ def run(config, results) -> None:
                                       _sampling(config).greedy),
             idle_round_s=idle_s, idle_round_cost=idle_cost,
             warmup_step_costs={str(k): t for k, t in sorted(engine.step_costs.items())},
-            calibration=_calibration(engine)))
+            **_calibration(engine)))

@@ -443,8 +443,9 @@ def test_run_records_whether_each_greedy_setting_emitted_the_baselines_tokens(mo
 
 
 def test_run_records_a_calibrating_policys_factor_and_none_for_the_others(monkeypatch):
-  """`calibration`: the goodput policy's realized-over-predicted factor after the pass when it
-  calibrates, None for a policy that does not and for an engine without a policy."""
+  """`calibration`, `calibration_rounds`: the goodput policy's realized-over-predicted factor
+  and its K >= 1 rounds after the pass when it calibrates, None for a policy that does not and
+  for an engine without a policy."""
   from configs import batching as batching_config
   from jaxspec.engine.goodput import GoodputK
   config = batching_config.get_config('smoke')
@@ -452,7 +453,7 @@ def test_run_records_a_calibrating_policys_factor_and_none_for_the_others(monkey
   _stub_study(monkeypatch)
   calibrating = GoodputK(calibrate=True)
   calibrating.calibration.expect(tokens=4.0, seconds=1.0)
-  calibrating.calibration.add_tokens(2)
+  calibrating.calibration.outcome(2)
   calibrating.calibration.round(1, 1.0)
   policies = {'k0': None, 'cal': calibrating, 'plain': GoodputK()}
   monkeypatch.setattr(batching, 'build_engines', lambda c, settings, *a: {
@@ -461,9 +462,10 @@ def test_run_records_a_calibrating_policys_factor_and_none_for_the_others(monkey
       n: dict(tokens_per_s=1.0, decode_tokens_per_s=1.0, round_s=1.0) for n in engines})
   written = []
   batching.run(config, types.SimpleNamespace(write=written.append))
-  got = {r['setting']: r['calibration'] for r in written}
-  assert got == {'k0': None, 'cal': calibrating.calibration.factor, 'plain': None}
-  assert got['cal'] < 1.0
+  got = {r['setting']: (r['calibration'], r['calibration_rounds']) for r in written}
+  assert got == {'k0': (None, None), 'cal': (calibrating.calibration.factor, 1),
+                 'plain': (None, None)}
+  assert got['cal'][0] < 1.0
 
 
 def test_cost_sources_steps_by_default_idle_on_request_the_other_beside_it():

@@ -90,6 +90,8 @@ class DraftSync:
       on the development CPU).
     rounds_since: K = 0 rounds since the draft last caught up.
     num_calls: catch-up calls run so far; seconds: their wall time (host and device).
+    round_s: seconds of the catch-up before the coming round at K >= 1 (`before_round`; 0 for
+      a round without one: probes are not in it; reset by `after_round`).
     live: the catch-ups' wall time over their estimate from `costs` (a `LiveRatio` over the
       last RATIO_WINDOW); live_ratio: its value.
     eager: whether the last decode round ran at K >= 1 (prefill chunks then fill the draft's
@@ -125,7 +127,7 @@ class DraftSync:
     self.backoff = 1             # K = 0 rounds before the next early probe (doubles)
     self.zero_s = 0.0            # estimated seconds of the K = 0 rounds since the last catch-up
     self.num_calls = 0
-    self.seconds = 0.0
+    self.seconds = self.round_s = 0.0
     self.live = LiveRatio(self.RATIO_WINDOW)
     self.eager = False           # the last decode round ran at K >= 1: prefill the draft too
     self._forced = False         # every request of the coming round has one token left
@@ -231,7 +233,9 @@ class DraftSync:
   def before_round(self, decodes, k: int) -> None:
     """A round at K >= 1 needs every decoding request's draft cache complete."""
     if k >= 1:
+      before = self.seconds
       self.catch_up(decodes)
+      self.round_s = self.seconds - before
 
   def after_round(self, decodes, k: int, zero_s: float, chose_k0: bool = True) -> None:
     """Book-keeping after the round: at K >= 1 the draft wrote what the target wrote; a K = 0
@@ -240,6 +244,7 @@ class DraftSync:
     requests it admits next start as the engine was going. `chose_k0`: False when the choice
     made while a K = 0 round ran (`overlaps`) was K >= 1, or failed: the next round asks first."""
     self._k0_rounds = self._k0_rounds + 1 if k == 0 and chose_k0 else 0
+    self.round_s = 0.0
     self._batch = frozenset(r.id for r in decodes)
     if k >= 1 or not self._forced:
       self.eager = k >= 1

@@ -97,9 +97,10 @@ class GoodputK(KPolicy):
       `confidence_weight`; `KPolicy.confidences`, `KPolicy.confidence_tokens`).
     spec_confidence: count the tokens of rounds at K >= 1 in those confidences too
       (`KPolicy.wants_spec_confidences`; off: it cost json 3-6 % at B = 2, docs/adaptive_k.md).
-    calibrate: multiply every K >= 1's score by `calibration.factor`, the K >= 1 rounds'
-      realized over predicted goodput so far (`jaxspec.engine.calibration`; an experiment,
-      off: no gain over 2-3 runs of B = 1-8, docs/adaptive_k.md, *Calibration*).
+    calibrate: multiply every K >= 1's score, in choices and in `worth_probing`'s what-ifs, by
+      `calibration.factor`, the K >= 1 rounds' realized over predicted tokens per second so far
+      (`jaxspec.engine.calibration`; an experiment, off: no gain in the batching study,
+      docs/adaptive_k.md, *Calibration*).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
@@ -336,7 +337,7 @@ class GoodputK(KPolicy):
       rooms, _, keep = self.pricing(len(alphas))
       tokens = round_tokens(alphas[keep].tolist(), later[keep].tolist(), rooms, k)[k]
       self.calibration.expect(tokens, self.live.table(self.rows)[k] + self.host.of(k),
-                              self.once_s, self.sync_s)
+                              self.once_s)
     self._last_k = k
     self._held = None
     self._spec_held = holds.Hold(holds.spec_key(self, request_ids, queue, k), ratios, k=k,
@@ -432,8 +433,6 @@ class GoodputK(KPolicy):
       # The later trials sit at positions 2..min(n + 1, K): their profile values weigh the
       # request's `shape` (the profile of its last choice: one per round, not per row).
       n = max(0, min(int(accepted), int(k)))
-      if self.calibration is not None:
-        self.calibration.add_tokens(n + 1)
       weight = sum(self._profile[:min(n + 1, k) - 1]) if self._profile is not None else None
       self.tracker.observe(request_id, *round_observation(k, accepted), later_weight=weight,
                            confidence=self._fit_x.get(request_id))
@@ -465,3 +464,8 @@ class GoodputK(KPolicy):
     self.live.add(k, self.rows, device_s, host_s)
     if self.calibration is not None:
       self.calibration.round(k, device_s + host_s)
+
+  def round_outcome(self, tokens, catch_up_s):
+    """`KPolicy.round_outcome`: kept for the calibration (`calibrate`), if on."""
+    if self.calibration is not None:
+      self.calibration.outcome(tokens, catch_up_s)

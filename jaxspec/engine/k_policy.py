@@ -174,6 +174,13 @@ class KPolicy(abc.ABC):
     116 rounds, probes past the early ones being budgeted ~40 rounds apart."""
     return False
 
+  def round_outcome(self, tokens: int, catch_up_s: float) -> None:
+    """What the decode round just run emitted, told before its `round_timing`: `tokens`, over
+    all rows, after stop-token and max-token cuts (a failed row's up to its failure), and
+    `catch_up_s`, the seconds a lazy draft cache's catch-up took right before the round (0
+    without one; a probe's are not in it; neither is in the round's host seconds). Default:
+    ignored."""
+
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
     """Wall seconds of the decode round just run at K = k: the device call (`device_s`:
     dispatch, step, reading back; with a choice made while a K = 0 round runs,

@@ -91,8 +91,9 @@ def decode_round(engine, decodes, emitted: dict) -> None:
         failed.append(error)
   else:
     k, row_caps, meanwhile = *choose(), None
-  if sync is not None:      # a lazy draft's catch-up is not host time of the round
+  if sync is not None:      # a lazy draft's probe and catch-up are not host time of the round
     start += sync.seconds - synced
+  catch_up_s = sync.round_s if sync is not None else 0.0      # the catch-up alone
   caps = np.zeros((width,), np.int32)
   caps[rows] = row_caps
   contexts = [None] * width
@@ -109,6 +110,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   now = time.perf_counter()
   if k or sync is None:   # a lazy draft's K = 0 round observes nothing (probes do)
     speculation.observe_round(engine.policy, layout, result, caps)   # before a finish forgets
+  tokens = 0
   for row, request in layout:
     e = int(result.emitted[row])
     request.num_computed += e      # pending + the first e - 1 new tokens are now cached
@@ -116,6 +118,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
     # INVALID_TOKEN (logits not finite: the request fails in _emit) is not an emitted token.
     request.metrics.accepted_lengths.append(
         window.index(INVALID_TOKEN) if INVALID_TOKEN in window else e)
+    tokens += request.metrics.accepted_lengths[-1]
     engine._emit(request, window, now, emitted,
                  None if result.token_p is None else [float(result.token_p[row])] * e,
                  None if result.max_p is None else result.max_p[row, :e].tolist())
@@ -124,6 +127,7 @@ def decode_round(engine, decodes, emitted: dict) -> None:
                      chose_k0=not failed and not any(chosen))
   if engine.policy is not None:   # host seconds of this round besides the device call
     host_s = max(0.0, time.perf_counter() - start - device_s + engine._schedule_s)
+    engine.policy.round_outcome(tokens, catch_up_s)
     engine.policy.round_timing(k, device_s, host_s)
   if failed and not isinstance(failed[0], Exception):
     raise failed[0]               # KeyboardInterrupt: now, the engine consistent
