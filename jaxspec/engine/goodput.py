@@ -350,44 +350,9 @@ class GoodputK(KPolicy):
     return k, [k] * len(request_ids)
 
   def repeat(self, request_ids, rows, queued, rooms=None):
-    """The held K = 0 choice (`choose`) while the batch, its row bucket, the queue's length and
-    the estimates are unchanged and the cost ratios and host time have not moved (None
-    otherwise; the confidences, which move every round, are not checked). The rest `choose`
-    checks cannot move against K = 0 meanwhile: with the same requests decoding at K = 0 and no
-    catch-up (no probe was due, `KPolicy.repeat`), rooms only shrink, the draft's lag and its
-    catch-up seconds only grow, and the queue and the split stay as they were. The cost ratios
-    and host time are checked every `CHECK_EVERY` rounds of the hold. A held K >= 1 choice is
-    kept under its own rules (`_repeat_spec`)."""
-    if self._spec_held is not None:
-      return self._repeat_spec(request_ids, rows, queued, rooms)
-    held = self._held
-    if held is None or held.key.request_ids != tuple(request_ids) or held.key.rows != rows or \
-        held.key.queue[0] != queued or held.key.version != self._version or \
-        held.rounds >= held.limit:
-      return None
-    if held.rounds % self.CHECK_EVERY == 0 and \
-        not self._k0_stands(held, self.live.group_ratios(), self.host.of(0) / self.live.unit_s()):
-      return None
-    self.rows, self.queued = rows, queued
-    held.rounds += 1
-    return 0, [0] * len(request_ids)
-
-  def _repeat_spec(self, request_ids, rows, queued, rooms):
-    """The held K >= 1 choice while it has rounds left (`_spec_hold_rounds`), its batch and
-    rooms still allow it (`holds.Hold.spec_stands`) and, checked every `CHECK_EVERY` rounds, the
-    cost ratios held steady; else None. What `choose` would also check cannot move against the
-    held K: the draft is in sync after a round at K >= 1 (a catch-up before the choice is paid,
-    so its seconds fall to 0), and the split can cost anew only when two decoding requests'
-    rooms become equal (`speculation.split_cost`; why not rescore: docs/adaptive_k.md)."""
-    spec = self._spec_held
-    if spec.rounds >= spec.limit or spec.key.tables != self.live.tables or \
-        not spec.spec_stands(request_ids, rows, queued, rooms, self.slots):
-      return None
-    if spec.rounds % self.CHECK_EVERY == 0 and not spec.steady(self.live.group_ratios()):
-      return None
-    self.rows, self.queued = rows, queued
-    spec.rounds += 1
-    return spec.k, [spec.k] * len(request_ids)
+    """`KPolicy.repeat`: the held K = 0 or K >= 1 choice while its inputs stand, else None
+    (`holds.repeat`)."""
+    return holds.repeat(self, request_ids, rows, queued, rooms)
 
   def _k0_stands(self, held, ratios, host) -> bool:   # rounds left, steady ratios, no rise of h
     return held.rounds < held.limit and held.steady(ratios) and host <= held.host + self.HOST_RISE

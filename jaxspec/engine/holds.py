@@ -1,5 +1,6 @@
 """The record of a K choice the goodput policy (`jaxspec.engine.goodput.GoodputK`) keeps without
-scoring it again: what it was made on and how many rounds it has served (host side)."""
+scoring it again: what it was made on and how many rounds it has served, and when a held choice
+is repeated (`repeat`; host side)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,50 @@ def admitted_only(held_ids, held_queued, request_ids, queued) -> bool:
   if held_queued is None or queued is None:
     return False
   return held_queued - queued == len(set(request_ids).difference(held_ids))
+
+
+def repeat(policy, request_ids, rows, queued, rooms=None):
+  """`GoodputK.repeat`: the held K = 0 choice (`GoodputK.choose`) while the batch, its row
+  bucket, the queue's length and the estimates are unchanged and the cost ratios and host time
+  have not moved (None otherwise; the confidences, which move every round, are not checked).
+  The rest `GoodputK.choose` checks cannot move against K = 0 meanwhile: with the same requests
+  decoding at K = 0 and no catch-up (no probe was due, `KPolicy.repeat`), rooms only shrink,
+  the draft's lag and its catch-up seconds only grow, and the queue and the split stay as they
+  were. The cost ratios and host time are checked every `GoodputK.CHECK_EVERY` rounds of the
+  hold. A held K >= 1 choice is kept under its own rules (`_repeat_spec`).
+
+  Returns:
+    (K, caps) of the held choice, or None (the policy must score).
+  """
+  if policy._spec_held is not None:
+    return _repeat_spec(policy, request_ids, rows, queued, rooms)
+  held = policy._held
+  if held is None or held.key.request_ids != tuple(request_ids) or held.key.rows != rows or \
+      held.key.queue[0] != queued or held.key.version != policy._version or \
+      held.rounds >= held.limit:
+    return None
+  if held.rounds % policy.CHECK_EVERY == 0 and not policy._k0_stands(
+      held, policy.live.group_ratios(), policy.host.of(0) / policy.live.unit_s()):
+    return None
+  policy.rows, policy.queued = rows, queued
+  held.rounds += 1
+  return 0, [0] * len(request_ids)
+
+
+def _repeat_spec(policy, request_ids, rows, queued, rooms):
+  """The held K >= 1 choice while it has rounds left (`GoodputK._spec_hold_rounds`), its batch
+  and rooms still allow it (`Hold.spec_stands`) and, checked every `GoodputK.CHECK_EVERY`
+  rounds, the cost ratios held steady; else None. What `GoodputK.choose` would also check
+  cannot move against the held K: the draft is in sync after a round at K >= 1 (a catch-up
+  before the choice is paid, so its seconds fall to 0), and the split can cost anew only when
+  two decoding requests' rooms become equal (`speculation.split_cost`; why not rescore:
+  docs/adaptive_k.md)."""
+  spec = policy._spec_held
+  if spec.rounds >= spec.limit or spec.key.tables != policy.live.tables or \
+      not spec.spec_stands(request_ids, rows, queued, rooms, policy.slots):
+    return None
+  if spec.rounds % policy.CHECK_EVERY == 0 and not spec.steady(policy.live.group_ratios()):
+    return None
+  policy.rows, policy.queued = rows, queued
+  spec.rounds += 1
+  return spec.k, [spec.k] * len(request_ids)
