@@ -198,7 +198,7 @@ def test_prefill_calls_feed_the_live_ratio_that_prices_a_split(tiny, tiny_draft)
   draft, draft_params = tiny_draft
   engine = Engine(config, params, draft=draft, draft_params=draft_params, k=K,
                   k_policy=GoodputK(), **SHAPES)
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   assert engine.prefill_costs and engine.prefill_live.value == 1.0
   for p in _prompts([5, 13, 7], seed=3):
     engine.add_request(p, max_tokens=3)
@@ -320,7 +320,7 @@ def test_short_catch_up_calls_price_and_rebuild_the_draft(tiny, monkeypatch):
                   **SHAPES)
   sync = engine.draft_sync
   assert sync.short_width == 4 and not sync.short_costs
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   assert set(sync.short_costs) == set(sync.costs) == set(engine.prefill_buckets)
 
   class Req:
@@ -406,7 +406,7 @@ def test_warm_up_compiles_both_prefill_calls_and_times_the_target_alone(tiny, mo
   engine.draft_sync.fill_prefill = True
   flags, call = [], engine._call_prefill
   monkeypatch.setattr(engine, '_call_prefill', lambda *a: flags.append(a[5]) or call(*a))
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   buckets = len(engine.prefill_buckets)
   assert flags.count(True) == buckets and flags.count(False) > buckets    # timed: repeated
   assert flags[-buckets:] == [True] * buckets and engine.draft_sync.fill_prefill

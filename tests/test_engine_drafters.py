@@ -101,7 +101,7 @@ def test_greedy_every_request_equals_it_decoded_alone(tiny, tiny_draft, alone, d
   if policy == 'goodput':
     # Priced on a table where K >= 1 is cheap, not the one warm-up timed (under a CI run's load
     # one timed table held even α 0.9 at K = 0 throughout); live rounds rescale it after.
-    engine.warm_up(cost_repeats=1)
+    engine.warm_up(cost_repeats=1, decode_rounds=1)
     engine.policy.set_costs({k: engine.step_costs[0] * (1 + 0.1 * k) for k in range(K + 1)})
   requests, arrivals = _requests(seed=1)
   outs = _run_staggered(engine, requests, arrivals)
@@ -201,7 +201,7 @@ def test_compiles_once_per_k_used_and_never_per_request(tiny, tiny_draft):
   before = compile_counts()
   engine = Engine(config, params, num_pages=BIG, draft=tiny_draft[0], draft_params=tiny_draft[1],
                   k=K, k_policy=Scripted([K, 0, 1]), **SHAPES)
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   warm = compile_counts()
   added = {f: warm[f] - before[f] for f in warm}
   assert added['model_step'] <= 2 and added['lookup_step'] == 0

@@ -65,7 +65,7 @@ def test_cost_tables_per_bucket(tiny, tiny_draft):
   config, params = tiny
   engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
                   k=2, k_policy='goodput')
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   assert set(engine.row_costs) == {1, 4}
   assert all(set(t) == {0, 1, 2} and min(t.values()) > 0 for t in engine.row_costs.values())
   assert engine.step_costs == engine.row_costs[4]
@@ -85,7 +85,7 @@ def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft, mo
   config, params = tiny
   engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
                   k=5, k_policy='goodput')
-  engine.warm_up(cost_repeats=1)
+  engine.warm_up(cost_repeats=1, decode_rounds=1)
   idle = engine.policy.live.idle
   assert engine.row_costs and all(table[2] == 1.1 * rows
                                   for rows, table in engine.row_costs.items())
@@ -151,6 +151,10 @@ def test_measure_costs_widths(tiny, tiny_draft):
   assert all(type(rows) is int for rows in engine.row_costs)
   with pytest.raises(ValueError, match='cost_repeats must be an int >= 1, got 0'):
     engine.warm_up(cost_repeats=0)                     # was 'repeats', after the compiles
+  with pytest.raises(ValueError, match='decode_rounds must be an int >= 1, got 0'):
+    engine.warm_up(decode_rounds=0)
+  with pytest.raises(ValueError, match='catch_up_repeats must be an int >= 1, got 0'):
+    engine.measure_costs(1, catch_up_repeats=0)
   rid = engine.add_request([5, 9, 13], max_tokens=3)
   assert len(engine.run()[rid].tokens) == 3
   assert set(engine.row_costs) == {1, 4} and not engine.policy.needs_costs

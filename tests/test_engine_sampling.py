@@ -73,7 +73,7 @@ def test_timing_calls_leave_the_sampled_outputs_of_a_seed_as_they_were(tiny):
   def sampled(timed: str):
     engine = Engine(config, params, num_slots=1, num_pages=12, page_size=8, chunk_size=8, seed=7)
     if timed == 'warm_up':
-      engine.warm_up(1)
+      engine.warm_up(1, decode_rounds=1)
     rid = engine.add_request(PROMPT, max_tokens=8, sampling=hot)
     engine.step()
     engine.step()

@@ -25,7 +25,7 @@ tok = Tokenizer.load(shipped('tokenizer.json'))
 SHRINK = [('max_tokens=128', 'max_tokens=8'), ('max_new_tokens=200', 'max_new_tokens=8'),
           ('max_tokens=64', 'max_tokens=12'), ('max_new_tokens=64', 'max_new_tokens=12'),
           ('num_slots=8', 'num_slots=2'), ('k=8, k_policy', 'k=2, k_policy'),
-          ('engine.warm_up()', 'engine.warm_up(cost_repeats=1)'), ('num_slots=16', 'num_slots=2'),
+          ('engine.warm_up()', 'engine.warm_up(cost_repeats=1, decode_rounds=1)'), ('num_slots=16', 'num_slots=2'),
           ('read()[:2000]', 'read()[:600]')]
 
 

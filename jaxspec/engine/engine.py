@@ -91,8 +91,9 @@ class Engine:
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
-    row_costs: {rows: {K: seconds}} t(rows, K), the fastest of a few warm decode rounds at K
-      for each decode row bucket (dispatch, device step and reading the tokens back), measured
+    row_costs: {rows: {K: seconds}} t(rows, K), a warm decode round at K (`measure_costs`: the
+      fastest at the smallest K, the others by their median ratio to it) for each decode row
+      bucket (dispatch, device step and reading the tokens back), measured
       by `warm_up` (or `measure_costs`) over idle rows; a round costs what its bucket costs,
       however many of its rows are busy. Not included: the scheduler's host work and prefill
       chunks (the same at every K), a draft model's extra step after a fully accepted round,
@@ -314,7 +315,7 @@ class Engine:
       steps += 1
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
-  def warm_up(self, cost_repeats: int = 5) -> None:
+  def warm_up(self, cost_repeats: int = 5, decode_rounds: int = 40) -> None:
     """Compile every device step with idle rows only (nothing is written but the null page):
     prefill per row bucket, the decode round at every K the policy may choose and every decode
     row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
@@ -323,12 +324,15 @@ class Engine:
     with or without a warm-up (or `measure_costs`), whenever it runs.
 
     Args:
-      cost_repeats: rounds of timed calls per (rows, K) and per prefill bucket (>= 1;
-        `timing.fastest`).
+      cost_repeats: rounds of timed calls per prefill bucket and per lazy-draft catch-up call
+        (>= 1; `timing.fastest`).
+      decode_rounds: rounds of timed decode calls per (rows, K) (>= 1; `measure_costs`).
+    Raises:
+      ValueError: cost_repeats or decode_rounds not an int >= 1 (before compiling anything).
     """
     rng = self._rng                  # the timed calls draw keys: put the requests' stream back,
     try:                             # so sampled outputs do not depend on when costs were timed
-      timing.warm_up(self, cost_repeats)
+      timing.warm_up(self, cost_repeats, decode_rounds)
     finally:
       self._rng = rng
 
@@ -336,25 +340,33 @@ class Engine:
   def step_costs(self) -> dict:
     return self.row_costs.get(self.num_slots, {})
 
-  def measure_costs(self, repeats: int = 5, widths: Optional[Sequence[int]] = None) -> dict:
+  def measure_costs(self, repeats: int = 40, widths: Optional[Sequence[int]] = None,
+                    catch_up_repeats: int = 5) -> dict:
     """Time one decode round at every K the policy may choose and every decode row bucket
     (compiling it first if needed), over idle rows, in `repeats` rounds of back-to-back calls
-    (`timing.fastest`: timed warm, keys in alternating order); store the fastest in `row_costs`
-    (seconds: timing noise on a shared machine only adds) and give them to a policy that needs a
-    cost table; with a lazy draft cache, time its catch-up calls too (`draft_sync.costs`).
+    (`timing.decode_costs`: timed warm, keys in alternating order); store in `row_costs` the
+    fastest round at the smallest K and each other K at that times its median ratio to it
+    within a round (the machine's load moves both alike; a minimum per K would pick each K's
+    luckiest moment on its own), and give them to a policy that needs a cost table; with a lazy
+    draft cache, time its catch-up calls too (`draft_sync.costs`, the fastest of
+    `catch_up_repeats` rounds).
 
     Args:
-      repeats: rounds of timed calls per (rows, K), >= 1 (`timing.fastest`).
+      repeats: rounds of timed calls per (rows, K), >= 1. The median settles as
+        1/sqrt(repeats): at 40, a B = 2 table's t(1)/t(0) moved +- 0.017 between timings on the
+        development CPU (`scripts/cost_table_noise.py`).
       widths: the row buckets to time (default every one of `decode_buckets`); a policy that
         needs a cost table gets one once the full batch's row (num_slots) is timed.
+      catch_up_repeats: rounds of timed catch-up calls, >= 1 (`timing.fastest`).
     Returns:
       `step_costs` (the full batch's row; {} until it is timed).
     Raises:
-      ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
+      ValueError: repeats or catch_up_repeats not an int >= 1, widths not a sequence of decode
+        buckets.
     """
     rng = self._rng                  # as `warm_up`: the requests' key stream is left as it was
     try:
-      return timing.measure_costs(self, repeats, widths)
+      return timing.measure_costs(self, repeats, widths, catch_up_repeats)
     finally:
       self._rng = rng
 

@@ -16,7 +16,7 @@ from jaxspec.engine import rows as rows_lib
 
 
 def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
-            block: int = 3) -> dict:
+            block: int = 3, base_of: Optional[Mapping[Hashable, Hashable]] = None) -> dict:
   """The fastest timed call of each function: one untimed call of each first (it compiles),
   then `repeats` rounds in which each function runs one untimed call and `block` timed ones,
   back to back.
@@ -32,15 +32,31 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
   calls every key, so a drift in the machine's load hits every key alike; the minimum is kept
   because timing noise only adds.
 
+  With `base_of`, a key priced against a base key gets the base's time times the median over
+  rounds of its fastest call over the base's fastest call in the same round. What a policy
+  weighs is the ratio, and the minimum of each key over all rounds takes each key's luckiest
+  moment on its own: twelve B = 2 warm-up tables of one engine put t(K = 1)/t(K = 0) at
+  1.74 +- 0.07 (5 rounds), and the minimum did not settle with more rounds (+- 0.08 at 40),
+  while the median of the rounds' ratios fell as 1/sqrt(rounds) (+- 0.033 at 40;
+  `scripts/cost_table_noise.py --ratios`).
+
   Args:
     calls: {key: function of no arguments that returns once its results are on the host}.
     repeats: rounds (>= 1); block: timed calls per key and round (>= 1).
+    base_of: {key: base key} for the keys priced by their median ratio to a base (a key of
+      `calls` not itself in `base_of`, or the key itself); the others keep their minimum.
   Returns:
     {key: seconds}.
   Raises:
-    ValueError: repeats or block not an int >= 1.
+    ValueError: repeats or block not an int >= 1; a base_of key or base not in calls, or a
+      base that is itself priced against another.
   """
   repeats, block = check_int('repeats', repeats, 1), check_int('block', block, 1)
+  base_of = {key: base for key, base in (base_of or {}).items() if key != base}
+  for key, base in base_of.items():
+    if key not in calls or base not in calls or base in base_of:
+      raise ValueError(f'base_of {key!r}: {base!r} must be keys of calls, and {base!r} not '
+                       f'priced against another key')
   keys = list(calls)
   for key in keys:
     calls[key]()
@@ -48,21 +64,27 @@ def fastest(calls: Mapping[Hashable, Callable[[], object]], repeats: int,
   for r in range(repeats):
     for key in (keys if r % 2 == 0 else keys[::-1]):
       calls[key]()                    # untimed: the block's timed calls follow their own key
+      times[key].append(float('inf'))
       for _ in range(block):
         start = time.perf_counter()
         calls[key]()
-        times[key].append(time.perf_counter() - start)
-  return {key: min(t) for key, t in times.items()}
+        times[key][-1] = min(times[key][-1], time.perf_counter() - start)
+  out = {key: min(t) for key, t in times.items()}
+  for key, base in base_of.items():
+    out[key] = out[base] * float(np.median(np.asarray(times[key]) / np.asarray(times[base])))
+  return out
 
 
-def warm_up(engine, cost_repeats: int) -> None:
+def warm_up(engine, cost_repeats: int, decode_rounds: int) -> None:
   """`Engine.warm_up`: compile the host-tier copies (when there is a host tier) and every
   prefill row bucket (timed into `engine.prefill_costs` only for a policy that prices lock-step
   admissions, `speculation.split_cost`; the target's alone), with a lazy draft cache also the
   prefill that fills the draft too (`DraftSync.fills_prefill`), then time the decode rounds
-  (`measure_costs`).
-  Raises ValueError (before compiling anything) for cost_repeats not an int >= 1."""
+  (`measure_costs`: `decode_rounds` rounds; the catch-up calls `cost_repeats`).
+  Raises ValueError (before compiling anything) for cost_repeats or decode_rounds not an
+  int >= 1."""
   cost_repeats = check_int('cost_repeats', cost_repeats, 1)
+  decode_rounds = check_int('decode_rounds', decode_rounds, 1)
   if engine.prefix.host is not None:
     engine.caches = host_lib.warm_up_copies(engine.caches, engine.pages_per_seq)
   priced = engine.policy is not None and engine.policy.needs_costs
@@ -71,7 +93,7 @@ def warm_up(engine, cost_repeats: int) -> None:
     engine.prefill_costs = costs
   if engine.draft_sync is not None:
     prefill_costs(engine, None, drafted=True)
-  engine.measure_costs(cost_repeats)
+  engine.measure_costs(decode_rounds, catch_up_repeats=cost_repeats)
 
 
 def prefill_costs(engine, repeats: Optional[int], drafted: bool = False) -> dict:
@@ -92,11 +114,15 @@ def prefill_costs(engine, repeats: Optional[int], drafted: bool = False) -> dict
   return fastest(calls, repeats)
 
 
-def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
-  """{(rows, K): seconds} the fastest idle decode round of the engine (`fastest`, `repeats`
-  rounds) at every K its policy may choose (K = 0 without one) and every row count in `widths`
-  (compiled first)."""
+def decode_costs(engine, repeats: int, widths: Sequence[int], ratios: bool = True,
+                 block: int = 3) -> dict:
+  """{(rows, K): seconds} the idle decode round of the engine (`fastest`, `repeats` rounds of
+  `block` timed calls) at every K its policy may choose (K = 0 without one) and every row count
+  in `widths` (compiled first): the fastest at the smallest K of each row count, and with
+  `ratios` every other K at that times its median ratio to it per round (`fastest`'s
+  `base_of`), else its own fastest."""
   ks = engine.policy.candidates if engine.policy is not None else (0,)
+  base_of = {(rows, k): (rows, min(ks)) for rows in widths for k in ks} if ratios else None
 
   def round_at(rows, k):
     table, lengths = device.idle_rows(rows, engine.pages_per_seq)
@@ -106,20 +132,26 @@ def decode_costs(engine, repeats: int, widths: Sequence[int]) -> dict:
     return lambda: engine._call_decode(table, lengths, zeros, zeros, stop, sampling, k=k,
                                        caps=zeros)
 
-  return fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks}, repeats)
+  return fastest({(rows, k): round_at(rows, k) for rows in widths for k in ks}, repeats,
+                 block, base_of)
 
 
-def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict:
-  """`Engine.measure_costs`: time the decode rounds of `widths` (default every decode bucket)
-  into `engine.row_costs` {rows: {K: seconds}}, a lazy draft's catch-up calls, and hand a
-  policy that needs costs its table once the full batch's row is timed (each row's K >= 1
-  entries on their `live_costs.line_through` line; `row_costs` keeps the timed values).
+def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]],
+                  catch_up_repeats: int) -> dict:
+  """`Engine.measure_costs`: time the decode rounds of `widths` (default every decode bucket;
+  `decode_costs`, `repeats` rounds) into `engine.row_costs` {rows: {K: seconds}}, a lazy
+  draft's catch-up calls (`catch_up_repeats` rounds), and hand a policy that needs costs its
+  table once the full batch's row is timed (each row's K >= 1 entries on their
+  `live_costs.line_through` line; `row_costs` keeps the timed values).
 
   Returns:
     `engine.step_costs` (the full batch's row; {} until it is timed).
   Raises:
-    ValueError: repeats not an int >= 1, widths not a sequence of decode buckets.
+    ValueError: repeats or catch_up_repeats not an int >= 1, widths not a sequence of decode
+      buckets.
   """
+  repeats = check_int('repeats', repeats, 1)
+  catch_up_repeats = check_int('catch_up_repeats', catch_up_repeats, 1)
   if widths is None:
     widths = engine.decode_buckets
   try:
@@ -133,7 +165,7 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]]) -> dict
   for (rows, k), seconds in decode_costs(engine, repeats, widths).items():
     engine.row_costs.setdefault(rows, {})[k] = seconds
   if engine.draft_sync is not None:
-    engine.draft_sync.measure(repeats)
+    engine.draft_sync.measure(catch_up_repeats)
   # The policy's table is the full batch's row: until that row is timed (widths without
   # num_slots) the policy still needs costs, and the next round measures every bucket.
   # It is given the line through each row's K >= 1 entries (`live_costs.line_through`): a
