@@ -155,6 +155,10 @@ def test_measure_costs_widths(tiny, tiny_draft):
     engine.warm_up(decode_rounds=0)
   with pytest.raises(ValueError, match='catch_up_repeats must be an int >= 1, got 0'):
     engine.measure_costs(1, catch_up_repeats=0)
+  with pytest.raises(ValueError, match='decode_budget_s must be a finite number'):
+    engine.warm_up(decode_budget_s=0)
+  with pytest.raises(ValueError, match='budget_s must be a finite number'):
+    engine.measure_costs(1, budget_s=-1.0)
   rid = engine.add_request([5, 9, 13], max_tokens=3)
   assert len(engine.run()[rid].tokens) == 3
   assert set(engine.row_costs) == {1, 4} and not engine.policy.needs_costs

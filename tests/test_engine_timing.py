@@ -132,3 +132,24 @@ def test_decode_costs_price_k_above_the_smallest_by_their_median_ratio_per_round
       assert table[rows, k] == pytest.approx(rows * (1 + k / 2)), (rows, k)
   calls.clear()
   assert timing.decode_costs(engine, 3, (1, 2), ratios=False)[1, 1] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize('repeats,budget_s,rounds', [
+    (40, 10.0, 5),      # past the budget after 3 rounds: still the 5 every table gets
+    (40, 30.0, 8),      # rounds start at 0, 4, ..., 28 s; the 9th would start at 32
+    (3, 1.0, 3),        # fewer rounds asked than the minimum: those
+    (8, None, 8)])      # no budget: every round
+def test_a_time_budget_stops_new_rounds_after_the_minimum(monkeypatch, repeats, budget_s,
+                                                          rounds):
+  from jaxspec.engine.timing import BUDGET_MIN_ROUNDS
+  assert BUDGET_MIN_ROUNDS == 5
+  calls = []
+  call = _fake_clock(monkeypatch, lambda key, r: calls.append(key) or 1.0)   # 1 s a call
+  fastest({'a': call('a'), 'b': call('b')}, repeats=repeats, block=1, budget_s=budget_s)
+  assert len(calls) == 2 + 4 * rounds
+
+
+@pytest.mark.parametrize('bad', [0, -1.0, float('inf'), float('nan'), True, '5'])
+def test_a_time_budget_must_be_a_finite_number_above_zero(bad):
+  with pytest.raises(ValueError, match=r'budget_s must be a finite number in \(0.0, inf\)'):
+    fastest({'a': lambda: None}, repeats=1, budget_s=bad)

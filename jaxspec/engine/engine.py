@@ -315,7 +315,8 @@ class Engine:
       steps += 1
     return {rid: out for rid, out in self.outputs.items() if rid not in before}
 
-  def warm_up(self, cost_repeats: int = 5, decode_rounds: int = 40) -> None:
+  def warm_up(self, cost_repeats: int = 5, decode_rounds: int = 40,
+              decode_budget_s: Optional[float] = 20.0) -> None:
     """Compile every device step with idle rows only (nothing is written but the null page):
     prefill per row bucket, the decode round at every K the policy may choose and every decode
     row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
@@ -326,13 +327,13 @@ class Engine:
     Args:
       cost_repeats: rounds of timed calls per prefill bucket and per lazy-draft catch-up call
         (>= 1; `timing.fastest`).
-      decode_rounds: rounds of timed decode calls per (rows, K) (>= 1; `measure_costs`).
+      decode_rounds, decode_budget_s: `measure_costs`'s repeats and budget_s.
     Raises:
-      ValueError: cost_repeats or decode_rounds not an int >= 1 (before compiling anything).
+      ValueError: a bad argument, named (before compiling anything).
     """
     rng = self._rng                  # the timed calls draw keys: put the requests' stream back,
     try:                             # so sampled outputs do not depend on when costs were timed
-      timing.warm_up(self, cost_repeats, decode_rounds)
+      timing.warm_up(self, cost_repeats, decode_rounds, decode_budget_s)
     finally:
       self._rng = rng
 
@@ -341,32 +342,29 @@ class Engine:
     return self.row_costs.get(self.num_slots, {})
 
   def measure_costs(self, repeats: int = 40, widths: Optional[Sequence[int]] = None,
-                    catch_up_repeats: int = 5) -> dict:
+                    catch_up_repeats: int = 5, budget_s: Optional[float] = 20.0) -> dict:
     """Time one decode round at every K the policy may choose and every decode row bucket
-    (compiling it first if needed), over idle rows, in `repeats` rounds of back-to-back calls
-    (`timing.decode_costs`: timed warm, keys in alternating order); store in `row_costs` the
-    fastest round at the smallest K and each other K at that times its median ratio to it
-    within a round (the machine's load moves both alike; a minimum per K would pick each K's
-    luckiest moment on its own), and give them to a policy that needs a cost table; with a lazy
-    draft cache, time its catch-up calls too (`draft_sync.costs`, the fastest of
-    `catch_up_repeats` rounds).
+    (compiled first if needed) over idle rows into `row_costs`: the smallest K's fastest round,
+    each other K at that times its median ratio to it within a round (`timing.decode_costs`);
+    give them to a policy that needs a cost table; with a lazy draft cache, time its catch-up
+    calls too (`draft_sync.costs`, the fastest of `catch_up_repeats` rounds).
 
     Args:
-      repeats: rounds of timed calls per (rows, K), >= 1. The median settles as
-        1/sqrt(repeats): at 40, a B = 2 table's t(1)/t(0) moved +- 0.017 between timings on the
-        development CPU (`scripts/cost_table_noise.py`).
+      repeats: rounds of back-to-back timed calls per (rows, K), >= 1 (at 40, a B = 2 table's
+        t(1)/t(0) moved +- 0.017 between timings; `scripts/cost_table_noise.py`).
       widths: the row buckets to time (default every one of `decode_buckets`); a policy that
         needs a cost table gets one once the full batch's row (num_slots) is timed.
       catch_up_repeats: rounds of timed catch-up calls, >= 1 (`timing.fastest`).
+      budget_s: seconds (> 0; None: no bound) after which no further round starts, once 5
+        have (a B = 8 engine's 40 rounds took 132 s on the slow development CPU, 5 took 22 s).
     Returns:
       `step_costs` (the full batch's row; {} until it is timed).
     Raises:
-      ValueError: repeats or catch_up_repeats not an int >= 1, widths not a sequence of decode
-        buckets.
+      ValueError: a bad argument, named.
     """
     rng = self._rng                  # as `warm_up`: the requests' key stream is left as it was
     try:
-      return timing.measure_costs(self, repeats, widths, catch_up_repeats)
+      return timing.measure_costs(self, repeats, widths, catch_up_repeats, budget_s)
     finally:
       self._rng = rng
 
