@@ -80,7 +80,7 @@ def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft, mo
   on a line with K = 2 timed far too fast, so the line and the timed values differ."""
   from jaxspec.engine import timing
   timed = {0: 1.0, 1: 1.5, 2: 1.1, 3: 2.0, 4: 2.25, 5: 2.5}
-  monkeypatch.setattr(timing, 'decode_costs', lambda engine, repeats, widths: {
+  monkeypatch.setattr(timing, 'decode_costs', lambda engine, repeats, widths, **options: {
       (rows, k): t * rows for rows in widths for k, t in timed.items()})
   config, params = tiny
   engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
