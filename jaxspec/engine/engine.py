@@ -91,13 +91,11 @@ class Engine:
   Attributes (besides the arguments):
     outputs: {request_id: RequestOutput} of finished requests.
     k_rounds: collections.Counter {K: decode rounds run at K}.
-    row_costs: {rows: {K: seconds}} t(rows, K), a warm decode round at K (`measure_costs`: the
-      fastest at the smallest K, the others by their median ratio to it) for each decode row
-      bucket (dispatch, device step and reading the tokens back), measured
-      by `warm_up` (or `measure_costs`) over idle rows; a round costs what its bucket costs,
-      however many of its rows are busy. Not included: the scheduler's host work and prefill
-      chunks (the same at every K), a draft model's extra step after a fully accepted round,
-      prompt lookup's host search. Empty until measured.
+    row_costs: {rows: {K: seconds}} t(rows, K), a warm idle decode round at K per decode row
+      bucket (dispatch, device step, reading the tokens back; `measure_costs`); a round costs
+      what its bucket costs, however many rows are busy. Not included: host scheduling and
+      prefill chunks (the same at every K), a draft model's extra step after a fully accepted
+      round, prompt lookup's host search. Empty until measured.
     prefill_costs: {rows: seconds} one prefill call per row bucket, timed by `warm_up` for a K
       policy that needs a cost table (else empty); prefill_live: the live calls' `LiveRatio` to
       it. Their product is what lock-step admissions save (`speculation.horizon`).
@@ -322,15 +320,10 @@ class Engine:
     row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
     compile; then measure `row_costs` (and `prefill_costs` for a policy that needs costs).
     The requests' PRNG key stream is left as it was: sampled outputs of a seed are the same
-    with or without a warm-up (or `measure_costs`), whenever it runs.
-
-    Args:
-      cost_repeats: rounds of timed calls per prefill bucket and per lazy-draft catch-up call
-        (>= 1; `timing.fastest`).
-      decode_rounds, decode_budget_s: `measure_costs`'s repeats and budget_s.
-    Raises:
-      ValueError: a bad argument, named (before compiling anything).
-    """
+    with or without a warm-up (or `measure_costs`), whenever it runs. cost_repeats: timing
+    rounds per prefill bucket and catch-up call (`timing.fastest`); decode_rounds,
+    decode_budget_s: `measure_costs`'s repeats and budget_s. Raises ValueError naming a bad
+    argument (before compiling anything)."""
     rng = self._rng                  # the timed calls draw keys: put the requests' stream back,
     try:                             # so sampled outputs do not depend on when costs were timed
       timing.warm_up(self, cost_repeats, decode_rounds, decode_budget_s)
@@ -355,12 +348,9 @@ class Engine:
       widths: the row buckets to time (default every one of `decode_buckets`); a policy that
         needs a cost table gets one once the full batch's row (num_slots) is timed.
       catch_up_repeats: rounds of timed catch-up calls, >= 1 (`timing.fastest`).
-      budget_s: seconds (> 0; None: no bound) after which no further round starts, once 5
-        have (a B = 8 engine's 40 rounds took 132 s on the slow development CPU, 5 took 22 s).
-    Returns:
-      `step_costs` (the full batch's row; {} until it is timed).
-    Raises:
-      ValueError: a bad argument, named.
+      budget_s: seconds (> 0; None: no bound) after which no new round starts, once 5 have.
+    Returns `step_costs` (the full batch's row; {} until it is timed). Raises ValueError
+    naming a bad argument.
     """
     rng = self._rng                  # as `warm_up`: the requests' key stream is left as it was
     try:
