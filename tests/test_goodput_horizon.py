@@ -226,14 +226,21 @@ def test_finished_rows_are_scored_as_absent(queued):
   assert policy.goodput([0.7, 0.7], 2, rooms=[0, 0]) == 0.0
 
 
-@pytest.mark.parametrize('field, value', [('sync_s', -1000.0), ('sync_s', float('nan')),
-                                          ('split_s', float('nan'))])
-def test_a_score_that_is_not_a_rate_is_named(field, value):
+@pytest.mark.parametrize('field, value, message', [
+    ('sync_s', -1000.0, r'sync_s \(seconds\) must be a finite number in \[0.0, inf\)'),
+    ('sync_s', float('nan'), r'sync_s \(seconds\) must be a finite number'),
+    ('split_s', float('nan'), r'split_s \(seconds\) must be a finite number'),
+    ('split_s', float('inf'), r'split_s \(seconds\) must be a finite number'),
+    ('slots', 2.5, r'slots must be an int >= 1 or None, got 2.5'),
+    ('slots', 0, r'slots must be an int >= 1 or None, got 0')])
+def test_bad_choice_inputs_are_named(field, value, message):
   """A one-time cost set by hand to a negative or NaN value once ended in a bare `min()` of an
-  empty sequence; now the choice names the scores and the costs behind them."""
+  empty sequence, an infinite split in a NaN score (0 x inf) and slots of 2.5 in a TypeError
+  from numpy; now the choice names the bad input before it scores."""
   policy = _policy(0.7, {0: 1.0, 1: 1.5, 2: 1.9}, candidates=(1, 2))
   policy.rooms, policy.queued, policy.queue_rooms, policy.slots = [12, 12], 2, [9], 2
   setattr(policy, field, value)
-  with pytest.raises(ValueError, match=rf'GoodputK scores .* must be finite and >= 0: .*'
-                                       rf'{field}={value}'):
-    policy.choose(['a', 'b'])
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')               # no RuntimeWarning on the way
+    with pytest.raises(ValueError, match=f'GoodputK {message}'):
+      policy.choose(['a', 'b'])
