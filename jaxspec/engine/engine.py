@@ -320,10 +320,14 @@ class Engine:
     row bucket, and the host-tier copies when there is a host tier, so that timed steps do not
     compile; then measure `row_costs` (and `prefill_costs` for a policy that needs costs).
     The requests' PRNG key stream is left as it was: sampled outputs of a seed are the same
-    with or without a warm-up (or `measure_costs`), whenever it runs. cost_repeats: timing
-    rounds per prefill bucket and catch-up call (`timing.fastest`); decode_rounds,
-    decode_budget_s: `measure_costs`'s repeats and budget_s. Raises ValueError naming a bad
-    argument (before compiling anything)."""
+    with or without a warm-up (or `measure_costs`), whenever it runs.
+
+    Args:
+      cost_repeats: timing rounds per prefill bucket and catch-up call (>= 1; `timing.fastest`).
+      decode_rounds, decode_budget_s: `measure_costs`'s repeats and budget_s (seconds).
+    Raises:
+      ValueError: a bad argument, named (before compiling anything).
+    """
     rng = self._rng                  # the timed calls draw keys: put the requests' stream back,
     try:                             # so sampled outputs do not depend on when costs were timed
       timing.warm_up(self, cost_repeats, decode_rounds, decode_budget_s)
@@ -349,8 +353,10 @@ class Engine:
         needs a cost table gets one once the full batch's row (num_slots) is timed.
       catch_up_repeats: rounds of timed catch-up calls, >= 1 (`timing.fastest`).
       budget_s: seconds (> 0; None: no bound) after which no new round starts, once 5 have.
-    Returns `step_costs` (the full batch's row; {} until it is timed). Raises ValueError
-    naming a bad argument.
+    Returns:
+      `step_costs` {K: seconds} (the full batch's row; {} until it is timed).
+    Raises:
+      ValueError: a bad argument, named.
     """
     rng = self._rng                  # as `warm_up`: the requests' key stream is left as it was
     try:

@@ -137,7 +137,6 @@ class GoodputK(KPolicy):
     self._last_k = 0                        # the previous choice
     self._profile = None                    # `AlphaTracker.profile` as `_alphas` last read it
     self._x, self._fit_x = {}, {}           # {id: (x, tokens)} priced, {id: x} fitted (`_alphas`)
-    self._priced = None                     # `pricing` of the last `_scores`
     self._use_confidence, self._spec_confidence = bool(use_confidence), bool(spec_confidence)
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
@@ -193,8 +192,9 @@ class GoodputK(KPolicy):
     `later`: each request's β (`expected_tokens`; None: β = α).
 
     Raises:
-      ValueError: rooms or later not one per α.
+      ValueError: rooms or later not one per α; sync_s, split_s or slots bad (`_check_inputs`).
     """
+    self._check_inputs()
     for name, values in (('rooms', rooms), ('later', later)):
       if values is not None and len(values) != len(alphas):
         raise ValueError(f'goodput needs one {name} value per α: got {len(values)} for '
@@ -221,7 +221,8 @@ class GoodputK(KPolicy):
     """{K: goodput} over `candidates` for acceptance estimates alphas [n] (first proposal) and
     later [n, K_max] (proposals 2, 3, ...: `_alphas`); the queue at
     `AlphaTracker.queue_estimates` raised by `raise_by` (as `worth_probing` raises the rows')."""
-    rooms, priced, keep = self._priced = self.pricing(len(alphas))   # `calibrate` reuses it
+    self._check_inputs()
+    rooms, priced, keep = self.pricing(len(alphas))
     if len(keep) < len(alphas):                 # finished rows: no tokens, no rounds
       if not keep:
         return {k: 0.0 for k in self.candidates}
@@ -307,7 +308,6 @@ class GoodputK(KPolicy):
   def choose(self, request_ids):
     if not self.live.idle:
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
-    self._check_inputs()
     # The holds of the class doc: drift and h against their values at the choice, not binned (a
     # value near a bin edge broke most holds); ratios with the table's prior rounds included.
     ratios = self.live.group_ratios()
@@ -337,7 +337,7 @@ class GoodputK(KPolicy):
         scores[0] < max(g for c, g in scores.items() if c) * (1 + self.stay_margin):
       k = self._pick({c: g for c, g in scores.items() if c})   # stay: the draft is in sync
     if k and self.calibration is not None:     # what each round at K should deliver
-      rooms, _, keep = self._priced               # as `_scored` just priced this choice
+      rooms, _, keep = self.pricing(len(alphas))
       tokens = round_tokens(alphas[keep].tolist(), later[keep].tolist(), rooms, k)[k]
       self.calibration.expect(tokens, self.live.table(self.rows)[k] + self.host.of(k),
                               self.once_s)
@@ -353,8 +353,9 @@ class GoodputK(KPolicy):
     return k, [k] * len(request_ids)
 
   def _check_inputs(self) -> None:
-    """Refuse what the engine's setters would never give: seconds that are not finite and
-    >= 0 (an infinite split made 0 x inf a NaN score), slots that are not an int >= 1."""
+    """Refuse, before any scoring (`_scores`, `goodput`; so `choose` and `worth_probing` too),
+    what the engine's setters would never give: seconds that are not finite and >= 0 (an
+    infinite split made 0 x inf a NaN score), slots that are not an int >= 1."""
     for name in ('sync_s', 'split_s'):
       check_real(f'GoodputK {name} (seconds)', getattr(self, name), 0.0, math.inf, high_open=True)
     if self.slots is not None and not is_int_in(self.slots, 1, math.inf):
