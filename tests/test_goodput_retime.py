@@ -38,13 +38,7 @@ def test_a_table_too_dear_for_k1_is_reshaped_by_retimings_and_k1_comes_back():
   _zero_rounds(policy, GoodputK.STALE_ROUNDS - 1)
   assert policy.retime_k is None                   # not yet long at K = 0
   _zero_rounds(policy, 1)
-  # The first re-timing's cost is estimated as RETIME_CALLS (5) rounds at K = 0 and K = 1:
-  # 13.5 s, within 5 % of 270 s of K = 0 rounds.
-  assert policy.retime_k is None
-  _zero_rounds(policy, 270 - GoodputK.STALE_ROUNDS - 1)
-  assert policy.retime_k is None
-  _zero_rounds(policy, 1)
-  assert policy.retime_k == 1
+  assert policy.retime_k == 1                      # the first: at once
   policy.retimed(None, {0: 2.0, 1: 2.6}, spent_s=1.0)
   assert policy.live.shape == pytest.approx((1.3 / 1.7 + 1) / 2)
   assert policy.costs[1] == pytest.approx(1.5)     # K = 1 only level with K = 0: K = 0
@@ -57,6 +51,23 @@ def test_a_table_too_dear_for_k1_is_reshaped_by_retimings_and_k1_comes_back():
   policy.retimed(None, {0: 1.0, 1: 1.3}, spent_s=1.0)
   assert policy.costs[1] == pytest.approx(1.3)
   assert policy.choose(IDS)[0] == 1 and policy.retime_k is None     # not at K = 0
+
+
+def test_retimings_that_agree_with_the_table_come_ever_more_rarely():
+  """Each re-timing whose sample is within RETIME_AGREE of the shape priced doubles the K = 0
+  time the next one waits for; one that disagrees sets it back."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.7}, retime_budget=0.1)
+  assert policy.choose(IDS)[0] == 0
+  _zero_rounds(policy, 200)
+  waits = []
+  for ratio in (1.75, 1.65, 1.7, 1.3):           # 3 agree with 1.7 (within 10 %), then not
+    policy.retimed(None, {0: 1.0, 1: ratio}, spent_s=1.0)
+    rounds = 0
+    while policy.retime_k is None:
+      _zero_rounds(policy, 1)
+      rounds += 1
+    waits.append(rounds)
+  assert waits == [20, 40, 80, 10]               # 1 s x gap at 10 %; the gap back to 1
 
 
 def test_no_retiming_out_of_reach_off_or_while_speculating():

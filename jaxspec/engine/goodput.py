@@ -148,9 +148,10 @@ class GoodputK(KPolicy):
     self.calibration = Calibration() if calibrate else None
     self.retime_budget = None if retime_budget is None else check_real(
         'retime_budget', retime_budget, 0.0, 1.0, low_open=True)
-    self._reach = None                      # the best K >= 1 a re-timing could bring in
+    self._reach = False                     # a re-timing could bring K >= 1 in (`retime_k`)
     self._zero_s = 0.0                      # seconds of K = 0 rounds since the last re-timing
     self._retime_s = None                   # seconds the last re-timing took
+    self._retime_gap = 1                    # its cost's multiple the budget must cover
 
   wants_confidences = property(lambda self: self._use_confidence)      # fixed: the latter picks
   wants_spec_confidences = property(lambda self: self._spec_confidence)  # what warm_up compiles
@@ -363,32 +364,31 @@ class GoodputK(KPolicy):
                               sync_s=self.sync_s, split_s=self.split_s)
     return k, [k] * len(request_ids)
 
-  def _reachable(self, scores: dict) -> Optional[int]:
-    """The best-scored K >= 1 of a K = 0 choice's `scores` if it would win with its round
-    seconds `RETIME_REACH` lower (a score rises by at most 1 / (1 - RETIME_REACH) then), else
-    None."""
-    spec = {k: g for k, g in scores.items() if k}
-    if not spec:
-      return None
-    best = max(spec, key=spec.get)
-    return best if spec[best] > scores[0] * (1 + self.margin) * (1 - self.RETIME_REACH) else None
+  def _reachable(self, scores: dict) -> bool:
+    """Whether some K >= 1 of a K = 0 choice's `scores` would win with its round seconds
+    `RETIME_REACH` lower (a score rises by at most 1 / (1 - RETIME_REACH) then)."""
+    spec = [g for k, g in scores.items() if k]
+    return bool(spec) and max(spec) > scores[0] * (1 + self.margin) * (1 - self.RETIME_REACH)
 
   @property
   def retime_k(self) -> Optional[int]:
-    """`KPolicy.retime_k`: while the policy has chosen K = 0 for `STALE_ROUNDS` rounds or
-    more (K >= 1 then priced by the start-up table's ratios alone, `LiveCosts`), its best K >= 1
-    within `RETIME_REACH` of winning, and the re-timing's cost (its last one's seconds; before
-    any, `RETIME_CALLS` idle rounds at K = 0 and at that K) within `retime_budget` of the
-    K = 0 rounds' seconds since the last one: that K; else None."""
-    k = self._reach
-    if self.retime_budget is None or k is None or self._last_k or \
+    """`KPolicy.retime_k`: the smallest K >= 1 candidate (the cheapest to time; `LiveCosts`
+    re-shapes every K >= 1 by one factor) while the policy has chosen K = 0 for `STALE_ROUNDS`
+    rounds or more (K >= 1 then priced by the start-up table's ratios alone) and some K >= 1 is
+    within `RETIME_REACH` of winning: at once the first time (a check of the start-up table once
+    the engine runs), later once the last re-timing's seconds times the gap are within
+    `retime_budget` of the K = 0 rounds' seconds since it; else None. The gap starts at 1,
+    doubles after a re-timing that agreed with the table as priced (within `RETIME_AGREE`) and
+    is 1 again after one that did not: a table that was right costs a re-timing ever more
+    rarely."""
+    spec = [k for k in self.candidates if k]
+    if self.retime_budget is None or not self._reach or not spec or self._last_k or \
         self.live.zero_rounds < self.STALE_ROUNDS:
       return None
-    cost = self._retime_s
-    if cost is None:
-      table = self.live.table(self.rows)
-      cost = self.RETIME_CALLS * (table[0] + table[k])
-    return k if cost <= self.retime_budget * self._zero_s else None
+    if self._retime_s is None:
+      return spec[0]
+    return spec[0] if self._retime_s * self._retime_gap <= self.retime_budget * self._zero_s \
+        else None
 
   def retimed(self, rows, seconds, spent_s):
     """`KPolicy.retimed`: one sample of the K >= 1 entries' re-shaping (`LiveCosts.retimed`);
@@ -399,7 +399,9 @@ class GoodputK(KPolicy):
         finite number > 0, spent_s not a finite number >= 0.
     """
     spent_s = check_real('re-timing spent_s (seconds)', spent_s, 0.0, math.inf, high_open=True)
-    self.live.retimed(rows, seconds)
+    shape = self.live.shape
+    agreed = abs(self.live.retimed(rows, seconds) / shape - 1.0) <= self.RETIME_AGREE
+    self._retime_gap = 2 * self._retime_gap if agreed else 1
     self._retime_s, self._zero_s = spent_s, 0.0
     self._version += 1
 
@@ -432,7 +434,7 @@ class GoodputK(KPolicy):
   FIT_TOKENS = AlphaTracker.FIT_TOKENS   # a request's confidence enters the fit from this many
   PRIOR_ROUNDS, STALE_ROUNDS = LiveCosts.PRIOR_ROUNDS, LiveCosts.STALE_ROUNDS
   RETIME_REACH = 0.2   # how much cheaper a re-timing may find K >= 1 (`retime_k`)
-  RETIME_CALLS = 5     # idle rounds a re-timing runs per K (`jaxspec.engine.timing.retime`)
+  RETIME_AGREE = 0.1   # a sample this close to the shape priced agrees with it (`retime_k`)
 
   @property
   def cold(self) -> bool:

@@ -335,7 +335,7 @@ class LiveCosts:
     moves it halfway); 1.0 before any."""
     return self._shape
 
-  def retimed(self, rows, seconds: Mapping[int, float]) -> None:
+  def retimed(self, rows, seconds: Mapping[int, float]) -> float:
     """Take idle decode rounds of row bucket `rows` timed now, back to back, {0: seconds,
     k: seconds} for one k >= 1: (their k / 0 ratio) over (the start-up table's) is one sample
     of `shape`. The live K >= 1 ratios and the quotient carried past staleness are re-expressed
@@ -344,6 +344,8 @@ class LiveCosts:
     ran, 1.97x where the run's idle rounds took 1.47x, held a B = 1 goodput engine at K = 0
     for a whole run).
 
+    Returns:
+      The sample.
     Raises:
       ValueError: seconds without K = 0 and exactly one K >= 1 of the tables, or a time that is
         not a finite number > 0 (named).
@@ -354,7 +356,8 @@ class LiveCosts:
       raise ValueError(f're-timed seconds {dict(seconds)} must hold K = 0 and one K >= 1 of '
                        f'the tables {sorted(idle)}')
     timed = checked_table(seconds, (0, spec[0]))
-    self._retimes.append((timed[spec[0]] / timed[0]) / (idle[spec[0]] / idle[0]))
+    sample = (timed[spec[0]] / timed[0]) / (idle[spec[0]] / idle[0])
+    self._retimes.append(sample)
     old, self._shape = self._shape, padded_median(self._retimes, 1.0, 2)
     moved = old / self._shape
     values = [r * moved for r in self._ratios[1]]
@@ -363,6 +366,7 @@ class LiveCosts:
     if self._excess is not None:
       self._excess *= moved
     self._moved()
+    return sample
 
   @property
   def zero_rounds(self) -> int:

@@ -196,14 +196,14 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]],
 
 def retime(engine, rows: int, k: int) -> None:
   """Time idle decode rounds of row bucket `rows` at K = 0 and K = k now (`decode_costs`: one
-  round, each K's call after an untimed one of its own; with the compiling call first, that is
-  `GoodputK.RETIME_CALLS` = 5 calls per K) and give them to the policy (`KPolicy.retimed`) with
+  round of two timed calls per K, each K's after an untimed one of its own; with the compiling
+  call first, 4 calls per K) and give them to the policy (`KPolicy.retimed`) with
   the seconds it took. Between decode rounds of a running engine: idle rows write only the null
   page (an `EvictingEngine`, whose eviction state idle calls would move, runs no adaptive
   policy); the requests' key stream is left as it was (`Engine.warm_up`)."""
   rng, start = engine._rng, time.perf_counter()   # pylint: disable=protected-access
   try:
-    costs = decode_costs(engine, 1, (rows,), ks=(0, k))
+    costs = decode_costs(engine, 1, (rows,), block=2, ks=(0, k))
   finally:
     engine._rng = rng                             # pylint: disable=protected-access
   engine.policy.retimed(rows, {key: s for (_, key), s in costs.items()},
