@@ -101,15 +101,10 @@ class GoodputK(KPolicy):
       `calibration.factor`, the K >= 1 rounds' realized over predicted tokens per second so far
       (`jaxspec.engine.calibration`; an experiment, off: no gain in the batching study,
       docs/adaptive_k.md, *Calibration*).
-    retime_budget: in (0, 1], or None (off): the fraction of the K = 0 rounds' seconds that
-      re-timing idle rounds may take while the policy stays at K = 0 (`retime_k`; the start-up
-      table is one moment's: a B = 2 table re-timed every 50 s moved c(1) = t(1) / t(0) over
-      1.67-1.83, docs/adaptive_k.md).
   Raises:
     ValueError: a candidate outside [0, K_max], a cost table that is not a mapping, misses a
       candidate or has a non-positive time, a tracker that is not an `AlphaTracker`, margin,
-      stay_margin or spec_margin < 0, window < 1, cold_rounds or switch_rounds not an int >= 0,
-      retime_budget outside (0, 1];
+      stay_margin or spec_margin < 0, window < 1, cold_rounds or switch_rounds not an int >= 0;
       in a choice, sync_s or split_s not a finite number >= 0, slots not an int >= 1 (or
       None), or a score not finite and >= 0.
   """
@@ -120,7 +115,7 @@ class GoodputK(KPolicy):
                probe_margin: float = 0.05, stay_margin: float = 0.05,
                spec_margin: float = 0.05, cold_rounds: int = 1, switch_rounds: int = 2,
                use_confidence: bool = True, spec_confidence: bool = False,
-               calibrate: bool = False, retime_budget: Optional[float] = 0.01):
+               calibrate: bool = False):
     super().__init__()
     margin = check_real('margin', margin, 0.0, math.inf, high_open=True)
     self.probe_margin = check_real('probe_margin', probe_margin, 0.0, 1.0)
@@ -146,12 +141,6 @@ class GoodputK(KPolicy):
     self.stay_margin = check_real('stay_margin', stay_margin, 0.0, math.inf, high_open=True)
     self.spec_margin = check_real('spec_margin', spec_margin, 0.0, math.inf, high_open=True)
     self.calibration = Calibration() if calibrate else None
-    self.retime_budget = None if retime_budget is None else check_real(
-        'retime_budget', retime_budget, 0.0, 1.0, low_open=True)
-    self._reach = False                     # a re-timing could bring K >= 1 in (`retime_k`)
-    self._zero_s = 0.0                      # seconds of K = 0 rounds since the last re-timing
-    self._retime_s = None                   # seconds the last re-timing took
-    self._retime_gap = 1                    # its cost's multiple the budget must cover
 
   wants_confidences = property(lambda self: self._use_confidence)      # fixed: the latter picks
   wants_spec_confidences = property(lambda self: self._spec_confidence)  # what warm_up compiles
@@ -353,7 +342,6 @@ class GoodputK(KPolicy):
       self.calibration.expect(tokens, self.live.table(self.rows)[k] + self.host.of(k),
                               self.once_s)
     self._last_k = k
-    self._reach = self._reachable(scores) if k == 0 else None
     self._held = None
     self._spec_held = holds.Hold(holds.spec_key(self, request_ids, queue, k), ratios, k=k,
                                  limit=self._spec_hold_rounds()) if k else None
@@ -363,47 +351,6 @@ class GoodputK(KPolicy):
       self._held = holds.Hold(inputs, ratios, limit=limit, host=host, left=left,
                               sync_s=self.sync_s, split_s=self.split_s)
     return k, [k] * len(request_ids)
-
-  def _reachable(self, scores: dict) -> bool:
-    """Whether some K >= 1 of a K = 0 choice's `scores` would win with its round seconds
-    `RETIME_REACH` lower (a score rises by at most 1 / (1 - RETIME_REACH) then)."""
-    spec = [g for k, g in scores.items() if k]
-    return bool(spec) and max(spec) > scores[0] * (1 + self.margin) * (1 - self.RETIME_REACH)
-
-  @property
-  def retime_k(self) -> Optional[int]:
-    """`KPolicy.retime_k`: the smallest K >= 1 candidate (the cheapest to time; `LiveCosts`
-    re-shapes every K >= 1 by one factor) while the policy has chosen K = 0 for `STALE_ROUNDS`
-    rounds or more (K >= 1 then priced by the start-up table's ratios alone) and some K >= 1 is
-    within `RETIME_REACH` of winning: at once the first time (a check of the start-up table once
-    the engine runs), later once the last re-timing's seconds times the gap are within
-    `retime_budget` of the K = 0 rounds' seconds since it; else None. The gap starts at 1,
-    doubles after a re-timing that agreed with the table as priced (within `RETIME_AGREE`) and
-    is 1 again after one that did not: a table that was right costs a re-timing ever more
-    rarely."""
-    spec = [k for k in self.candidates if k]
-    if self.retime_budget is None or not self._reach or not spec or self._last_k or \
-        self.live.zero_rounds < self.STALE_ROUNDS:
-      return None
-    if self._retime_s is None:
-      return spec[0]
-    return spec[0] if self._retime_s * self._retime_gap <= self.retime_budget * self._zero_s \
-        else None
-
-  def retimed(self, rows, seconds, spent_s):
-    """`KPolicy.retimed`: one sample of the K >= 1 entries' re-shaping (`LiveCosts.retimed`);
-    the K = 0 hold ends (the costs moved).
-
-    Raises:
-      ValueError: seconds not {0: s, k: s} for one K >= 1 of the table, a time that is not a
-        finite number > 0, spent_s not a finite number >= 0.
-    """
-    spent_s = check_real('re-timing spent_s (seconds)', spent_s, 0.0, math.inf, high_open=True)
-    shape = self.live.shape
-    agreed = abs(self.live.retimed(rows, seconds) / shape - 1.0) <= self.RETIME_AGREE
-    self._retime_gap = 2 * self._retime_gap if agreed else 1
-    self._retime_s, self._zero_s = spent_s, 0.0
-    self._version += 1
 
   def _check_inputs(self) -> None:
     """Refuse, before any scoring (`_scores`, `goodput`; so `choose` and `worth_probing` too),
@@ -433,8 +380,6 @@ class GoodputK(KPolicy):
   COLD_TRIALS = 12   # global first-proposal trials (4 the default prior's) to be warm (`cold`)
   FIT_TOKENS = AlphaTracker.FIT_TOKENS   # a request's confidence enters the fit from this many
   PRIOR_ROUNDS, STALE_ROUNDS = LiveCosts.PRIOR_ROUNDS, LiveCosts.STALE_ROUNDS
-  RETIME_REACH = 0.2   # how much cheaper a re-timing may find K >= 1 (`retime_k`)
-  RETIME_AGREE = 0.1   # a sample this close to the shape priced agrees with it (`retime_k`)
 
   @property
   def cold(self) -> bool:
@@ -494,8 +439,6 @@ class GoodputK(KPolicy):
       ValueError: a time that is not a finite number >= 0.
     """
     self.live.add(k, self.rows, device_s, host_s)
-    if k == 0:
-      self._zero_s += device_s + host_s
     if self.calibration is not None:
       self.calibration.round(k, device_s + host_s)
 

@@ -75,8 +75,6 @@ class KPolicy(abc.ABC):
     wants_confidences: whether the policy reads `confidences` (default False).
     wants_spec_confidences: whether those take the tokens of rounds at K >= 1 too (default
       False; the draft model's verify pass then computes them, `spec_steps.model_step`).
-    retime_k: a K >= 1 whose idle decode round the engine should time now against K = 0's,
-      before the coming round, and report through `retimed`; None (default): none.
   """
 
   needs_costs = False
@@ -92,7 +90,6 @@ class KPolicy(abc.ABC):
   confidence_tokens: Optional[Sequence[int]] = None
   wants_confidences = False
   wants_spec_confidences = False
-  retime_k: Optional[int] = None
 
   def __init__(self):
     self.k_max: Optional[int] = None
@@ -183,11 +180,6 @@ class KPolicy(abc.ABC):
     `catch_up_s`, the seconds a lazy draft cache's catch-up took right before the round (0
     without one; a probe's are not in it; neither is in the round's host seconds). Default:
     ignored."""
-
-  def retimed(self, rows: int, seconds: Mapping[int, float], spent_s: float) -> None:
-    """Idle decode rounds of row bucket `rows` the engine timed because `retime_k` asked,
-    {0: seconds, retime_k: seconds}, and `spent_s`, the wall seconds the timing took (outside
-    any round's). Default: ignored."""
 
   def round_timing(self, k: int, device_s: float, host_s: float) -> None:
     """Wall seconds of the decode round just run at K = k: the device call (`device_s`:

@@ -185,8 +185,7 @@ class LiveCosts:
   the engine runs (host side).
 
   d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
-  `warm_up`, its K >= 1 entries on their `line_through` line and times `shape`, 1.0 unless
-  re-timed) times the median live / start-up
+  `warm_up`, its K >= 1 entries on their `line_through` line) times the median live / start-up
   ratio of the last `window` live rounds of its group, K = 0 or K >= 1, made non-decreasing in
   K (`table`). Live rounds pay what idle ones skip (a draft model's extra step after a fully
   accepted round) and the machine's speed drifts; one ratio shared by every K >= 1 keeps the
@@ -213,11 +212,6 @@ class LiveCosts:
   CPU: 1.55-1.65x at K = 1 against a table's 1.33x), and forgetting that all at once made the
   policy leave K = 0, pay a catch-up and learn it again after every stretch at K = 0.
 
-  That carried prior is still the start-up table's K >= 1 / K = 0 ratio, and a table timed in a
-  slow or contended moment holds the policy at K = 0 for as long as it stays there. Idle rounds
-  re-timed during such a stretch (`retimed`, asked by `GoodputK.retime_k`) re-shape the table:
-  its K >= 1 entries times `shape`, the median of the re-timed ratios over the table's.
-
   Args:
     window: live rounds per group (>= 1); cold_rounds: uncounted first rounds per group (>= 0);
       switch_rounds: first rounds of a K >= 1 stretch after K = 0 rounds left out of d(K) and
@@ -230,7 +224,6 @@ class LiveCosts:
   PRIOR_ROUNDS = 3
   STALE_ROUNDS = 16
   SWITCH_WINDOW = 8   # switches whose excess `switch_s` takes the median of
-  RETIME_WINDOW = 5   # re-timings whose samples `shape` takes the median of
 
   def __init__(self, window: int, cold_rounds: int, switch_rounds: int = 2):
     self.cold_rounds, self.switch_rounds = cold_rounds, switch_rounds
@@ -240,9 +233,7 @@ class LiveCosts:
     self._ratios = (collections.deque(maxlen=window), collections.deque(maxlen=window))
     self._fitted: dict = {}                 # {rows: fitted d(K)} (lazily, per change)
     self._group = None                      # `group_ratios` (lazily)
-    self._excess = None                     # K >= 1 / K = 0 ratio at staleness (None: none)
-    self._retimes = collections.deque(maxlen=self.RETIME_WINDOW)   # `retimed`'s samples
-    self._shape = 1.0                       # `shape` (per sample)
+    self._quotient = 1.0                    # K >= 1 / K = 0 ratio carried past staleness
     self._timed = [0, 0]                    # live rounds reported per group
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
     self._spec_rounds = 0                   # rounds at K >= 1 in a row (the current stretch)
@@ -258,9 +249,7 @@ class LiveCosts:
     for ratios in (*self._ratios, self._switches):
       ratios.clear()
     self._switch_sum = self._switch_median = None
-    self._excess = None
-    self._retimes.clear()
-    self._shape = 1.0
+    self._quotient = 1.0
     self._moved()
     self.tables += 1
 
@@ -271,7 +260,7 @@ class LiveCosts:
       zero, spec = self.group_ratios()
       idle = self.idle[rows]
       self._fitted[rows] = dict(zip(idle, nondecreasing(
-          [t * (zero if k == 0 else spec * self._shape) for k, t in idle.items()])))
+          [t * (zero if k == 0 else spec) for k, t in idle.items()])))
     return self._fitted[rows]
 
   def group_ratios(self) -> tuple:
@@ -280,8 +269,7 @@ class LiveCosts:
     if self._group is None:
       rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
       zero = padded_median(self._ratios[0], 1.0, rounds)
-      quotient = 1.0 if self._excess is None else math.sqrt(self._excess)
-      self._group = zero, padded_median(self._ratios[1], zero * quotient, rounds)
+      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
     return self._group
 
   def unit_s(self) -> float:
@@ -317,56 +305,16 @@ class LiveCosts:
     if self._timed[group] > self.cold_rounds and not switching:
       self.host.add(k, host_s)
       if k in idle:
-        self._ratios[group].append(device_s / (idle[k] * (self._shape if group else 1.0)))
+        self._ratios[group].append(device_s / idle[k])
         self._moved()
     self._spec_rounds = self._spec_rounds + 1 if k else 0
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
     if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
       zero, spec = self.group_ratios()
-      self._excess = max(spec, 1e-9) / max(zero, 1e-9)
+      self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
       self._ratios[1].clear()
       self.host.stale()
       self._moved()
-
-  @property
-  def shape(self) -> float:
-    """The factor on the start-up tables' K >= 1 entries from re-timings (`retimed`): the
-    median of the last `RETIME_WINDOW` samples padded with 1.0 up to two values (a first sample
-    moves it halfway); 1.0 before any."""
-    return self._shape
-
-  def retimed(self, rows, seconds: Mapping[int, float]) -> float:
-    """Take idle decode rounds of row bucket `rows` timed now, back to back, {0: seconds,
-    k: seconds} for one k >= 1: (their k / 0 ratio) over (the start-up table's) is one sample
-    of `shape`. The live K >= 1 ratios and the quotient carried past staleness are re-expressed
-    against the re-shaped table, so what they measured keeps its price; what moves is the prior
-    that stands in for K >= 1 rounds not measured (a start-up table timed while something else
-    ran, 1.97x where the run's idle rounds took 1.47x, held a B = 1 goodput engine at K = 0
-    for a whole run).
-
-    Returns:
-      The sample.
-    Raises:
-      ValueError: seconds without K = 0 and exactly one K >= 1 of the tables, or a time that is
-        not a finite number > 0 (named).
-    """
-    idle = self.idle.get(rows, self.idle.get(None, {}))
-    spec = [k for k in seconds if k != 0]
-    if 0 not in seconds or len(spec) != 1 or 0 not in idle or spec[0] not in idle:
-      raise ValueError(f're-timed seconds {dict(seconds)} must hold K = 0 and one K >= 1 of '
-                       f'the tables {sorted(idle)}')
-    timed = checked_table(seconds, (0, spec[0]))
-    sample = (timed[spec[0]] / timed[0]) / (idle[spec[0]] / idle[0])
-    self._retimes.append(sample)
-    old, self._shape = self._shape, padded_median(self._retimes, 1.0, 2)
-    moved = old / self._shape
-    values = [r * moved for r in self._ratios[1]]
-    self._ratios[1].clear()
-    self._ratios[1].extend(values)
-    if self._excess is not None:
-      self._excess *= moved
-    self._moved()
-    return sample
 
   @property
   def zero_rounds(self) -> int:

@@ -14,7 +14,6 @@ import numpy as np
 from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.engine import rows as rows_lib
 from jaxspec.engine import speculation
-from jaxspec.engine import timing
 from jaxspec.engine.request import State
 
 
@@ -65,8 +64,6 @@ def decode_round(engine, decodes, emitted: dict) -> None:
   KeyboardInterrupt once this round's tokens are emitted)."""
   if engine.policy is not None and engine.policy.needs_costs:
     engine.measure_costs()     # before the round's clock starts: not host time of a round
-  elif engine.policy is not None and engine.policy.retime_k is not None:     # the same
-    timing.retime(engine, engine.policy.rows or engine.num_slots, engine.policy.retime_k)
   start = time.perf_counter()
   width, rows = engine._decode_layout(decodes)
   layout = list(zip(rows, decodes))

@@ -130,15 +130,13 @@ def prefill_costs(engine, repeats: Optional[int], drafted: bool = False) -> dict
 
 
 def decode_costs(engine, repeats: int, widths: Sequence[int], ratios: bool = True,
-                 block: int = 3, budget_s: Optional[float] = None,
-                 ks: Optional[Sequence[int]] = None) -> dict:
+                 block: int = 3, budget_s: Optional[float] = None) -> dict:
   """{(rows, K): seconds} the idle decode round of the engine (`fastest`, `repeats` rounds of
-  `block` timed calls) at every K in `ks` (default: every K its policy may choose, K = 0
-  without one) and every row count in `widths` (compiled first): the fastest at the smallest K
-  of each row count, and with `ratios` every other K at that times its median ratio to it per
-  round (`fastest`'s `base_of`), else its own fastest; `budget_s` as `fastest`'s."""
-  if ks is None:
-    ks = engine.policy.candidates if engine.policy is not None else (0,)
+  `block` timed calls) at every K its policy may choose (K = 0 without one) and every row count
+  in `widths` (compiled first): the fastest at the smallest K of each row count, and with
+  `ratios` every other K at that times its median ratio to it per round (`fastest`'s
+  `base_of`), else its own fastest; `budget_s` as `fastest`'s."""
+  ks = engine.policy.candidates if engine.policy is not None else (0,)
   base_of = {(rows, k): (rows, min(ks)) for rows in widths for k in ks} if ratios else None
 
   def round_at(rows, k):
@@ -192,22 +190,6 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]],
     lines = {rows: line_through(table) for rows, table in engine.row_costs.items()}
     engine.policy.set_costs(line_through(engine.step_costs), by_rows=lines)
   return engine.step_costs
-
-
-def retime(engine, rows: int, k: int) -> None:
-  """Time idle decode rounds of row bucket `rows` at K = 0 and K = k now (`decode_costs`: one
-  round of two timed calls per K, each K's after an untimed one of its own; with the compiling
-  call first, 4 calls per K) and give them to the policy (`KPolicy.retimed`) with
-  the seconds it took. Between decode rounds of a running engine: idle rows write only the null
-  page (an `EvictingEngine`, whose eviction state idle calls would move, runs no adaptive
-  policy); the requests' key stream is left as it was (`Engine.warm_up`)."""
-  rng, start = engine._rng, time.perf_counter()   # pylint: disable=protected-access
-  try:
-    costs = decode_costs(engine, 1, (rows,), block=2, ks=(0, k))
-  finally:
-    engine._rng = rng                             # pylint: disable=protected-access
-  engine.policy.retimed(rows, {key: s for (_, key), s in costs.items()},
-                        time.perf_counter() - start)
 
 
 def _check_budget(name: str, budget_s) -> None:
