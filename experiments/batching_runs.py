@@ -17,6 +17,14 @@ Per (B, workload, adaptive setting) it prints each run's fraction of the best st
 (`batching_report.analyze`: mean tokens/s over that run's passes, the best static chosen in that
 run), their mean, the standard deviation between runs and the standard error of the mean, and in
 how many runs the fraction reached the aim.
+
+    python -m experiments.batching_runs --tables docs/batching/*/*.jsonl.gz [--off 0.1]
+
+With --tables it prints instead how far each adaptive engine's warm-up cost table stood from
+its run's idle rounds (`table_errors`): c(1) = t(1) / t(0) of the table `warm_up` timed over
+c(1) of the idle rounds the study timed with the settings interleaved (the static K = 1
+setting's `idle_round_cost`), per engine, their median and 10th / 90th percentiles, and the
+engines off by more than --off.
 """
 
 from __future__ import annotations
@@ -55,6 +63,49 @@ def across_runs(runs: list[list[dict]]) -> list[dict]:
   return rows
 
 
+def table_errors(runs: list[tuple[str, list[dict]]]) -> list[dict]:
+  """How far each adaptive engine's warm-up table stood from its run's idle rounds.
+
+  Args:
+    runs: (name, records) of each run.
+  Returns:
+    [one row per run, batch size and adaptive setting (one engine) whose `warmup_step_costs`
+    hold K = 0 and 1 and whose run has a static K = 1 setting's `idle_round_cost` at that batch
+    size: 'run', 'batch_size', 'setting', 'warm' (the table's t(1) / t(0)), 'idle' (the idle
+    rounds' median ratio) and 'quotient' (warm / idle)], in run order.
+  """
+  rows = []
+  for name, records in runs:
+    idle, warm = {}, {}
+    for r in records:
+      b = r.get('batch_size')
+      if r.get('k_policy') == 'fixed' and r.get('k') == 1 and r.get('idle_round_cost'):
+        idle.setdefault(b, r['idle_round_cost'])
+      costs = r.get('warmup_step_costs') or {}
+      if r.get('k_policy') != 'fixed' and costs.get('0') and costs.get('1'):
+        warm.setdefault((b, r.get('setting')), costs['1'] / costs['0'])
+    for (b, setting), c1 in warm.items():
+      if b in idle:
+        rows.append(dict(run=name, batch_size=b, setting=setting, warm=c1, idle=idle[b],
+                         quotient=c1 / idle[b]))
+  return rows
+
+
+def errors_table(rows: list[dict], off: float) -> str:
+  """The spread of `table_errors` rows and those off by more than `off` (a fraction)."""
+  quotients = sorted(r['quotient'] for r in rows)
+  lines = [f'{len(rows)} engines: warm-up c(1) / idle c(1) median '
+           f'{statistics.median(quotients):.3f}']
+  if len(quotients) > 1:
+    deciles = statistics.quantiles(quotients, n=10, method='inclusive')
+    lines[0] += f', 10th-90th percentiles {deciles[0]:.3f}-{deciles[-1]:.3f}'
+  far = [r for r in rows if abs(r['quotient'] - 1) > off]
+  lines.append(f'{len(far)} off by more than {off:.0%}' + (':' if far else ''))
+  lines += [f"  {r['run']} B = {r['batch_size']} {r['setting']}: warm-up c(1) {r['warm']:.3f}, "
+            f"idle {r['idle']:.3f}, quotient {r['quotient']:.3f}" for r in far]
+  return '\n'.join(lines) + '\n'
+
+
 def table(rows: list[dict], aim: float) -> str:
   """The rows as markdown, with each cell's count of runs at or above `aim`."""
   def fmt(x):
@@ -75,15 +126,30 @@ def main(argv: list[str]) -> int:
                       'directories holding them: one per independent run')
   parser.add_argument('--aim', type=float, default=0.95,
                       help='the fraction of the best static setting each run is held against')
+  parser.add_argument('--tables', action='store_true',
+                      help="instead, each adaptive engine's warm-up c(1) against its run's idle "
+                           'rounds (`table_errors`)')
+  parser.add_argument('--off', type=float, default=0.1,
+                      help='with --tables: list the engines whose quotient is off 1 by more')
   args = parser.parse_args(argv)
   if not 0 < args.aim <= 2:
     parser.error(f'--aim must be in (0, 2], got {args.aim}')
+  if not 0 < args.off < 1:
+    parser.error(f'--off must be in (0, 1), got {args.off}')
   runs = []
   for path in args.runs:
     try:
       runs.append(read_run(path)[1])       # a sweep's: its finished cases (`read_run`)
     except ValueError as error:
       parser.error(str(error))
+  if args.tables:
+    errors = table_errors(list(zip(args.runs, runs)))
+    if not errors:
+      print('No adaptive engine with a warm-up table beside a static K = 1 setting: nothing '
+            'to compare.')
+      return 1
+    print(errors_table(errors, args.off), end='')
+    return 0
   try:
     rows = across_runs(runs)
   except ValueError as error:

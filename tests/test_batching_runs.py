@@ -66,3 +66,40 @@ def test_records_without_an_adaptive_setting_say_so(tmp_path, capsys):
   path.write_text(''.join(json.dumps(r) + '\n' for r in run))
   assert batching_runs.main([str(path)]) == 1
   assert 'nothing to compare' in capsys.readouterr().out
+
+
+def _with_tables(run, warm_c1, idle_c1):
+  """`run` with goodput's warm-up table {0: 1 ms, 1: warm_c1 ms} and the static K = 1
+  setting's idle round at idle_c1 x K = 0's (every record of a setting alike, as the study
+  writes them)."""
+  for r in run:
+    if r['setting'] == 'goodput':
+      r['warmup_step_costs'] = {'0': 0.001, '1': 0.001 * warm_c1, '2': 0.003}
+    elif r['setting'] == 'k1':
+      r['idle_round_cost'] = idle_c1
+  return run
+
+
+def test_tables_compare_each_engines_warm_up_c1_with_its_runs_idle_rounds(tmp_path, capsys):
+  runs = [('a', _with_tables(_run(99.0, 110.0), 1.5, 1.5)),
+          ('b', _with_tables(_run(99.0, 110.0, b=4), 2.0, 1.6)),     # 1.25: off by 25 %
+          ('c', _run(99.0, 110.0))]                                  # no tables: left out
+  rows = batching_runs.table_errors(runs)
+  assert [(r['run'], r['batch_size'], r['setting']) for r in rows] == [
+      ('a', 2, 'goodput'), ('b', 4, 'goodput')]      # one row per engine, not per record
+  assert [r['quotient'] for r in rows] == [pytest.approx(1.0), pytest.approx(1.25)]
+  text = batching_runs.errors_table(rows, off=0.1)
+  assert text.startswith('2 engines: warm-up c(1) / idle c(1) median 1.125, 10th-90th '
+                         'percentiles 1.025-1.225\n1 off by more than 10%:\n')
+  assert 'b B = 4 goodput: warm-up c(1) 2.000, idle 1.600, quotient 1.250' in text
+  assert batching_runs.errors_table(rows, off=0.3).endswith('0 off by more than 30%\n')
+  for name, run in runs:
+    (tmp_path / f'{name}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in run))
+  assert batching_runs.main(['--tables', str(tmp_path / 'a.jsonl'),
+                             str(tmp_path / 'b.jsonl')]) == 0
+  assert 'quotient 1.250' in capsys.readouterr().out
+  assert batching_runs.main(['--tables', str(tmp_path / 'c.jsonl')]) == 1
+  assert 'nothing to compare' in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    batching_runs.main(['--tables', '--off', '1.5', str(tmp_path / 'a.jsonl')])
+  assert '--off must be in (0, 1), got 1.5' in capsys.readouterr().err
