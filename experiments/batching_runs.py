@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import numbers
 import statistics
 import sys
 
@@ -66,41 +67,67 @@ def across_runs(runs: list[list[dict]]) -> list[dict]:
 def table_errors(runs: list[tuple[str, list[dict]]]) -> list[dict]:
   """How far each adaptive engine's warm-up table stood from its run's idle rounds.
 
+  An engine is a (run, sweep case, setting) of a non-fixed K policy with the draft model and
+  `warmup_step_costs` for K = 0 and 1; its run's idle c(1) is the `idle_round_cost` of the
+  case's static K = 1 setting with the draft model and no options (the study's `k1`).
+
   Args:
     runs: (name, records) of each run.
   Returns:
-    [one row per run, batch size and adaptive setting (one engine) whose `warmup_step_costs`
-    hold K = 0 and 1 and whose run has a static K = 1 setting's `idle_round_cost` at that batch
-    size: 'run', 'batch_size', 'setting', 'warm' (the table's t(1) / t(0)), 'idle' (the idle
-    rounds' median ratio) and 'quotient' (warm / idle)], in run order.
+    [one row per engine whose case has that idle c(1): 'run', 'batch_size', 'setting', 'warm'
+    (the table's t(1) / t(0)), 'idle' and 'quotient' (warm / idle)], in run order.
+  Raises:
+    ValueError: a value used that is not a finite number > 0, a case with two such static
+      K = 1 settings (each named with its run, case and setting).
   """
+  def seconds(name, r, field, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+        not 0 < value < math.inf:
+      raise ValueError(f"{name}: case {r.get('case_id')!r} setting {r.get('setting')!r}: "
+                       f'{field} must be a finite number > 0, got {value!r}')
+    return float(value)
+
   rows = []
   for name, records in runs:
     idle, warm = {}, {}
     for r in records:
-      b = r.get('batch_size')
-      if r.get('k_policy') == 'fixed' and r.get('k') == 1 and r.get('idle_round_cost'):
-        idle.setdefault(b, r['idle_round_cost'])
-      costs = r.get('warmup_step_costs') or {}
-      if r.get('k_policy') != 'fixed' and costs.get('0') and costs.get('1'):
-        warm.setdefault((b, r.get('setting')), costs['1'] / costs['0'])
-    for (b, setting), c1 in warm.items():
-      if b in idle:
-        rows.append(dict(run=name, batch_size=b, setting=setting, warm=c1, idle=idle[b],
-                         quotient=c1 / idle[b]))
+      if r.get('drafter') != 'model':
+        continue
+      case = (r.get('case_id'), r.get('batch_size'))
+      if r.get('k_policy') == 'fixed' and r.get('k') == 1 and \
+          not r.get('k_policy_options') and not r.get('drafter_options') and \
+          r.get('idle_round_cost') is not None:
+        cost = seconds(name, r, 'idle_round_cost', r['idle_round_cost'])
+        setting, _ = idle.setdefault(case, (r.get('setting'), cost))
+        if setting != r.get('setting'):
+          raise ValueError(f'{name}: case {case[0]!r} has two static K = 1 settings, '
+                           f'{setting!r} and {r.get("setting")!r}: give it one')
+      costs = r.get('warmup_step_costs')
+      if r.get('k_policy') != 'fixed' and isinstance(costs, dict) and '0' in costs and \
+          '1' in costs and (case, r.get('setting')) not in warm:
+        warm[case, r.get('setting')] = (
+            seconds(name, r, "warmup_step_costs['1']", costs['1']) /
+            seconds(name, r, "warmup_step_costs['0']", costs['0']))
+    for (case, setting), c1 in warm.items():
+      if case in idle:
+        rows.append(dict(run=name, batch_size=case[1], setting=setting, warm=c1,
+                         idle=idle[case][1], quotient=c1 / idle[case][1]))
   return rows
 
 
 def errors_table(rows: list[dict], off: float) -> str:
-  """The spread of `table_errors` rows and those off by more than `off` (a fraction)."""
+  """The spread of `table_errors` rows (>= 1) and those off by more than `off` (a fraction)."""
+  if not rows:
+    raise ValueError('errors_table needs at least one row')
   quotients = sorted(r['quotient'] for r in rows)
-  lines = [f'{len(rows)} engines: warm-up c(1) / idle c(1) median '
-           f'{statistics.median(quotients):.3f}']
+  runs = len({r['run'] for r in rows})
+  lines = [f'{len(rows)} engines of {runs} run{"s" * (runs != 1)}: warm-up c(1) / idle c(1) '
+           f'median {statistics.median(quotients):.3f}']
   if len(quotients) > 1:
     deciles = statistics.quantiles(quotients, n=10, method='inclusive')
     lines[0] += f', 10th-90th percentiles {deciles[0]:.3f}-{deciles[-1]:.3f}'
   far = [r for r in rows if abs(r['quotient'] - 1) > off]
-  lines.append(f'{len(far)} off by more than {off:.0%}' + (':' if far else ''))
+  lines.append(f'{len(far)} off by more than {off * 100:g}%' + (':' if far else ''))
   lines += [f"  {r['run']} B = {r['batch_size']} {r['setting']}: warm-up c(1) {r['warm']:.3f}, "
             f"idle {r['idle']:.3f}, quotient {r['quotient']:.3f}" for r in far]
   return '\n'.join(lines) + '\n'
@@ -124,31 +151,47 @@ def main(argv: list[str]) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('runs', nargs='+', help='results.jsonl files, or the run / sweep '
                       'directories holding them: one per independent run')
-  parser.add_argument('--aim', type=float, default=0.95,
-                      help='the fraction of the best static setting each run is held against')
+  parser.add_argument('--aim', type=float, default=None,
+                      help='the fraction of the best static setting each run is held against '
+                           '(default 0.95; not with --tables)')
   parser.add_argument('--tables', action='store_true',
-                      help="instead, each adaptive engine's warm-up c(1) against its run's idle "
-                           'rounds (`table_errors`)')
-  parser.add_argument('--off', type=float, default=0.1,
-                      help='with --tables: list the engines whose quotient is off 1 by more')
+                      help="instead of the fractions: each adaptive engine's warm-up c(1) = "
+                           "t(1) / t(0) over its run's idle rounds' (`table_errors`), their "
+                           'median and deciles, and the engines off by more than --off')
+  parser.add_argument('--off', type=float, default=None,
+                      help='with --tables: list the engines whose quotient is off 1 by more '
+                           'than this fraction (default 0.1)')
   args = parser.parse_args(argv)
-  if not 0 < args.aim <= 2:
-    parser.error(f'--aim must be in (0, 2], got {args.aim}')
-  if not 0 < args.off < 1:
-    parser.error(f'--off must be in (0, 1), got {args.off}')
-  runs = []
+  if args.tables and args.aim is not None:
+    parser.error('--aim applies to the fractions, not to --tables')
+  if not args.tables and args.off is not None:
+    parser.error('--off applies to --tables only')
+  aim = 0.95 if args.aim is None else args.aim
+  off = 0.1 if args.off is None else args.off
+  if not 0 < aim <= 2:
+    parser.error(f'--aim must be in (0, 2], got {aim}')
+  if not 0 < off < 1:
+    parser.error(f'--off must be in (0, 1), got {off}')
+  runs, files = [], {}
   for path in args.runs:
     try:
-      runs.append(read_run(path)[1])       # a sweep's: its finished cases (`read_run`)
+      file, records, _ = read_run(path)    # a sweep's: its finished cases (`read_run`)
     except ValueError as error:
       parser.error(str(error))
+    if file.resolve() in files:
+      parser.error(f'{path!r} is the run {files[file.resolve()]!r} again: give each run once')
+    files[file.resolve()] = path
+    runs.append(records)
   if args.tables:
-    errors = table_errors(list(zip(args.runs, runs)))
+    try:
+      errors = table_errors(list(zip(args.runs, runs)))
+    except ValueError as error:
+      parser.error(str(error))
     if not errors:
       print('No adaptive engine with a warm-up table beside a static K = 1 setting: nothing '
             'to compare.')
       return 1
-    print(errors_table(errors, args.off), end='')
+    print(errors_table(errors, off), end='')
     return 0
   try:
     rows = across_runs(runs)
@@ -157,7 +200,7 @@ def main(argv: list[str]) -> int:
   if not rows:
     print('No adaptive setting beside a static one in these records: nothing to compare.')
     return 1
-  print(table(rows, args.aim), end='')
+  print(table(rows, aim), end='')
   return 0
 
 

@@ -1,6 +1,7 @@
 """experiments/batching_runs.py: adaptive K against the best static setting across runs."""
 
 import json
+import re
 
 import pytest
 
@@ -89,10 +90,14 @@ def test_tables_compare_each_engines_warm_up_c1_with_its_runs_idle_rounds(tmp_pa
       ('a', 2, 'goodput'), ('b', 4, 'goodput')]      # one row per engine, not per record
   assert [r['quotient'] for r in rows] == [pytest.approx(1.0), pytest.approx(1.25)]
   text = batching_runs.errors_table(rows, off=0.1)
-  assert text.startswith('2 engines: warm-up c(1) / idle c(1) median 1.125, 10th-90th '
-                         'percentiles 1.025-1.225\n1 off by more than 10%:\n')
+  assert text.startswith('2 engines of 2 runs: warm-up c(1) / idle c(1) median 1.125, '
+                         '10th-90th percentiles 1.025-1.225\n1 off by more than 10%:\n')
   assert 'b B = 4 goodput: warm-up c(1) 2.000, idle 1.600, quotient 1.250' in text
   assert batching_runs.errors_table(rows, off=0.3).endswith('0 off by more than 30%\n')
+  assert '0 off by more than 12.5%' not in batching_runs.errors_table(rows, off=0.125)
+  assert '1 off by more than 12.5%' in batching_runs.errors_table(rows, off=0.125)
+  with pytest.raises(ValueError, match='at least one row'):
+    batching_runs.errors_table([], off=0.1)
   for name, run in runs:
     (tmp_path / f'{name}.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in run))
   assert batching_runs.main(['--tables', str(tmp_path / 'a.jsonl'),
@@ -100,6 +105,44 @@ def test_tables_compare_each_engines_warm_up_c1_with_its_runs_idle_rounds(tmp_pa
   assert 'quotient 1.250' in capsys.readouterr().out
   assert batching_runs.main(['--tables', str(tmp_path / 'c.jsonl')]) == 1
   assert 'nothing to compare' in capsys.readouterr().out
+  for args, message in ((['--tables', '--off', '1.5'], r'--off must be in \(0, 1\), got 1.5'),
+                        (['--tables', '--aim', '0.9'], '--aim applies to the fractions'),
+                        (['--off', '0.2'], '--off applies to --tables only'),
+                        (['--tables', str(tmp_path / 'b.jsonl')], 'b.jsonl.* again')):
+    with pytest.raises(SystemExit):
+      batching_runs.main(args + [str(tmp_path / 'b.jsonl')])
+    assert re.search(message, capsys.readouterr().err), message
+
+
+@pytest.mark.parametrize('field,value', [
+    ('idle_round_cost', float('nan')), ('idle_round_cost', -1.5), ('idle_round_cost', '1.5'),
+    ('idle_round_cost', True), ('idle_round_cost', 0.0),
+    ('warmup_step_costs', {'0': 0.001, '1': float('inf')}),
+    ('warmup_step_costs', {'0': '0.001', '1': 0.002})])
+def test_tables_name_a_value_that_is_not_a_positive_number(tmp_path, capsys, field, value):
+  run = _with_tables(_run(99.0, 110.0), 1.5, 1.5)
+  for r in run:
+    if field in r:
+      r[field] = value
+  with pytest.raises(ValueError, match=f"r: case 'batch_size=2' setting .*{field}"):
+    batching_runs.table_errors([('r', run)])
+  path = tmp_path / 'r.jsonl'
+  path.write_text(''.join(json.dumps(r) + '\n' for r in run))
   with pytest.raises(SystemExit):
-    batching_runs.main(['--tables', '--off', '1.5', str(tmp_path / 'a.jsonl')])
-  assert '--off must be in (0, 1), got 1.5' in capsys.readouterr().err
+    batching_runs.main(['--tables', str(path)])
+  assert 'must be a finite number > 0' in capsys.readouterr().err
+
+
+def test_tables_keep_sweep_cases_apart_and_refuse_two_static_k1_settings():
+  first = _with_tables(_run(99.0, 110.0), 1.5, 1.5)
+  second = _with_tables(_run(99.0, 110.0), 2.0, 1.6)
+  for r in second:
+    r['case_id'] = 'batch_size=2,rerun'
+  rows = batching_runs.table_errors([('s', first + second)])
+  assert [r['quotient'] for r in rows] == [pytest.approx(1.0), pytest.approx(1.25)]
+  other = [dict(r, setting='k1b') for r in first if r['setting'] == 'k1']
+  with pytest.raises(ValueError, match="two static K = 1 settings, 'k1' and 'k1b'"):
+    batching_runs.table_errors([('s', first + other)])
+  lookup = [dict(r, setting='ngram1', drafter='ngram', idle_round_cost=0.5)
+            for r in first if r['setting'] == 'k1']
+  assert [r['idle'] for r in batching_runs.table_errors([('s', first + lookup)])] == [1.5]
