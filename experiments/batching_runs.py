@@ -16,15 +16,16 @@ independent runs measure either.
 Per (B, workload, adaptive setting) it prints each run's fraction of the best static setting
 (`batching_report.analyze`: mean tokens/s over that run's passes, the best static chosen in that
 run), their mean, the standard deviation between runs and the standard error of the mean, and in
-how many runs the fraction reached the aim.
+how many runs the fraction reached the aim. Each run is given once (a path naming a file given
+before, e.g. a sweep directory and its results.jsonl, is refused).
 
     python -m experiments.batching_runs --tables docs/batching/*/*.jsonl.gz [--off 0.1]
 
 With --tables it prints instead how far each adaptive engine's warm-up cost table stood from
 its run's idle rounds (`table_errors`): c(1) = t(1) / t(0) of the table `warm_up` timed over
 c(1) of the idle rounds the study timed with the settings interleaved (the static K = 1
-setting's `idle_round_cost`), per engine, their median and 10th / 90th percentiles, and the
-engines off by more than --off.
+setting's `idle_round_cost`), per engine (a sweep case's adaptive setting), their median and
+10th / 90th percentiles, and the engines off by more than --off.
 """
 
 from __future__ import annotations
@@ -64,32 +65,35 @@ def across_runs(runs: list[list[dict]]) -> list[dict]:
   return rows
 
 
-def table_errors(runs: list[tuple[str, list[dict]]]) -> list[dict]:
+def table_errors(runs: list[tuple[str, list[dict]]]) -> tuple[list[dict], list[str]]:
   """How far each adaptive engine's warm-up table stood from its run's idle rounds.
 
   An engine is a (run, sweep case, setting) of a non-fixed K policy with the draft model and
-  `warmup_step_costs` for K = 0 and 1; its run's idle c(1) is the `idle_round_cost` of the
-  case's static K = 1 setting with the draft model and no options (the study's `k1`).
+  `warmup_step_costs` for K = 0 and 1; its case's idle c(1) is the `idle_round_cost` of the
+  case's static K = 1 setting with the draft model and no k_policy or drafter options (the
+  study's `k1`; of several such, the one named `k1`, else the case is left out: records do not
+  keep the other Engine options a setting may set, such as chunk_size).
 
   Args:
     runs: (name, records) of each run.
   Returns:
-    [one row per engine whose case has that idle c(1): 'run', 'batch_size', 'setting', 'warm'
-    (the table's t(1) / t(0)), 'idle' and 'quotient' (warm / idle)], in run order.
+    (rows, left): a row per engine whose case has an idle c(1): 'run', 'case', 'batch_size',
+    'setting', 'warm' (the table's t(1) / t(0)), 'idle' (the idle rounds' median ratio) and
+    'quotient' (warm / idle), in run order; left: a line per case left out, and why.
   Raises:
-    ValueError: a value used that is not a finite number > 0, a case with two such static
-      K = 1 settings (each named with its run, case and setting).
+    ValueError: a value used that is not a finite number > 0 (named with its run, case and
+      setting).
   """
-  def seconds(name, r, field, value):
+  def positive(name, r, field, value):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
         not 0 < value < math.inf:
       raise ValueError(f"{name}: case {r.get('case_id')!r} setting {r.get('setting')!r}: "
                        f'{field} must be a finite number > 0, got {value!r}')
     return float(value)
 
-  rows = []
+  rows, left = [], []
   for name, records in runs:
-    idle, warm = {}, {}
+    idle, warm = collections.defaultdict(dict), {}
     for r in records:
       if r.get('drafter') != 'model':
         continue
@@ -97,39 +101,54 @@ def table_errors(runs: list[tuple[str, list[dict]]]) -> list[dict]:
       if r.get('k_policy') == 'fixed' and r.get('k') == 1 and \
           not r.get('k_policy_options') and not r.get('drafter_options') and \
           r.get('idle_round_cost') is not None:
-        cost = seconds(name, r, 'idle_round_cost', r['idle_round_cost'])
-        setting, _ = idle.setdefault(case, (r.get('setting'), cost))
-        if setting != r.get('setting'):
-          raise ValueError(f'{name}: case {case[0]!r} has two static K = 1 settings, '
-                           f'{setting!r} and {r.get("setting")!r}: give it one')
+        idle[case].setdefault(r.get('setting'),
+                              positive(name, r, 'idle_round_cost', r['idle_round_cost']))
       costs = r.get('warmup_step_costs')
       if r.get('k_policy') != 'fixed' and isinstance(costs, dict) and '0' in costs and \
           '1' in costs and (case, r.get('setting')) not in warm:
         warm[case, r.get('setting')] = (
-            seconds(name, r, "warmup_step_costs['1']", costs['1']) /
-            seconds(name, r, "warmup_step_costs['0']", costs['0']))
+            positive(name, r, "warmup_step_costs['1']", costs['1']) /
+            positive(name, r, "warmup_step_costs['0']", costs['0']))
+    for case, settings in idle.items():
+      if len(settings) > 1 and 'k1' not in settings:
+        left.append(f'{name} case {case[0]!r}: static K = 1 settings {sorted(settings)}, '
+                    f'none named k1')
     for (case, setting), c1 in warm.items():
-      if case in idle:
-        rows.append(dict(run=name, batch_size=case[1], setting=setting, warm=c1,
-                         idle=idle[case][1], quotient=c1 / idle[case][1]))
-  return rows
+      settings = idle.get(case, {})
+      base = next(iter(settings.values())) if len(settings) == 1 else settings.get('k1')
+      if base is not None:
+        rows.append(dict(run=name, case=case[0], batch_size=case[1], setting=setting, warm=c1,
+                         idle=base, quotient=c1 / base))
+  return rows, left
 
 
 def errors_table(rows: list[dict], off: float) -> str:
-  """The spread of `table_errors` rows (>= 1) and those off by more than `off` (a fraction)."""
+  """The text `--tables` prints: how many engines of how many files and cases, the median and
+  10th / 90th percentiles of their quotients, and a line per engine off 1 by more than `off`.
+
+  Args:
+    rows: `table_errors` rows (at least one); off: a fraction, e.g. 0.1.
+  Returns:
+    The lines, each ending in a newline.
+  Raises:
+    ValueError: no rows.
+  """
   if not rows:
     raise ValueError('errors_table needs at least one row')
   quotients = sorted(r['quotient'] for r in rows)
-  runs = len({r['run'] for r in rows})
-  lines = [f'{len(rows)} engines of {runs} run{"s" * (runs != 1)}: warm-up c(1) / idle c(1) '
-           f'median {statistics.median(quotients):.3f}']
+  files, cases = len({r['run'] for r in rows}), len({(r['run'], r['case']) for r in rows})
+  lines = [f'{len(rows)} engines of {cases} case{"s" * (cases != 1)} in {files} '
+           f'file{"s" * (files != 1)}: warm-up c(1) / idle c(1) median '
+           f'{statistics.median(quotients):.3f}']
   if len(quotients) > 1:
     deciles = statistics.quantiles(quotients, n=10, method='inclusive')
     lines[0] += f', 10th-90th percentiles {deciles[0]:.3f}-{deciles[-1]:.3f}'
   far = [r for r in rows if abs(r['quotient'] - 1) > off]
   lines.append(f'{len(far)} off by more than {off * 100:g}%' + (':' if far else ''))
-  lines += [f"  {r['run']} B = {r['batch_size']} {r['setting']}: warm-up c(1) {r['warm']:.3f}, "
-            f"idle {r['idle']:.3f}, quotient {r['quotient']:.3f}" for r in far]
+  lines += [f"  {r['run']} B = {r['batch_size']}"
+            + ('' if r['case'] is None else f" (case {r['case']!r})")
+            + f" {r['setting']}: warm-up c(1) {r['warm']:.3f}, idle {r['idle']:.3f}, "
+            f"quotient {r['quotient']:.3f}" for r in far]
   return '\n'.join(lines) + '\n'
 
 
@@ -156,11 +175,11 @@ def main(argv: list[str]) -> int:
                            '(default 0.95; not with --tables)')
   parser.add_argument('--tables', action='store_true',
                       help="instead of the fractions: each adaptive engine's warm-up c(1) = "
-                           "t(1) / t(0) over its run's idle rounds' (`table_errors`), their "
+                           "t(1) / t(0) over its run's idle rounds (`table_errors`), their "
                            'median and deciles, and the engines off by more than --off')
   parser.add_argument('--off', type=float, default=None,
                       help='with --tables: list the engines whose quotient is off 1 by more '
-                           'than this fraction (default 0.1)')
+                           'than this fraction, in (0, 1) (default 0.1)')
   args = parser.parse_args(argv)
   if args.tables and args.aim is not None:
     parser.error('--aim applies to the fractions, not to --tables')
@@ -184,9 +203,11 @@ def main(argv: list[str]) -> int:
     runs.append(records)
   if args.tables:
     try:
-      errors = table_errors(list(zip(args.runs, runs)))
+      errors, left = table_errors(list(zip(args.runs, runs)))
     except ValueError as error:
       parser.error(str(error))
+    for line in left:
+      print(f'left out: {line}')
     if not errors:
       print('No adaptive engine with a warm-up table beside a static K = 1 setting: nothing '
             'to compare.')

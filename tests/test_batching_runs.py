@@ -85,14 +85,16 @@ def test_tables_compare_each_engines_warm_up_c1_with_its_runs_idle_rounds(tmp_pa
   runs = [('a', _with_tables(_run(99.0, 110.0), 1.5, 1.5)),
           ('b', _with_tables(_run(99.0, 110.0, b=4), 2.0, 1.6)),     # 1.25: off by 25 %
           ('c', _run(99.0, 110.0))]                                  # no tables: left out
-  rows = batching_runs.table_errors(runs)
+  rows, left = batching_runs.table_errors(runs)
+  assert not left
   assert [(r['run'], r['batch_size'], r['setting']) for r in rows] == [
       ('a', 2, 'goodput'), ('b', 4, 'goodput')]      # one row per engine, not per record
   assert [r['quotient'] for r in rows] == [pytest.approx(1.0), pytest.approx(1.25)]
   text = batching_runs.errors_table(rows, off=0.1)
-  assert text.startswith('2 engines of 2 runs: warm-up c(1) / idle c(1) median 1.125, '
+  assert text.startswith('2 engines of 2 cases in 2 files: warm-up c(1) / idle c(1) median 1.125, '
                          '10th-90th percentiles 1.025-1.225\n1 off by more than 10%:\n')
-  assert 'b B = 4 goodput: warm-up c(1) 2.000, idle 1.600, quotient 1.250' in text
+  assert "b B = 4 (case 'batch_size=4') goodput: warm-up c(1) 2.000, idle 1.600, quotient " \
+      "1.250" in text
   assert batching_runs.errors_table(rows, off=0.3).endswith('0 off by more than 30%\n')
   assert '0 off by more than 12.5%' not in batching_runs.errors_table(rows, off=0.125)
   assert '1 off by more than 12.5%' in batching_runs.errors_table(rows, off=0.125)
@@ -138,11 +140,26 @@ def test_tables_keep_sweep_cases_apart_and_refuse_two_static_k1_settings():
   second = _with_tables(_run(99.0, 110.0), 2.0, 1.6)
   for r in second:
     r['case_id'] = 'batch_size=2,rerun'
-  rows = batching_runs.table_errors([('s', first + second)])
-  assert [r['quotient'] for r in rows] == [pytest.approx(1.0), pytest.approx(1.25)]
-  other = [dict(r, setting='k1b') for r in first if r['setting'] == 'k1']
-  with pytest.raises(ValueError, match="two static K = 1 settings, 'k1' and 'k1b'"):
-    batching_runs.table_errors([('s', first + other)])
+  rows, _ = batching_runs.table_errors([('s', first + second)])
+  assert [(r['case'], r['quotient']) for r in rows] == [
+      ('batch_size=2', pytest.approx(1.0)), ('batch_size=2,rerun', pytest.approx(1.25))]
+  # Of two static K = 1 settings the study's k1; without one the case is left out, said so.
+  other = [dict(r, setting='k1b', idle_round_cost=3.0) for r in first if r['setting'] == 'k1']
+  rows, left = batching_runs.table_errors([('s', first + other)])
+  assert [r['idle'] for r in rows] == [1.5] and not left
+  renamed = [dict(r, setting='k1a') if r['setting'] == 'k1' else r for r in first]
+  rows, left = batching_runs.table_errors([('s', renamed + other)])
+  assert not rows and left == ["s case 'batch_size=2': static K = 1 settings ['k1a', 'k1b'], "
+                               "none named k1"]
   lookup = [dict(r, setting='ngram1', drafter='ngram', idle_round_cost=0.5)
             for r in first if r['setting'] == 'k1']
-  assert [r['idle'] for r in batching_runs.table_errors([('s', first + lookup)])] == [1.5]
+  assert [r['idle'] for r in batching_runs.table_errors([('s', first + lookup)])[0]] == [1.5]
+
+
+def test_a_run_given_twice_is_refused(tmp_path, capsys):
+  (tmp_path / 'r').mkdir()
+  (tmp_path / 'r' / 'results.jsonl').write_text(
+      ''.join(json.dumps(r) + '\n' for r in _run(99.0, 110.0)))
+  with pytest.raises(SystemExit):
+    batching_runs.main([str(tmp_path / 'r'), str(tmp_path / 'r' / 'results.jsonl')])
+  assert 'again: give each run once' in capsys.readouterr().err
