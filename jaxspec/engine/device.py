@@ -9,7 +9,7 @@ written to the null page 0 and discarded, so they never touch pages holding live
 Built from `jaxspec.decoding`: `prefill` (each row starts at its cache length; rows with zero new
 tokens are padding), `decode_step`, `probabilities` / `sample`, and `cut_lengths` (stop tokens,
 max tokens). A row whose target logits are not finite draws INVALID_TOKEN, which ends its window
-(`Engine._emit` fails that request alone). The speculative steps (draft model, prompt lookup,
+(`rounds.emit` fails that request alone). The speculative steps (draft model, prompt lookup,
 K = 0 with a draft) are in `jaxspec.engine.spec_steps`.
 """
 

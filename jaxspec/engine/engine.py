@@ -34,8 +34,7 @@ from jaxspec.cache.host import check_host_fits
 from jaxspec.cache.paged import check_pool_fits
 from jaxspec.checks import check_int, check_seed, seed_key
 from jaxspec.decoding.generate import ContextOverflowError, check_request
-from jaxspec.decoding.sampling import INVALID_TOKEN, SamplingParams, check_sampling
-from jaxspec.decoding.output import non_finite_message
+from jaxspec.decoding.sampling import SamplingParams, check_sampling
 from jaxspec.engine import admission, device, draft_sync, rounds, speculation, timing
 from jaxspec.engine.drafters import Drafter, plain_round
 from jaxspec.engine.k_policy import KPolicy
@@ -419,29 +418,6 @@ class Engine:
                                          sampling=sampling)
     self.caches = caches + self.caches[len(caches):]
     return result
-
-  def _emit(self, request: Request, tokens: list, now: float, emitted: dict,
-            token_p=None, max_p=None) -> None:
-    invalid = INVALID_TOKEN in tokens       # the device step ended the row there (not a token)
-    if invalid:
-      tokens = tokens[:tokens.index(INVALID_TOKEN)]
-      token_p, max_p = (None if v is None else v[:len(tokens)] for v in (token_p, max_p))
-    request.output.extend(tokens)
-    if self.draft_sync is not None:      # only a lazy draft's catch-up and policy read them
-      request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
-      request.max_p.extend([0.0] * len(tokens) if max_p is None else max_p)
-    request.metrics.num_tokens = len(request.output)
-    if tokens:           # a request that failed at its first token has none (and no TTFT)
-      emitted.setdefault(request.id, []).extend(tokens)
-      if request.metrics.first_token_s is None:
-        request.metrics.first_token_s = now
-    if invalid:
-      self._finish(request, 'error', now, error=non_finite_message(
-          f'request {request.id!r} at token {len(request.output)}'))
-    elif tokens and tokens[-1] in request.stop_tokens:
-      self._finish(request, 'stop', now)
-    elif request.room <= 0:
-      self._finish(request, 'length', now)
 
   def _finish(self, request: Request, reason: str, now: float, error: str | None = None) -> None:
     if self.policy is not None:

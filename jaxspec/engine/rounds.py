@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from jaxspec.decoding.output import non_finite_message
 from jaxspec.decoding.sampling import INVALID_TOKEN
 from jaxspec.engine import rows as rows_lib
 from jaxspec.engine import speculation
@@ -49,7 +50,7 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
     engine.scheduler.commit(request)   # its prompt pages can be shared from now on
     request.state = State.DECODE
     if not request.output:           # a resumed request's pending token is its last output
-      engine._emit(request, [int(first[row])], now, emitted,
+      emit(engine, request, [int(first[row])], now, emitted,
                    max_p=None if max_p is None else [float(max_p[row])])
 
 
@@ -115,11 +116,11 @@ def decode_round(engine, decodes, emitted: dict) -> None:
     e = int(result.emitted[row])
     request.num_computed += e      # pending + the first e - 1 new tokens are now cached
     window = result.window[row, :e].tolist()
-    # INVALID_TOKEN (logits not finite: the request fails in _emit) is not an emitted token.
+    # INVALID_TOKEN (logits not finite: the request fails in `emit`) is not an emitted token.
     request.metrics.accepted_lengths.append(
         window.index(INVALID_TOKEN) if INVALID_TOKEN in window else e)
     tokens += request.metrics.accepted_lengths[-1]
-    engine._emit(request, window, now, emitted,
+    emit(engine, request, window, now, emitted,
                  None if result.token_p is None else [float(result.token_p[row])] * e,
                  None if result.max_p is None else result.max_p[row, :e].tolist())
   if sync is not None:
@@ -133,3 +134,33 @@ def decode_round(engine, decodes, emitted: dict) -> None:
     raise failed[0]               # KeyboardInterrupt: now, the engine consistent
   if failed:
     sync.choice_error = failed[0]
+
+
+def emit(engine, request, tokens: list, now: float, emitted: dict, token_p=None,
+         max_p=None) -> None:
+  """Append a request's new tokens (ids, up to an `INVALID_TOKEN`, where the device step ended a
+  row whose logits were not finite) to its output and to `emitted` ({request id: [token ids]}),
+  with their probabilities `token_p` and top probabilities `max_p` (one float each, or None)
+  kept only for a lazy draft's catch-up and policy; `now` (perf_counter seconds) is the TTFT
+  clock. The request then finishes (`Engine._finish`): 'error' at an `INVALID_TOKEN` (that
+  request alone fails), 'stop' at a stop token, 'length' with no room left."""
+  invalid = INVALID_TOKEN in tokens
+  if invalid:
+    tokens = tokens[:tokens.index(INVALID_TOKEN)]
+    token_p, max_p = (None if v is None else v[:len(tokens)] for v in (token_p, max_p))
+  request.output.extend(tokens)
+  if engine.draft_sync is not None:
+    request.token_p.extend([0.0] * len(tokens) if token_p is None else token_p)
+    request.max_p.extend([0.0] * len(tokens) if max_p is None else max_p)
+  request.metrics.num_tokens = len(request.output)
+  if tokens:           # a request that failed at its first token has none (and no TTFT)
+    emitted.setdefault(request.id, []).extend(tokens)
+    if request.metrics.first_token_s is None:
+      request.metrics.first_token_s = now
+  if invalid:
+    engine._finish(request, 'error', now, error=non_finite_message(  # pylint: disable=protected-access
+        f'request {request.id!r} at token {len(request.output)}'))
+  elif tokens and tokens[-1] in request.stop_tokens:
+    engine._finish(request, 'stop', now)                  # pylint: disable=protected-access
+  elif request.room <= 0:
+    engine._finish(request, 'length', now)                # pylint: disable=protected-access
