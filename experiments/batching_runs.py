@@ -33,11 +33,11 @@ from __future__ import annotations
 import argparse
 import collections
 import math
-import numbers
 import statistics
 import sys
 
 from experiments.batching_report import analyze
+from jaxspec.checks import check_real
 from experiments.records import read_run
 
 
@@ -85,11 +85,8 @@ def table_errors(runs: list[tuple[str, list[dict]]]) -> tuple[list[dict], list[s
       setting).
   """
   def positive(name, r, field, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
-        not 0 < value < math.inf:
-      raise ValueError(f"{name}: case {r.get('case_id')!r} setting {r.get('setting')!r}: "
-                       f'{field} must be a finite number > 0, got {value!r}')
-    return float(value)
+    return check_real(f"{name}: case {r.get('case_id')!r} setting {r.get('setting')!r}: "
+                      f'{field}', value, 0.0, math.inf, low_open=True, high_open=True)
 
   rows, left = [], []
   for name, records in runs:
