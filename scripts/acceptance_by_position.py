@@ -5,12 +5,18 @@ policy (`jaxspec.engine.acceptance`) one value at j = 1, one per request for the
 global profile over the later j (`AlphaTracker.profile`).
 
     python scripts/acceptance_by_position.py [--k 8] [--requests 8]
-        [--workloads json,code,retrieval]
+        [--workloads json,code,retrieval] [--after]
 
 One engine at batch size 1 with the shipped pair (`configs/batching.py`'s shape), greedy, the
 study's held-out prompts (64 tokens, `max_tokens` 32); a request's last round is left out (its
 room may cut it). Prints, per workload, the rounds counted and the conditional acceptance at
-j = 1..K, with the rounds that reached position j in brackets.
+j = 1..K, with the rounds that reached position j in brackets. With --after, also the first
+proposal's acceptance split by how the request's round before ended (`after_round`): a request's
+first decode round, after a round that rejected a proposal (its last token the target's
+correction of a draft token) and after a round that accepted all K (its last token the target's
+bonus token after K accepted ones). The goodput policy prices one first-proposal α per request
+whatever the round before did; a split far from even says that α depends on K (at K = 1 most
+rounds follow an accepted one, at K = 8 most follow a rejection).
 """
 
 from __future__ import annotations
@@ -37,11 +43,38 @@ def conditional_acceptance(accepted, k: int) -> list:
           for j in range(1, k + 1)]
 
 
+def after_round(accepted_lengths, k: int) -> dict:
+  """{'first' | 'after_reject' | 'after_all': (first proposals accepted, rounds)} over requests'
+  rounds at a fixed K: per request, its decode rounds' accepted counts n in order (ints in
+  [0, k]); a round's first proposal is accepted iff n >= 1, and it counts under how the round
+  before ended: none (the request's first round), n < k (a rejection) or n = k (all accepted;
+  a round its request's room capped below k counts as a rejection).
+
+  Raises:
+    ValueError: k < 1 or a count outside [0, k] (named).
+  """
+  if k < 1:
+    raise ValueError(f'k must be >= 1, got {k}')
+  out = {'first': [0, 0], 'after_reject': [0, 0], 'after_all': [0, 0]}
+  for rounds in accepted_lengths:
+    before = None
+    for n in rounds:
+      if not 0 <= n <= k:
+        raise ValueError(f'an accepted count must be in [0, {k}], got {n}')
+      kind = 'first' if before is None else 'after_all' if before == k else 'after_reject'
+      out[kind][0] += int(n >= 1)
+      out[kind][1] += 1
+      before = n
+  return {kind: tuple(v) for kind, v in out.items()}
+
+
 def main():
   parser = argparse.ArgumentParser(description=' '.join(__doc__.split('\n\n')[0].split()))
   parser.add_argument('--k', type=int, default=8)
   parser.add_argument('--requests', type=int, default=8)
   parser.add_argument('--workloads', default='json,code,retrieval')
+  parser.add_argument('--after', action='store_true',
+                      help='also split the first proposal\'s acceptance by the round before')
   args = parser.parse_args()
   if args.k < 1 or args.requests < 1:
     parser.error(f'--k and --requests must be >= 1, got {args.k} and {args.requests}')
@@ -59,6 +92,12 @@ def main():
                      for p, n in conditional_acceptance(accepted, args.k))
     print(f'{workload}: {len(accepted)} rounds; P(accept j | accepted before), j = 1..{args.k}: '
           f'{cells}')
+    if args.after:
+      split = after_round([[e - 1 for e in out.metrics.accepted_lengths[:-1]]
+                           for out in outputs], args.k)
+      print('  first proposal accepted: ' + ', '.join(
+          f'{kind.replace("_", " ")} ' + (f'{s / n:.2f} ({n})' if n else '- (0)')
+          for kind, (s, n) in split.items()))
 
 
 if __name__ == '__main__':

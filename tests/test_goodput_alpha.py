@@ -223,6 +223,13 @@ def test_conditional_acceptance_by_position():
   assert [p for p, _ in result] == pytest.approx([4 / 5, 3 / 4, 1 / 3])
   assert [n for _, n in result] == [5, 4, 3]
   assert module.conditional_acceptance([0, 0], 2)[1] == (None, 0)   # nothing reached j = 2
+  # The first proposal by the round before: request 1 rounds 2, 0, 1, 2; request 2 rounds 0, 2.
+  split = module.after_round([[2, 0, 1, 2], [0, 2]], 2)
+  assert split == {'first': (1, 2), 'after_all': (0, 1), 'after_reject': (3, 3)}
+  with pytest.raises(ValueError, match='got 3'):
+    module.after_round([[3]], 2)
+  with pytest.raises(ValueError, match='k must be >= 1, got 0'):
+    module.after_round([[0]], 0)
 
 
 def test_a_k0_probe_tells_the_later_proposals_acceptance_too():
