@@ -1,7 +1,7 @@
 """How much a warm-up cost table moves between timings on this machine: the goodput K policy's
 start-up table d(K) is timed once (`Engine.warm_up`), and the K it picks among K >= 1 follows
-the slope of the line through the table's K >= 1 entries (`live_costs.line_through`), which the
-live rounds rescale but do not tilt.
+the slope of the line through the table's K >= 2 entries (`live_costs.line_through`; K = 1 is
+priced as timed), which the live rounds rescale but do not tilt.
 
     python scripts/cost_table_noise.py [--batch 2] [--tables 10] [--repeats 5] [--block 3]
         [--estimators ratios,min] [--burst_load]
@@ -50,10 +50,11 @@ def _bursts(seed: int) -> None:
 
 
 def line_of(table: dict) -> tuple:
-  """(slope, intercept) of `line_through(table)`'s K >= 1 entries in units of table[0]; None
-  where the table is kept as timed (fewer than 5 K >= 1 entries, or not close to a line)."""
+  """(slope, intercept) of `line_through(table)`'s K >= 2 entries (the line's; K = 1 stays as
+  timed) in units of table[0]; None where the table is kept as timed (fewer than 5 K >= 2
+  entries, or not close to a line)."""
   line = line_through(table)
-  ks = sorted(k for k in table if k >= 1)
+  ks = sorted(k for k in table if k >= 2)
   if line == table or len(ks) < 2:
     return None
   slope = (line[ks[-1]] - line[ks[0]]) / (ks[-1] - ks[0])

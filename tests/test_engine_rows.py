@@ -75,16 +75,17 @@ def test_cost_tables_per_bucket(tiny, tiny_draft):
 
 
 def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft, monkeypatch):
-  """`row_costs` keeps what was timed; the policy gets each row's K >= 1 entries on their
-  Theil-Sen line (`live_costs.line_through`), K = 0 as timed. The timing is replaced by a table
-  on a line with K = 2 timed far too fast, so the line and the timed values differ."""
+  """`row_costs` keeps what was timed; the policy gets each row's K >= 2 entries on their
+  Theil-Sen line (`live_costs.line_through`), K = 0 and K = 1 as timed. The timing is replaced
+  by a table on a line with K = 2 timed far too fast and K = 1 below the line (as a round
+  without the draft's loop is), so the line and the timed values differ."""
   from jaxspec.engine import timing
-  timed = {0: 1.0, 1: 1.5, 2: 1.1, 3: 2.0, 4: 2.25, 5: 2.5}
+  timed = {0: 1.0, 1: 1.3, 2: 1.1, 3: 2.0, 4: 2.25, 5: 2.5, 6: 2.75}
   monkeypatch.setattr(timing, 'decode_costs', lambda engine, repeats, widths, **options: {
       (rows, k): t * rows for rows in widths for k, t in timed.items()})
   config, params = tiny
   engine = Engine(config, params, **SHAPES, draft=tiny_draft[0], draft_params=tiny_draft[1],
-                  k=5, k_policy='goodput')
+                  k=6, k_policy='goodput')
   engine.warm_up(cost_repeats=1, decode_rounds=1)
   idle = engine.policy.live.idle
   assert engine.row_costs and all(table[2] == 1.1 * rows
@@ -92,18 +93,22 @@ def test_policy_prices_the_line_through_the_timed_k_entries(tiny, tiny_draft, mo
   for rows, table in [(None, engine.step_costs), *engine.row_costs.items()]:
     width = rows or SHAPES['num_slots']
     assert idle[rows][2] == pytest.approx(1.75 * width)        # on the line, not as timed
+    assert idle[rows][1] == table[1] == pytest.approx(1.3 * width)    # as timed, off the line
     assert idle[rows][0] == table[0] == width
     assert idle[rows] == pytest.approx(line_through(table))
 
 
 def test_line_through_ignores_one_entry_off():
-  line = {0: 1.0, 1: 1.5, 2: 1.75, 3: 2.0, 4: 2.25, 5: 2.5}
+  line = {0: 1.0, 1: 1.5, 2: 1.75, 3: 2.0, 4: 2.25, 5: 2.5, 6: 2.75}
   off = {**line, 2: 1.1}                                 # K = 2 timed far too fast
   assert line_through(off) == pytest.approx(line)
-  assert line_through({**line, 5: 12.5}) == pytest.approx(line)     # an end entry far off
-  assert line_through({**line, 1: 0.2}) == pytest.approx(line)
-  # Fewer than LINE_POINTS K >= 1 entries: as timed (one end entry would tilt the line).
-  few = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 100.0}
+  assert line_through({**line, 6: 12.5}) == pytest.approx(line)     # an end entry far off
+  # K = 1 is not on the line (a round without the draft's loop): kept as timed, below the line
+  # or above it, and it does not move the line.
+  for k1 in (1.2, 0.2, 1.9):
+    assert line_through({**line, 1: k1, 3: 1.4}) == pytest.approx({**line, 1: k1})
+  # Fewer than LINE_POINTS K >= 2 entries: as timed (one end entry would tilt the line).
+  few = {0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 100.0}
   assert line_through(few) == few
   assert line_through({**line, 3: 0.0}) == {**line, 3: 0.0}       # not a time: set_costs refuses
   assert line_through({0: 1.0, 4: 2.0}) == {0: 1.0, 4: 2.0}
@@ -114,7 +119,8 @@ def test_line_through_ignores_one_entry_off():
   # value stays.
   flat = {0: 1.0, 1: 1.02, 2: 1.03, 3: 1.05, 4: 1.08, 5: 1.12, 6: 1.2, 7: 1.3, 8: 1.45}
   fitted = line_through(flat)
-  assert fitted[1] == 1.02 and fitted[8] == pytest.approx(0.91 + 8 * 0.0517, abs=0.01)
+  assert fitted[1] == 1.02 and fitted[2] == 1.03        # the line's K = 2: 0.99, below K = 0's
+  assert fitted[8] == pytest.approx(0.8625 + 8 * 0.0625)
   assert all(fitted[k] > 1.0 for k in fitted if k)
 
 

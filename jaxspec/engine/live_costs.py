@@ -4,7 +4,7 @@ the host seconds per round of each kind of round (`HostSeconds`), medians over a
 recent rounds, padded with a prior while there are few of them (`padded_median`), how much
 slower a kind of call runs live than its start-up table (`LiveRatio`), a cost table checked
 (`checked_table`), the least-squares non-decreasing fit of a cost table (`nondecreasing`) and
-the line through a measured table's K >= 1 entries (`line_through`)."""
+the line through a measured table's K >= 2 entries (`line_through`)."""
 
 from __future__ import annotations
 
@@ -75,29 +75,37 @@ def nondecreasing(values: Sequence[float]) -> list:
   return [s / n for s, n in blocks for _ in range(n)]
 
 
-LINE_POINTS = 5   # K >= 1 entries `line_through` needs to fit a line (fewer: kept as timed)
+LINE_POINTS = 5   # K >= 2 entries `line_through` needs to fit a line (fewer: kept as timed)
 LINE_FIT = 0.1    # the median relative distance of the entries from it, at most
 
 
 def line_through(table: dict) -> dict:
-  """A cost table {K: seconds of one decode round} with its K >= 1 entries replaced by the
+  """A cost table {K: seconds of one decode round} with its K >= 2 entries replaced by the
   Theil-Sen line through them (Theil 1950, Sen 1968: slope the median of the pairwise slopes,
-  here at least 0; intercept the median of seconds - slope x K). K = 0 is kept; so is a table
-  with an entry that is not a positive number (left for `GoodputK.set_costs` to refuse); so is a
-  table with fewer than `LINE_POINTS` K >= 1 entries (with four, one entry far off at an end
-  tilts the median line) or whose entries are not close to a line (their median relative
-  distance from it above `LINE_FIT`: a device whose rounds stay memory-bound up to some K, flat
-  and then rising, is better priced as timed), and so is any entry whose line value would not
-  exceed K = 0's time (a K >= 1 round does all a K = 0 round does and more) or 0. A round at K
-  runs K draft steps and one verify of K + 1 tokens per row, so its cost is close to a + b K;
-  each timed entry carries its own noise (the fastest of a few calls on a shared machine), and
-  one entry timed too fast made the goodput policy run that K (B = 2 on the development CPU: one
-  warm-up timed K = 2 at 1.56x and K = 5 at 2.13x K = 0's where K = 3 took 1.88x and K = 6
-  2.72x, and the policy ran K = 2 and K = 5 for whole passes; B = 4: one put K = 2 at 1.38x,
-  barely above K = 1's 1.34x, where six others timed 1.71-1.87x and 1.39-1.55x, and the policy
-  ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores one such entry among five
-  or more."""
-  ks = sorted(k for k in table if k >= 1)
+  here at least 0; intercept the median of seconds - slope x K). K = 0 and K = 1 are kept as
+  timed; so is a table with an entry that is not a positive number (left for
+  `GoodputK.set_costs` to refuse); so is a table with fewer than `LINE_POINTS` K >= 2 entries
+  (with four, one entry far off at an end tilts the median line) or whose entries are not close
+  to a line (their median relative distance from it above `LINE_FIT`: a device whose rounds stay
+  memory-bound up to some K, flat and then rising, is better priced as timed), and so is any
+  entry whose line value would not exceed K = 0's time (a K >= 1 round does all a K = 0 round
+  does and more) or 0.
+
+  A round at K runs K draft steps and one verify of K + 1 tokens per row, so its cost is close
+  to a + b K; each timed entry carries its own noise (the fastest of a few calls on a shared
+  machine), and one entry timed too fast made the goodput policy run that K (B = 2 on the
+  development CPU: one warm-up timed K = 2 at 1.56x and K = 5 at 2.13x K = 0's where K = 3 took
+  1.88x and K = 6 2.72x, and the policy ran K = 2 and K = 5 for whole passes; B = 4: one put
+  K = 2 at 1.38x, barely above K = 1's 1.34x, where six others timed 1.71-1.87x and 1.39-1.55x,
+  and the policy ran K = 2 at 0.8-0.9 of K = 0's tokens/s). The median line ignores one such
+  entry among five or more. K = 1 is not on that line: the draft's K steps are one `lax.scan`,
+  which XLA compiles to a while loop for K >= 2 and to straight-line code for one step, so a
+  K = 1 round skips the loop's cost. In the batching study's records (docs/batching, 2026-12-07)
+  the line through K >= 1 priced K = 1 at a median 1.144x its timed cost at B = 1 (39 tables,
+  up to 1.58x), 1.025x at B = 2, 1.010x at B = 4 and 1.064x at B = 8, and K = 2 and K = 8 within
+  ~4 % of theirs; static K = 1's live rounds cost what its timed entry said (docs/adaptive_k.md,
+  *K = 1 off the line*)."""
+  ks = sorted(k for k in table if k >= 2)
   if len(ks) < LINE_POINTS or not all(
       isinstance(table[k], numbers.Real) and table[k] > 0 for k in ks):
     return dict(table)
@@ -107,7 +115,7 @@ def line_through(table: dict) -> dict:
   if statistics.median(abs(table[k] - intercept - slope * k) / table[k] for k in ks) > LINE_FIT:
     return dict(table)
   floor = max(table.get(0, 0.0), 0.0)
-  return {k: (intercept + slope * k if k >= 1 and intercept + slope * k > floor else t)
+  return {k: (intercept + slope * k if k >= 2 and intercept + slope * k > floor else t)
           for k, t in table.items()}
 
 
@@ -185,7 +193,7 @@ class LiveCosts:
   the engine runs (host side).
 
   d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
-  `warm_up`, its K >= 1 entries on their `line_through` line) times the median live / start-up
+  `warm_up`, its K >= 2 entries on their `line_through` line) times the median live / start-up
   ratio of the last `window` live rounds of its group, K = 0 or K >= 1, made non-decreasing in
   K (`table`). Live rounds pay what idle ones skip (a draft model's extra step after a fully
   accepted round) and the machine's speed drifts; one ratio shared by every K >= 1 keeps the

@@ -156,8 +156,8 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]],
   """`Engine.measure_costs`: time the decode rounds of `widths` (default every decode bucket;
   `decode_costs`, `repeats` rounds within `budget_s`) into `engine.row_costs` {rows: {K: seconds}}, a lazy
   draft's catch-up calls (`catch_up_repeats` rounds), and hand a policy that needs costs its
-  table once the full batch's row is timed (each row's K >= 1 entries on their
-  `live_costs.line_through` line; `row_costs` keeps the timed values).
+  table once the full batch's row is timed (each row's K >= 2 entries on their
+  `live_costs.line_through` line, K = 0 and 1 as timed; `row_costs` keeps the timed values).
 
   Returns:
     `engine.step_costs` (the full batch's row; {} until it is timed).
@@ -184,7 +184,7 @@ def measure_costs(engine, repeats: int, widths: Optional[Sequence[int]],
     engine.draft_sync.measure(catch_up_repeats)
   # The policy's table is the full batch's row: until that row is timed (widths without
   # num_slots) the policy still needs costs, and the next round measures every bucket.
-  # It is given the line through each row's K >= 1 entries (`live_costs.line_through`): a
+  # It is given the line through each row's K >= 2 entries (`live_costs.line_through`): a
   # timed entry off by its noise would be chosen (or never) for that alone.
   if engine.policy is not None and engine.policy.needs_costs and engine.step_costs:
     lines = {rows: line_through(table) for rows, table in engine.row_costs.items()}
