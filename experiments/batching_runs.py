@@ -37,8 +37,8 @@ import statistics
 import sys
 
 from experiments.batching_report import analyze
-from jaxspec.checks import check_real
 from experiments.records import read_run
+from jaxspec.checks import check_real
 
 
 def across_runs(runs: list[list[dict]]) -> list[dict]:

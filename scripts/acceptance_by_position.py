@@ -87,14 +87,14 @@ def main():
   engine = engines['k'][0]
   for workload in workloads:
     _, outputs = batching.decode_alone(engine, config, tokenizer, workload, args.requests)
-    accepted = [e - 1 for out in outputs for e in out.metrics.accepted_lengths[:-1]]
+    by_request = [[e - 1 for e in out.metrics.accepted_lengths[:-1]] for out in outputs]
+    accepted = [n for rounds in by_request for n in rounds]
     cells = ' '.join('-' if p is None else f'{p:.2f} ({n})'
                      for p, n in conditional_acceptance(accepted, args.k))
     print(f'{workload}: {len(accepted)} rounds; P(accept j | accepted before), j = 1..{args.k}: '
           f'{cells}')
     if args.after:
-      split = after_round([[e - 1 for e in out.metrics.accepted_lengths[:-1]]
-                           for out in outputs], args.k)
+      split = after_round(by_request, args.k)
       print('  first proposal accepted: ' + ', '.join(
           f'{kind.replace("_", " ")} ' + (f'{s / n:.2f} ({n})' if n else '- (0)')
           for kind, (s, n) in split.items()))

@@ -51,7 +51,7 @@ def prefill_chunks(engine, prefills, emitted: dict) -> None:
     request.state = State.DECODE
     if not request.output:           # a resumed request's pending token is its last output
       emit(engine, request, [int(first[row])], now, emitted,
-                   max_p=None if max_p is None else [float(max_p[row])])
+           max_p=None if max_p is None else [float(max_p[row])])
 
 
 def decode_round(engine, decodes, emitted: dict) -> None:
@@ -121,8 +121,8 @@ def decode_round(engine, decodes, emitted: dict) -> None:
         window.index(INVALID_TOKEN) if INVALID_TOKEN in window else e)
     tokens += request.metrics.accepted_lengths[-1]
     emit(engine, request, window, now, emitted,
-                 None if result.token_p is None else [float(result.token_p[row])] * e,
-                 None if result.max_p is None else result.max_p[row, :e].tolist())
+         None if result.token_p is None else [float(result.token_p[row])] * e,
+         None if result.max_p is None else result.max_p[row, :e].tolist())
   if sync is not None:
     sync.after_round(decodes, k, engine.row_costs.get(width, {}).get(0, 0.0),
                      chose_k0=not failed and not any(chosen))
