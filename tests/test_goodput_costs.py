@@ -251,3 +251,42 @@ def test_admitted_only_counts_new_requests_against_the_queue_shrinking():
   assert not holds.admitted_only(('a', 'b'), 3, ['b', 'c'], 3)       # 'c' came from nowhere
   assert not holds.admitted_only(('a', 'b'), 3, ['a', 'b'], 4)       # an arrival
   assert not holds.admitted_only(('a', 'b'), None, ['a', 'b'], None)  # queue unknown
+
+
+def test_each_row_bucket_scales_its_own_table():
+  """A round's live / start-up ratio prices its own row bucket's table: a batch's tail rounds of
+  one row (overhead-bound, ~1.8x their idle time at B = 4 against ~1.3x for full rounds on the
+  development CPU) leave the full batch's d(K) alone. Pooled, goodput's K = 0 ratio came from
+  little else than tail rounds while it speculated, and its full-batch K >= 1 rounds were priced
+  20-25 % too cheap against K = 0."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5, 2: 2.0}, k_max=2)
+  policy.set_costs({0: 1.0, 1: 1.5, 2: 2.0}, by_rows={1: {0: 0.5, 1: 0.8, 2: 1.0},
+                                                      4: {0: 1.0, 1: 1.5, 2: 2.0}})
+  live = policy.live
+  assert live.bucket(None) == live.bucket(4) == live.bucket(3) == 4 and live.bucket(1) == 1
+  for _ in range(3):
+    policy.rows = 1
+    policy.round_timing(0, 0.9, 0.0)                # 1.8x the 1-row table
+    policy.rows = 4
+    policy.round_timing(0, 1.3, 0.0)                # 1.3x the full batch's
+  assert live.group_ratios() == live.group_ratios(4) == pytest.approx((1.3, 1.3))
+  assert live.group_ratios(1) == pytest.approx((1.8, 1.8))
+  assert live.table(None) == pytest.approx({0: 1.3, 1: 1.95, 2: 2.6})
+  assert live.table(1) == pytest.approx({0: 0.9, 1: 1.44, 2: 1.8})
+  policy.rows = 4
+  for _ in range(3):                                # K >= 1 rounds of the full batch
+    policy.round_timing(2, 2.4, 0.0)
+  assert live.group_ratios() == pytest.approx((1.3, 1.2))
+  assert live.group_ratios(1) == pytest.approx((1.8, 1.8))      # no K >= 1 round of its own
+
+
+def test_one_given_table_pools_every_bucket():
+  """A cost table given to the policy (no start-up table per bucket) serves every row bucket, so
+  their rounds share one ratio."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5})
+  live = policy.live
+  assert live.bucket(1) is None and live.bucket(None) is None
+  for rows, seconds in ((1, 1.8), (2, 1.2), (1, 1.8)):
+    policy.rows = rows
+    policy.round_timing(0, seconds, 0.0)
+  assert live.group_ratios(2) == live.group_ratios() == pytest.approx((1.8, 1.8))

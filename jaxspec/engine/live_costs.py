@@ -194,14 +194,21 @@ class LiveCosts:
 
   d(K) is the start-up table of the round's row bucket (`set_tables`: idle rows, timed at
   `warm_up`, its K >= 2 entries on their `line_through` line) times the median live / start-up
-  ratio of the last `window` live rounds of its group, K = 0 or K >= 1, made non-decreasing in
-  K (`table`). Live rounds pay what idle ones skip (a draft model's extra step after a fully
-  accepted round) and the machine's speed drifts; one ratio shared by every K >= 1 keeps the
-  table's ratios among them, and a median keeps one slow round from pricing a K out for good
-  (a K not chosen is never measured again).
-  Until a group has `PRIOR_ROUNDS` live rounds (at most `window`), pseudo-rounds fill in: ratio
-  1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is `host`
-  (`HostSeconds`).
+  ratio of the last `window` live rounds of its group, K = 0 or K >= 1, in that bucket
+  (`bucket`, `group_ratios`), made non-decreasing in K (`table`). Live rounds pay what idle
+  ones skip (a draft model's extra step after a fully accepted round) and the machine's speed
+  drifts; one ratio shared by every K >= 1 keeps the table's ratios among them, and a median
+  keeps one slow round from pricing a K out for good (a K not chosen is never measured again).
+  Each bucket keeps its own ratios: a small call's fixed costs weigh more, so a batch's tail
+  rounds of one row ran 1.72-1.84x their start-up table at B = 4 on the development CPU where
+  full rounds ran 1.32-1.34x. Pooled, goodput's K = 0 ratio came almost only from such tail
+  rounds while it speculated (its last round of each workload), climbed from 1.0 to 1.82 over
+  six workload passes, and priced the full batch's K >= 1 rounds 20-25 % too cheap against
+  K = 0 (t(2) / t(0) 1.25-1.34 where the table said 1.62; docs/adaptive_k.md, *Live ratios
+  per row bucket*).
+  Until a group has `PRIOR_ROUNDS` live rounds in a bucket (at most `window`), pseudo-rounds
+  fill in: ratio 1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is
+  `host` (`HostSeconds`, one for every bucket).
 
   The first `cold_rounds` live rounds of each group are not counted (an engine's first rounds
   are cold: slower, on device and host, than the rounds after them), nor the first
@@ -211,8 +218,8 @@ class LiveCosts:
   than the ones after them (B = 4 json on the development CPU: 13.9, 11.9, 11.4, 14.1 ms, then
   ~11.5, against ~11 for an engine that runs K = 2 every round); counted, four of them raised
   d(K >= 1) by a third and sent the policy back to K = 0 where K = 2 paid 1.1x. After `STALE_ROUNDS`
-  rounds in a row at K = 0, K >= 1's ratios are dropped and the square root of their quotient
-  to K = 0's is carried (and K >= 1's host seconds move halfway to K = 0's,
+  rounds in a row at K = 0, K >= 1's ratios are dropped (in every bucket) and the square root
+  of their quotient to K = 0's (the full batch's) is carried (and K >= 1's host seconds move halfway to K = 0's,
   `HostSeconds.stale`): while the policy stays at K = 0 only
   K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow stretch (several
   engines sharing the cores, a cold start) would otherwise keep K >= 1 out for good; but live
@@ -238,9 +245,10 @@ class LiveCosts:
     self.host = HostSeconds(window, self.PRIOR_ROUNDS)
     self.idle: dict = {}
     self.tables = 0
-    self._ratios = (collections.deque(maxlen=window), collections.deque(maxlen=window))
+    self._window = window
+    self._ratios: dict = {}                 # {bucket: (K = 0's, K >= 1's) live ratios}
     self._fitted: dict = {}                 # {rows: fitted d(K)} (lazily, per change)
-    self._group = None                      # `group_ratios` (lazily)
+    self._group: dict = {}                  # {bucket: `group_ratios`} (lazily)
     self._quotient = 1.0                    # K >= 1 / K = 0 ratio carried past staleness
     self._timed = [0, 0]                    # live rounds reported per group
     self._zero_rounds = 0                   # rounds at K = 0 since the last at K >= 1
@@ -254,8 +262,8 @@ class LiveCosts:
     """Take the start-up tables {rows: {K: seconds}} (rows None: the full batch's; checked by
     the caller) and drop the live ratios measured against the old ones."""
     self.idle = tables
-    for ratios in (*self._ratios, self._switches):
-      ratios.clear()
+    self._ratios.clear()
+    self._switches.clear()
     self._switch_sum = self._switch_median = None
     self._quotient = 1.0
     self._moved()
@@ -265,20 +273,33 @@ class LiveCosts:
     """The fitted d(K) {K: seconds} of row bucket `rows` (the full batch's if not measured)."""
     rows = rows if rows in self.idle else None
     if rows not in self._fitted:
-      zero, spec = self.group_ratios()
+      zero, spec = self.group_ratios(rows)
       idle = self.idle[rows]
       self._fitted[rows] = dict(zip(idle, nondecreasing(
           [t * (zero if k == 0 else spec) for k, t in idle.items()])))
     return self._fitted[rows]
 
-  def group_ratios(self) -> tuple:
-    """(K = 0's, K >= 1's) live / start-up ratio: each group's median, padded with
-    pseudo-rounds up to PRIOR_ROUNDS (at most `window`: a group never holds more)."""
-    if self._group is None:
-      rounds = min(self.PRIOR_ROUNDS, self._ratios[0].maxlen)
-      zero = padded_median(self._ratios[0], 1.0, rounds)
-      self._group = zero, padded_median(self._ratios[1], zero * self._quotient, rounds)
-    return self._group
+  def bucket(self, rows):
+    """The key under which the live ratios of rounds in row bucket `rows` are kept: `rows` if
+    it has a start-up table of its own, else (rows None, or a bucket not timed) the full
+    batch's: the largest timed bucket (`Engine.measure_costs` times the full batch's row
+    before it sets any table), or None when only the full batch's table is known (a table given
+    to the policy serves every bucket, and their rounds share one ratio)."""
+    if rows is not None and rows in self.idle:
+      return rows
+    return max((r for r in self.idle if r is not None), default=None)
+
+  def group_ratios(self, rows=None) -> tuple:
+    """(K = 0's, K >= 1's) live / start-up ratio of row bucket `rows` (None: the full batch's;
+    `bucket`): each group's median over that bucket's rounds, padded with pseudo-rounds up to
+    PRIOR_ROUNDS (at most `window`: a group never holds more)."""
+    key = self.bucket(rows)
+    if key not in self._group:
+      zero_ratios, spec_ratios = self._ratios.get(key, ((), ()))
+      rounds = min(self.PRIOR_ROUNDS, self._window)
+      zero = padded_median(zero_ratios, 1.0, rounds)
+      self._group[key] = zero, padded_median(spec_ratios, zero * self._quotient, rounds)
+    return self._group[key]
 
   def unit_s(self) -> float:
     """The start-up seconds of a full round at the smallest K in the tables."""
@@ -313,14 +334,18 @@ class LiveCosts:
     if self._timed[group] > self.cold_rounds and not switching:
       self.host.add(k, host_s)
       if k in idle:
-        self._ratios[group].append(device_s / idle[k])
+        key = self.bucket(rows)
+        if key not in self._ratios:
+          self._ratios[key] = tuple(collections.deque(maxlen=self._window) for _ in range(2))
+        self._ratios[key][group].append(device_s / idle[k])
         self._moved()
     self._spec_rounds = self._spec_rounds + 1 if k else 0
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
-    if self._zero_rounds == self.STALE_ROUNDS and self._ratios[1]:
+    if self._zero_rounds == self.STALE_ROUNDS and any(r[1] for r in self._ratios.values()):
       zero, spec = self.group_ratios()
       self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
-      self._ratios[1].clear()
+      for ratios in self._ratios.values():
+        ratios[1].clear()
       self.host.stale()
       self._moved()
 
@@ -343,4 +368,4 @@ class LiveCosts:
   def _moved(self) -> None:
     """Drop what was derived from the tables and ratios (refitted when next read)."""
     self._fitted.clear()
-    self._group = None
+    self._group.clear()
