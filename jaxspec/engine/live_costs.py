@@ -219,8 +219,8 @@ class LiveCosts:
   ~11.5, against ~11 for an engine that runs K = 2 every round); counted, four of them raised
   d(K >= 1) by a third and sent the policy back to K = 0 where K = 2 paid 1.1x. After `STALE_ROUNDS`
   rounds in a row at K = 0, K >= 1's ratios are dropped (in every bucket) and the square root
-  of their quotient to K = 0's (the full batch's) is carried (and K >= 1's host seconds move halfway to K = 0's,
-  `HostSeconds.stale`): while the policy stays at K = 0 only
+  of their quotient to K = 0's (the full batch's) is carried (and K >= 1's host seconds move
+  halfway to K = 0's, `HostSeconds.stale`): while the policy stays at K = 0 only
   K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow stretch (several
   engines sharing the cores, a cold start) would otherwise keep K >= 1 out for good; but live
   K >= 1 rounds cost more against K = 0 than the start-up table says (B = 2 on the development
