@@ -290,3 +290,46 @@ def test_one_given_table_pools_every_bucket():
     policy.rows = rows
     policy.round_timing(0, seconds, 0.0)
   assert live.group_ratios(2) == live.group_ratios() == pytest.approx((1.8, 1.8))
+
+
+def test_staleness_carries_the_full_batchs_quotient_only_from_its_own_rounds():
+  """After `STALE_ROUNDS` rounds in a row at K = 0 every bucket's K >= 1 ratios are dropped; the
+  quotient carried into the K >= 1 pseudo-rounds is the full batch's, and only when the full
+  batch ran K >= 1 rounds of its own (a tail bucket's alone leave the carried one as it was)."""
+  policy = _policy(0.5, {0: 1.0, 1: 1.5})
+  policy.set_costs({0: 1.0, 1: 1.5}, by_rows={1: {0: 0.5, 1: 0.75}, 4: {0: 1.0, 1: 1.5}})
+  live = policy.live
+
+  def stretch(spec_rows):         # three K >= 1 rounds at 1.6x, then K = 0 rounds at 1.0x
+    policy.rows = spec_rows
+    for _ in range(3):
+      policy.round_timing(1, 1.6 * live.idle[spec_rows][1], 0.0)
+    policy.rows = 4
+    for _ in range(live.STALE_ROUNDS):
+      policy.round_timing(0, 1.0, 0.0)
+  stretch(4)
+  assert live.group_ratios() == pytest.approx((1.0, np.sqrt(1.6)))   # sqrt(1.6 / 1.0)
+  assert live.group_ratios(1) == pytest.approx((1.0, np.sqrt(1.6)))  # carried to every bucket
+  stretch(1)                      # the tail's K >= 1 rounds: dropped, the quotient kept
+  assert live.group_ratios() == pytest.approx((1.0, np.sqrt(1.6)))
+  assert live.group_ratios(1) == pytest.approx((1.0, np.sqrt(1.6)))
+
+
+def test_a_hold_watches_its_own_buckets_ratios():
+  """A K = 0 choice held for a one-row round is checked against that bucket's live ratios: the
+  full batch's rounds slowing K = 0 alone do not end it."""
+  policy = _policy(0.1, {0: 1.0, 1: 1.5, 2: 1.9})
+  policy.set_costs({0: 1.0, 1: 1.5, 2: 1.9}, by_rows={1: {0: 0.5, 1: 0.8, 2: 1.0},
+                                                      2: {0: 1.0, 1: 1.5, 2: 1.9}})
+  calls = []
+  scores = policy._scores
+  policy._scores = lambda *a: calls.append(1) or scores(*a)
+  policy.rooms, policy.queued, policy.rows = [1000], 1, 1
+  assert policy.choose(['a'])[0] == 0 and len(calls) == 1
+  policy.rows = 2
+  for _ in range(3):                            # the full batch's K = 0 rounds 2x slower
+    policy.round_timing(0, 2.0, 0.0)
+  policy.rows = 1
+  for _ in range(GoodputK.CHECK_EVERY):
+    assert policy.repeat(['a'], 1, 1, [1000]) == (0, [0])
+  assert len(calls) == 1

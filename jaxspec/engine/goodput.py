@@ -310,7 +310,7 @@ class GoodputK(KPolicy):
       raise ValueError('GoodputK has no cost table: call set_costs (the engine does at warm_up)')
     # The holds of the class doc: drift and h against their values at the choice, not binned (a
     # value near a bin edge broke most holds); ratios with the table's prior rounds included.
-    ratios = self.live.group_ratios()
+    ratios = self.live.group_ratios(self.rows)     # the round's row bucket's
     queue = (self.queued, self.slots,
              None if self.queue_rooms is None else tuple(self.queue_rooms))
     host = self.host.of(0) / self.live.unit_s()

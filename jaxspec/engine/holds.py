@@ -107,7 +107,7 @@ def repeat(policy, request_ids, rows, queued, rooms=None):
       held.rounds >= held.limit:
     return None
   if held.rounds % policy.CHECK_EVERY == 0 and not policy._k0_stands(
-      held, policy.live.group_ratios(), policy.host.of(0) / policy.live.unit_s()):
+      held, policy.live.group_ratios(rows), policy.host.of(0) / policy.live.unit_s()):
     return None
   policy.rows, policy.queued = rows, queued
   held.rounds += 1
@@ -126,7 +126,8 @@ def _repeat_spec(policy, request_ids, rows, queued, rooms):
   if spec.rounds >= spec.limit or spec.key.tables != policy.live.tables or \
       not spec.spec_stands(request_ids, rows, queued, rooms, policy.slots):
     return None
-  if spec.rounds % policy.CHECK_EVERY == 0 and not spec.steady(policy.live.group_ratios()):
+  if spec.rounds % policy.CHECK_EVERY == 0 and \
+      not spec.steady(policy.live.group_ratios(rows)):
     return None
   policy.rows, policy.queued = rows, queued
   spec.rounds += 1

@@ -204,7 +204,7 @@ class LiveCosts:
   full rounds ran 1.32-1.34x. Pooled, goodput's K = 0 ratio came almost only from such tail
   rounds while it speculated (its last round of each workload), climbed from 1.0 to 1.82 over
   six workload passes, and priced the full batch's K >= 1 rounds 20-25 % too cheap against
-  K = 0 (t(2) / t(0) 1.25-1.34 where the table said 1.62; docs/adaptive_k.md, *Live ratios
+  K = 0 (t(2) / t(0) 1.25-1.40 where the table said 1.62; docs/adaptive_k.md, *Live ratios
   per row bucket*).
   Until a group has `PRIOR_ROUNDS` live rounds in a bucket (at most `window`), pseudo-rounds
   fill in: ratio 1 for K = 0, K = 0's ratio times the carried quotient for K >= 1. h(K) is
@@ -219,8 +219,9 @@ class LiveCosts:
   ~11.5, against ~11 for an engine that runs K = 2 every round); counted, four of them raised
   d(K >= 1) by a third and sent the policy back to K = 0 where K = 2 paid 1.1x. After `STALE_ROUNDS`
   rounds in a row at K = 0, K >= 1's ratios are dropped (in every bucket) and the square root
-  of their quotient to K = 0's (the full batch's) is carried (and K >= 1's host seconds move
-  halfway to K = 0's, `HostSeconds.stale`): while the policy stays at K = 0 only
+  of their quotient to K = 0's is carried, the full batch's when it ran K >= 1 rounds of its
+  own (else the carried quotient stays as it was), and K >= 1's host seconds move halfway to
+  K = 0's (`HostSeconds.stale`): while the policy stays at K = 0 only
   K = 0's ratio follows the machine, and K >= 1 rounds priced high by a slow stretch (several
   engines sharing the cores, a cold start) would otherwise keep K >= 1 out for good; but live
   K >= 1 rounds cost more against K = 0 than the start-up table says (B = 2 on the development
@@ -246,6 +247,7 @@ class LiveCosts:
     self.idle: dict = {}
     self.tables = 0
     self._window = window
+    self._full = None                       # the full batch's bucket key (`bucket`)
     self._ratios: dict = {}                 # {bucket: (K = 0's, K >= 1's) live ratios}
     self._fitted: dict = {}                 # {rows: fitted d(K)} (lazily, per change)
     self._group: dict = {}                  # {bucket: `group_ratios`} (lazily)
@@ -262,6 +264,7 @@ class LiveCosts:
     """Take the start-up tables {rows: {K: seconds}} (rows None: the full batch's; checked by
     the caller) and drop the live ratios measured against the old ones."""
     self.idle = tables
+    self._full = max((r for r in tables if r is not None), default=None)   # `bucket`
     self._ratios.clear()
     self._switches.clear()
     self._switch_sum = self._switch_median = None
@@ -285,9 +288,7 @@ class LiveCosts:
     batch's: the largest timed bucket (`Engine.measure_costs` times the full batch's row
     before it sets any table), or None when only the full batch's table is known (a table given
     to the policy serves every bucket, and their rounds share one ratio)."""
-    if rows is not None and rows in self.idle:
-      return rows
-    return max((r for r in self.idle if r is not None), default=None)
+    return rows if rows is not None and rows in self.idle else self._full
 
   def group_ratios(self, rows=None) -> tuple:
     """(K = 0's, K >= 1's) live / start-up ratio of row bucket `rows` (None: the full batch's;
@@ -342,8 +343,9 @@ class LiveCosts:
     self._spec_rounds = self._spec_rounds + 1 if k else 0
     self._zero_rounds = self._zero_rounds + 1 if k == 0 else 0
     if self._zero_rounds == self.STALE_ROUNDS and any(r[1] for r in self._ratios.values()):
-      zero, spec = self.group_ratios()
-      self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
+      if self._ratios.get(self._full, ((), ()))[1]:    # the full batch's own K >= 1 rounds
+        zero, spec = self.group_ratios()
+        self._quotient = math.sqrt(max(spec, 1e-9) / max(zero, 1e-9))
       for ratios in self._ratios.values():
         ratios[1].clear()
       self.host.stale()
