@@ -4,7 +4,7 @@ queue and split inputs (`speculation.horizon`), against plain continuous batchin
 
     python scripts/policy_host_time.py [--batch 4] [--workload code | json,code,retrieval]
         [--passes 6] [--settings 'k0=k:0;goodput=k:8,k_policy:goodput']
-        [--set 'goodput.draft_sync.probe_every=None' ...] [--per_pass] [--costs]
+        [--set 'goodput.draft_sync.probe_every=None' ...] [--per_pass] [--costs] [--parts]
 
 Engines are built and warmed up as in the batching study (`configs/batching.py`:
 `experiments.batching.build_engines`, N = max(2 x B, 8) held-out prompts of 64 tokens, 32 tokens
@@ -30,11 +30,16 @@ per setting, the median seconds of its decode calls of the full batch's row buck
 computed) at each K it ran, and for a policy that prices rounds (goodput) the warm-up table and the
 table it priced with at the start (K >= 1 on the Theil-Sen line, `live_costs.line_through`), all in
 units of the first K = 0 setting's warm-up K = 0 round: whether the live rounds cost what the
-policy was told. The times are the wall clock around each call (a choice made while a K = 0 round
-runs, `jaxspec.engine.draft_sync.DraftSync.overlaps`, counts in both 'device' and 'choose': compare
-a twin with `--set NAME.draft_sync.overlap_choice=False` by device + choose), so the parts include
-the Python that runs right after a device call (slower than the same code in a tight loop: the step
-has pushed the interpreter's data out of the caches).
+policy was told. --parts also times the K policy's and the lazy draft's calls one by one
+(`PARTS`: choose, repeat, worth_probing, round_timing, overlaps, probe_due, catch_up,
+after_round) and prints each one's microseconds per decode round and its calls, e.g. with
+`--set 'gp.policy.spec_margin=10.0'` what goodput's rounds cost it while it stays at K = 0 (a
+part inside another counts in both). The times are the wall clock around each call (a choice
+made while a K = 0 round runs, `jaxspec.engine.draft_sync.DraftSync.overlaps`, counts in both
+'device' and 'choose': compare a twin with `--set NAME.draft_sync.overlap_choice=False` by
+device + choose), so the parts include the Python that runs right after a device call (slower
+than the same code in a tight loop: the step has pushed the interpreter's data out of the
+caches).
 """
 
 from __future__ import annotations
@@ -191,6 +196,40 @@ def _instrument(engine, name, totals, current, calls) -> None:
     engine.policy.observe_probe = probed
 
 
+# `--parts`: the K policy's and the lazy draft's calls timed one by one (owner attribute, method).
+PARTS = (('policy', 'choose'), ('policy', 'repeat'), ('policy', 'worth_probing'),
+         ('policy', 'round_timing'), ('draft_sync', 'overlaps'), ('draft_sync', 'probe_due'),
+         ('draft_sync', 'catch_up'), ('draft_sync', 'after_round'))
+
+
+def _instrument_parts(engine, name, totals, current) -> None:
+  """`--parts`: wrap each of `PARTS` the engine has (on the instance, so calls from inside the
+  owner count too) to add its wall seconds to totals[(name, workload)]['part OWNER.METHOD'] and
+  its calls to ['calls OWNER.METHOD']. A part called inside another counts in both (catch_up
+  inside a probe's choice, probe_due inside overlaps)."""
+  for owner_name, method in PARTS:
+    owner = getattr(engine, owner_name, None)
+    function = getattr(owner, method, None)
+    if function is None:
+      continue
+    label = f'{owner_name}.{method}'
+
+    def timed(*args, _function=function, _label=label, **kwargs):
+      counters = totals[(name, current[1])]
+      counters[f'calls {_label}'] += 1
+      return _timed(counters, f'part {_label}', _function)(*args, **kwargs)
+    setattr(owner, method, timed)
+
+
+def _parts_line(t, rounds: int) -> str:
+  """`--parts`: each timed part's microseconds per decode round and its calls, from the
+  counters `_instrument_parts` fills ('' when none was called)."""
+  parts = [(label[len('part '):], seconds) for label, seconds in t.items()
+           if label.startswith('part ')]
+  return ', '.join(f'{label} {seconds / max(1, rounds) * 1e6:.1f} us '
+                   f'({t["calls " + label]} calls)' for label, seconds in sorted(parts))
+
+
 def _print_costs(name, engine, calls, priced, unit) -> None:
   """`--costs`: the setting's live decode calls of the full row bucket per K (median, and how
   many), and a pricing policy's warm-up and priced tables, each over `unit` seconds (a warm-up
@@ -259,6 +298,10 @@ def main():
   parser.add_argument('--costs', action='store_true',
                       help='also print each setting\'s live decode calls per K and a pricing '
                            'policy\'s warm-up and priced cost tables, in warm-up K = 0 rounds')
+  parser.add_argument('--parts', action='store_true',
+                      help="also time each of the K policy's and the lazy draft's calls "
+                           '(choose, repeat, worth_probing, round_timing, overlaps, probe_due, '
+                           'catch_up, after_round): microseconds per decode round and calls')
   parser.add_argument('--set', action='append', default=[], metavar='SETTING.PATH=VALUE',
                       help='override an engine attribute, e.g. goodput.policy.spec_margin=0.1')
   args = parser.parse_args()
@@ -301,6 +344,8 @@ def main():
             for name, (e, _) in engines.items()}
   for name, (engine, _) in engines.items():
     _instrument(engine, name, totals, current, by_k[name])
+    if args.parts:
+      _instrument_parts(engine, name, totals, current)
   speeds = collections.defaultdict(list)
   rounds_by_k = collections.defaultdict(collections.Counter)
   base = next(iter(engines))
@@ -332,6 +377,9 @@ def main():
     for name, (engine, _) in engines.items():
       print(_summary_line(name, engine, totals[(name, workload)], rounds_by_k[(name, workload)],
                           speeds[(name, workload)], speeds[(base, workload)], args.passes))
+      parts = _parts_line(totals[(name, workload)], sum(rounds_by_k[(name, workload)].values()))
+      if args.parts and parts:
+        print(f'{"":>12}parts per round: {parts}')
   if args.costs:        # one scale: the first warm-up K = 0 round of any setting
     unit_of = next((n for n, (e, _) in engines.items() if 0 in e.step_costs), None)
     if unit_of is None:

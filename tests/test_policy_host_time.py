@@ -63,3 +63,24 @@ def test_set_refuses_what_picks_a_compiled_variant_and_sets_the_rest():
   assert not engines['gp'][0].policy.wants_spec_confidences
   policy_host_time._override(engines, 'gp.policy.spec_margin=0.1', parser)
   assert engines['gp'][0].policy.spec_margin == 0.1
+
+
+def test_parts_time_each_call_of_the_policy_and_the_lazy_draft_per_workload():
+  calls = []
+  policy = types.SimpleNamespace(repeat=lambda *a: calls.append(a) or (0, [0]))
+  sync = types.SimpleNamespace(overlaps=lambda decodes: False)
+  engine = types.SimpleNamespace(policy=policy, draft_sync=sync)
+  totals, current = collections.defaultdict(collections.Counter), [None, 'json']
+  policy_host_time._instrument_parts(engine, 'gp', totals, current)
+  assert policy.repeat('a', 4) == (0, [0]) and calls == [('a', 4)]   # still answers
+  current[1] = 'code'
+  assert sync.overlaps([]) is False and policy.repeat('b', 2) == (0, [0])
+  json, code = totals[('gp', 'json')], totals[('gp', 'code')]
+  assert json['calls policy.repeat'] == 1 and json['part policy.repeat'] > 0
+  assert code['calls policy.repeat'] == 1 and code['calls draft_sync.overlaps'] == 1
+  assert not hasattr(policy, 'choose')                 # a part the owner lacks: left alone
+  line = policy_host_time._parts_line(code, rounds=2)
+  assert 'policy.repeat' in line and '(1 calls)' in line and 'draft_sync.overlaps' in line
+  assert policy_host_time._parts_line(collections.Counter(), rounds=3) == ''
+  policy_host_time._instrument_parts(types.SimpleNamespace(policy=None, draft_sync=None), 'k0',
+                                     totals, current)       # no policy, no lazy draft: nothing

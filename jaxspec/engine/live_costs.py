@@ -84,10 +84,11 @@ def line_through(table: dict) -> dict:
   Theil-Sen line through them (Theil 1950, Sen 1968: slope the median of the pairwise slopes,
   here at least 0; intercept the median of seconds - slope x K). K = 0 and K = 1 are kept as
   timed; so is a table with a K >= 2 entry that is not a positive number (left for
-  `GoodputK.set_costs` to refuse, as it refuses a bad K = 0 or K = 1 entry); so is a table with fewer than `LINE_POINTS` K >= 2 entries
-  (with four, one entry far off at an end tilts the median line) or whose entries are not close
-  to a line (their median relative distance from it above `LINE_FIT`: a device whose rounds stay
-  memory-bound up to some K, flat and then rising, is better priced as timed), and so is any
+  `GoodputK.set_costs` to refuse, as it refuses a bad K = 0 or K = 1 entry); so is a table
+  with fewer than `LINE_POINTS` K >= 2 entries (with four, one entry far off at an end tilts the
+  median line) or whose entries are not close to a line (their median relative distance from
+  it above `LINE_FIT`: a device whose rounds stay memory-bound up to some K, flat and then
+  rising, is better priced as timed), and so is any
   entry whose line value would not exceed K = 0's time (a K >= 1 round does all a K = 0 round
   does and more) or 0.
 
@@ -103,8 +104,8 @@ def line_through(table: dict) -> dict:
   K = 1 round skips the loop's cost. In the batching study's records (docs/batching, 2026-12-07)
   the line through K >= 1 priced K = 1 at a median 1.144x its timed cost at B = 1 (39 tables,
   up to 1.58x), 1.025x at B = 2, 1.010x at B = 4 and 1.064x at B = 8, and K = 2 and K = 8 at
-  medians within ~4 % of theirs; static K = 1's live rounds cost what its timed entry said (docs/adaptive_k.md,
-  *K = 1 off the line*)."""
+  medians within ~4 % of theirs; static K = 1's live rounds cost what its timed entry said
+  (docs/adaptive_k.md, *K = 1 off the line*)."""
   ks = sorted(k for k in table if k >= 2)
   if len(ks) < LINE_POINTS or not all(
       isinstance(table[k], numbers.Real) and table[k] > 0 for k in ks):
